@@ -1,0 +1,134 @@
+"""Command line: argument parsing only; each verb calls one public function.
+
+    plait train [CONFIG] [--set section.key=value ...] [--out DIR] [--resume RUN_DIR] [--dry-run]
+    plait config show [CONFIG] [--set ...]
+    plait export RUN_DIR [-o FILE]
+    plait report RUN_DIR
+
+Errors a user can fix print as one or two lines and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from plait.errors import ConfigError, PlaitError
+
+
+def _default_run_dir() -> Path:
+    from plait.runtime import under_torchrun
+
+    if under_torchrun():  # every rank must agree on the name
+        return Path("runs") / f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def cmd_train(a) -> int:
+    from plait.config import dump_config, load_config
+    from plait.runtime import under_torchrun
+
+    if a.resume:
+        if a.config:
+            raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
+        run_dir = Path(a.resume)
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
+        cfg = load_config(run_dir / "config.toml", a.set)
+    else:
+        cfg = load_config(a.config, a.set)
+        run_dir = Path(a.out) if a.out else _default_run_dir()
+        if (run_dir / "checkpoints").exists() and not under_torchrun():
+            raise ConfigError(
+                f"--out {run_dir} already holds a run; continue it with --resume {run_dir} or choose another --out"
+            )
+    if under_torchrun():
+        from plait.train.trainer import train
+
+        train(cfg, run_dir, resume=bool(a.resume))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_config(cfg))
+    if a.dry_run:
+        print(f"config valid; {cfg.world_size} process(es); wrote {run_dir / 'config.toml'}")
+        print(f"run it with: torchrun --nproc_per_node {cfg.nproc_per_node} -m plait.worker {run_dir}")
+        return 0
+    from plait.launch import launch
+
+    return launch(cfg, run_dir, resume=bool(a.resume))
+
+
+def cmd_config_show(a) -> int:
+    from plait.config import format_config, load_config
+
+    print(format_config(load_config(a.config, a.set)))
+    return 0
+
+
+def cmd_export(a) -> int:
+    from plait.export import export
+
+    out = export(a.run_dir, a.output)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_report(a) -> int:
+    from plait.report import write_report
+
+    print(f"wrote {write_report(a.run_dir)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plait", description="Distributed training and serving for PyTorch.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    t = sub.add_parser("train", help="train a model (no CONFIG: the built-in default job)")
+    t.add_argument("config", nargs="?", help="TOML config file")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place")
+    t.add_argument("--dry-run", action="store_true", help="validate and write the run's config.toml, start nothing")
+    t.set_defaults(fn=cmd_train)
+
+    c = sub.add_parser("config", help="inspect configs")
+    csub = c.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
+    cs = csub.add_parser("show", help="print every key with its value and description")
+    cs.add_argument("config", nargs="?", help="TOML config file (default: the built-in default job)")
+    cs.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    cs.set_defaults(fn=cmd_config_show)
+
+    e = sub.add_parser("export", help="write the run's weights as one model.safetensors")
+    e.add_argument("run_dir", type=Path)
+    e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
+    e.set_defaults(fn=cmd_export)
+
+    r = sub.add_parser("report", help="(re)write RUN_DIR/report.html from its metrics")
+    r.add_argument("run_dir", type=Path)
+    r.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except PlaitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

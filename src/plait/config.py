@@ -1,0 +1,412 @@
+"""The typed config: one dataclass per TOML section, every field with a one-line doc.
+
+Usage::
+
+    cfg = load_config("job.toml", overrides=["parallel.dp=2", "train.steps=100"])
+    print(format_config(cfg))          # what `plait config show` prints
+    text = dump_config(cfg)            # the resolved TOML written to a run dir
+
+Unknown keys, wrong types and impossible layouts raise ConfigError before any
+worker starts; the message names the key, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+# --------------------------------------------------------------------------- helpers
+
+
+def opt(default: Any, doc: str, choices: tuple | None = None) -> Any:
+    """A config field with its one-line description (and allowed values, if a fixed set)."""
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("gpt", "registered model: gpt, mlp, cnn (ignored when factory is set)")
+    factory: str = opt("", "'package.module:function' returning your own nn.Module; called with **options")
+    options: dict = opt({}, "keyword arguments passed to the factory")
+    layers: int = opt(4, "gpt: number of transformer blocks")
+    heads: int = opt(4, "gpt: attention heads per block (must divide width)")
+    width: int = opt(128, "gpt: embedding width d_model; mlp/cnn: hidden width")
+    context: int = opt(128, "gpt: context length in tokens (the training sequence length)")
+    vocab_size: int = opt(0, "gpt: vocabulary size; 0 takes the data's tokenizer size")
+    tie_embeddings: bool = opt(True, "gpt: share the token embedding with the output head")
+    dropout: float = opt(0.0, "dropout probability (0 keeps trajectories layout-independent)")
+    depth: int = opt(2, "mlp: hidden layers; cnn: convolution blocks")
+
+
+@dataclass
+class DataConfig:
+    name: str = opt(
+        "stdlib-text",
+        "data source: stdlib-text, digits, synthetic, text (a file or folder), tensors (.npy/.pt)",
+        ("stdlib-text", "digits", "synthetic", "text", "tensors"),
+    )
+    path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file")
+    val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
+    min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
+    synthetic_samples: int = opt(4096, "synthetic: number of samples generated")
+    synthetic_features: int = opt(64, "synthetic: features per sample")
+    synthetic_classes: int = opt(10, "synthetic: number of classes")
+    prefetch: int = opt(2, "batches prepared ahead of compute by a background thread (0: none)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(300, "optimizer steps to run (total, including resumed steps)")
+    global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks")
+    micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)")
+    seed: int = opt(1234, "seed for model init and the data order")
+    eval_every: int = opt(0, "evaluate on validation data every N steps (0: only at the end)")
+    eval_samples: int = opt(256, "validation samples per evaluation")
+    eval_batch_size: int = opt(16, "samples per validation batch (fixed, so the figure is layout-independent)")
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward to save memory")
+    compile: bool = opt(False, "torch.compile each block")
+    sample_tokens: int = opt(200, "gpt: characters to generate as a sample at the end (0: none)")
+    sample_prompt: str = opt("def ", "gpt: prompt for the generated sample")
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt("adamw", "optimizer: adamw or sgd", ("adamw", "sgd"))
+    lr: float = opt(3e-3, "peak learning rate")
+    weight_decay: float = opt(0.01, "decoupled weight decay (adamw) or L2 (sgd)")
+    betas: list = opt([0.9, 0.95], "adamw: (beta1, beta2)")
+    eps: float = opt(1e-8, "adamw: epsilon")
+    momentum: float = opt(0.9, "sgd: momentum")
+    warmup_steps: int = opt(20, "linear warmup steps from 0 to lr")
+    schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio * lr, or constant", ("cosine", "constant"))
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine)")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = opt(2, "data-parallel degree (replicas, DDP all-reduce)")
+    tp: int = opt(1, "tensor-parallel degree")
+    pp: int = opt(1, "pipeline-parallel degree")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = opt("fp32", "compute dtype under autocast: fp32, bf16 or fp16 (fp16 uses loss scaling)", ("fp32", "bf16", "fp16"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(100, "write a checkpoint every N steps (0: only the final one)")
+    keep: int = opt(2, "checkpoints to keep (the newest); at least 1")
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = opt(0, "worker processes on this machine; 0 = what the layout needs")
+    nnodes: int = opt(1, "machines in the job")
+    node_rank: int = opt(0, "this machine's index in the job (0 hosts the rendezvous)")
+    rdzv_endpoint: str = opt("", "host:port of the rendezvous (node 0); empty for a single machine")
+    rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
+    max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
+    backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
+    device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
+    timeout_s: int = opt(300, "seconds a collective may wait before it is an error")
+
+
+@dataclass
+class LogConfig:
+    every: int = opt(10, "write a metrics.jsonl line (and refresh the progress bar text) every N steps")
+    progress: bool = opt(True, "show a live progress bar on rank 0")
+    report: bool = opt(True, "write report.html with plots at the end")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs: dp * tp * pp."""
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Worker processes per machine, resolved from the layout when launch.nproc_per_node is 0."""
+        if self.launch.nproc_per_node > 0:
+            return self.launch.nproc_per_node
+        return max(1, self.world_size // max(1, self.launch.nnodes))
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a table"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check a TOML value against a field's type; ints are accepted where floats are expected."""
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        ok = False
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise ConfigError(
+            f"{key} = {value!r} has the wrong type: it must be {_type_name(tp)}; "
+            f"fix the value in the config or --set {key}=<{_type_name(tp)}>"
+        )
+    return value
+
+
+def _fields(section_type: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_type)}
+
+
+def config_from_dict(data: dict, source: str = "config") -> Config:
+    """Build a Config from a nested dict (a parsed TOML file); rejects unknown sections and keys."""
+    cfg = Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] in {source} must be a table of keys, not {values!r}")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value, source=source)
+    return cfg
+
+
+def set_value(cfg: Config, dotted: str, value: Any, source: str = "--set") -> None:
+    """Set `section.key` on cfg after checking that the key exists and the type matches."""
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"'{dotted}' from {source} is not of the form section.key (e.g. train.steps)")
+    section, key = parts
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section '{section}' in '{dotted}' from {source}; valid sections: {', '.join(SECTIONS)}")
+    fields = _fields(SECTIONS[section])
+    if key not in fields:
+        close = [k for k in fields if k.startswith(key[:3])] or list(fields)
+        raise ConfigError(
+            f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(fields)}"
+            + (f" (did you mean {section}.{close[0]}?)" if close and close != list(fields) else "")
+        )
+    tp = typing.get_type_hints(SECTIONS[section])[key]
+    value = _coerce(dotted, value, tp)
+    setattr(getattr(cfg, section), key, value)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse `section.key=value`; the value is read as a TOML literal, else taken as a plain string."""
+    if "=" not in text:
+        raise ConfigError(f"--set '{text}' must be of the form section.key=value (e.g. --set train.steps=100)")
+    key, raw = text.split("=", 1)
+    key, raw = key.strip(), raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `--set section.key=value` overrides in order."""
+    for text in overrides:
+        key, value = parse_override(text)
+        set_value(cfg, key, value, source=f"--set {text}")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True) -> Config:
+    """Load a TOML config (or the built-in default job when path is None), apply overrides, validate."""
+    if path is None:
+        cfg = Config()
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing .toml file or none for the default job")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        cfg = config_from_dict(data, source=str(p))
+    apply_overrides(cfg, overrides or [])
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as TOML text (every key), loadable by load_config."""
+    import tomli_w
+
+    return tomli_w.dumps(config_to_dict(cfg))
+
+
+def format_config(cfg: Config) -> str:
+    """Every key with its value and one-line description, as `plait config show` prints it."""
+    import tomli_w
+
+    def literal(value: Any) -> str:
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k} = {literal(v)}" for k, v in value.items()) + "}"
+        return tomli_w.dumps({"v": value}).strip()[len("v = "):]
+
+    lines = []
+    for section, section_type in SECTIONS.items():
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(section_type):
+            assignment = f"{f.name} = {literal(getattr(obj, f.name))}"
+            lines.append(f"{assignment:<36} # {f.metadata.get('doc', '')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_choice(cfg: Config, dotted: str) -> None:
+    section, key = dotted.split(".")
+    f = _fields(SECTIONS[section])[key]
+    choices = f.metadata.get("choices")
+    value = getattr(getattr(cfg, section), key)
+    if choices and value not in choices:
+        raise ConfigError(f"{dotted} = {value!r} is not one of: {', '.join(map(str, choices))}; set one of those")
+
+
+def _positive(cfg: Config, dotted: str, minimum: int | float = 1) -> None:
+    section, key = dotted.split(".")
+    value = getattr(getattr(cfg, section), key)
+    if value < minimum:
+        raise ConfigError(f"{dotted} = {value} must be >= {minimum}; set --set {dotted}=<value >= {minimum}>")
+
+
+def validate_config(cfg: Config) -> Config:
+    """Reject impossible configs with a message naming the key, the rule and the fix."""
+    for section, section_type in SECTIONS.items():
+        for f in dataclasses.fields(section_type):
+            _check_choice(cfg, f"{section}.{f.name}")
+    for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
+                "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep", "launch.nnodes",
+                "log.every", "launch.timeout_s"):
+        _positive(cfg, key)
+    for key in ("train.eval_every", "train.eval_samples", "checkpoint.every", "launch.nproc_per_node",
+                "launch.max_restarts", "launch.node_rank", "optim.warmup_steps", "optim.weight_decay",
+                "optim.grad_clip", "data.prefetch", "train.sample_tokens"):
+        _positive(cfg, key, 0)
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr = {cfg.optim.lr} must be > 0")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout = {cfg.model.dropout} must be in [0, 1)")
+    if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas = {cfg.optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+
+    p, t = cfg.parallel, cfg.train
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"parallel.tp = {p.tp}, parallel.pp = {p.pp}: tensor and pipeline parallelism are not available "
+            "in this version of plait; set parallel.tp=1 and parallel.pp=1"
+        )
+    procs = cfg.nproc_per_node * cfg.launch.nnodes
+    if cfg.world_size != procs:
+        raise ConfigError(
+            f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp}) = {cfg.world_size} processes but the launch "
+            f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({cfg.launch.nnodes}) = {procs}; "
+            "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
+        )
+    if cfg.world_size % cfg.launch.nnodes:
+        raise ConfigError(
+            f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
+            "change parallel.dp or launch.nnodes"
+        )
+    per_step = t.micro_batch_size * p.dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) * parallel.dp ({p.dp}) = {per_step}; "
+            f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size"
+        )
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+        raise ConfigError(
+            f"launch.nnodes = {cfg.launch.nnodes} needs launch.rdzv_endpoint = 'host:port' of node 0 "
+            "(e.g. --set launch.rdzv_endpoint=10.0.0.1:29500)"
+        )
+    if cfg.launch.node_rank >= cfg.launch.nnodes:
+        raise ConfigError(
+            f"launch.node_rank = {cfg.launch.node_rank} must be < launch.nnodes = {cfg.launch.nnodes}"
+        )
+    if cfg.launch.rdzv_endpoint and ":" not in cfg.launch.rdzv_endpoint:
+        raise ConfigError(f"launch.rdzv_endpoint = {cfg.launch.rdzv_endpoint!r} must be host:port, e.g. 10.0.0.1:29500")
+    if cfg.model.factory and ":" not in cfg.model.factory:
+        raise ConfigError(
+            f"model.factory = {cfg.model.factory!r} must be 'package.module:function'"
+        )
+    if not cfg.model.factory:
+        from plait.models import MODELS
+
+        if cfg.model.name not in MODELS:
+            raise ConfigError(
+                f"model.name = {cfg.model.name!r} is not a registered model; choose one of: "
+                f"{', '.join(sorted(MODELS))}, or set model.factory = 'package.module:function'"
+            )
+    if cfg.model.name == "gpt" and not cfg.model.factory:
+        m = cfg.model
+        for key in ("layers", "heads", "width", "context"):
+            _positive(cfg, f"model.{key}")
+        if m.width % m.heads:
+            raise ConfigError(
+                f"model.width ({m.width}) must be divisible by model.heads ({m.heads}); "
+                f"change one of them (e.g. width={m.heads * max(1, round(m.width / m.heads))})"
+            )
+    if not cfg.model.factory:
+        token_data = cfg.data.name in ("stdlib-text", "text")
+        if (cfg.model.name == "gpt") != token_data:
+            wants = "a text source (stdlib-text or text)" if cfg.model.name == "gpt" else "digits, synthetic or tensors"
+            raise ConfigError(
+                f"model.name = {cfg.model.name!r} cannot train on data.name = {cfg.data.name!r}: it needs {wants}; "
+                "change model.name or data.name"
+            )
+    if cfg.data.name in ("text", "tensors") and not cfg.data.path:
+        raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
+    return cfg

@@ -1,0 +1,44 @@
+"""Map-style datasets that fetch a whole batch of indices at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class TokenWindows:
+    """Non-overlapping windows of a token stream: sample i is tokens[i*T : i*T + T + 1],
+    split into inputs [:-1] and next-token targets [1:]."""
+
+    def __init__(self, tokens: np.ndarray | torch.Tensor, context: int):
+        self.tokens = torch.as_tensor(tokens)
+        self.context = context
+        self._offsets = torch.arange(context + 1)
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.context)
+
+    def fetch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        win = self.tokens[idx[:, None] * self.context + self._offsets].long()
+        return win[:, :-1], win[:, 1:]
+
+
+class Tensors:
+    """Inputs and labels held in memory."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        if len(x) != len(y):
+            raise ValueError(f"inputs ({len(x)}) and labels ({len(y)}) differ in length")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def fetch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[idx], self.y[idx]
+
+
+def eval_batches(dataset, samples: int, batch_size: int) -> list[torch.Tensor]:
+    """The fixed validation set: the first `samples` samples in batches of `batch_size`."""
+    n = min(samples, len(dataset))
+    return [torch.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]

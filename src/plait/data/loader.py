@@ -1,0 +1,68 @@
+"""Per-step batches for one data-parallel rank, prepared ahead of compute by a background thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from plait.data.sampler import GlobalBatchSampler, micro_batches, shard
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class StepLoader:
+    """Yields, for each step in [start, stop), this rank's list of micro-batches (inputs, targets)."""
+
+    def __init__(self, dataset, sampler: GlobalBatchSampler, start: int, stop: int, dp_rank: int, dp: int,
+                 micro: int, prefetch: int = 2, pin_memory: bool = False):
+        self.dataset, self.sampler = dataset, sampler
+        self.start, self.stop = start, stop
+        self.dp_rank, self.dp, self.micro = dp_rank, dp, micro
+        self.prefetch, self.pin = prefetch, pin_memory
+
+    def _make(self, step: int) -> list[Batch]:
+        idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
+        out = []
+        for mb in micro_batches(idx, self.micro):
+            x, y = self.dataset.fetch(mb)
+            if self.pin:
+                x, y = x.pin_memory(), y.pin_memory()
+            out.append((x, y))
+        return out
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        if self.prefetch <= 0:
+            for step in range(self.start, self.stop):
+                yield self._make(step)
+            return
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for step in range(self.start, self.stop):
+                    item = self._make(step)
+                    while not stop.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as e:  # surfaced in the consumer
+                q.put(e)
+
+        t = threading.Thread(target=work, name="plait-prefetch", daemon=True)
+        t.start()
+        try:
+            for _ in range(self.start, self.stop):
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()

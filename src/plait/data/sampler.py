@@ -1,0 +1,54 @@
+"""The data order: (seed, step) -> the global batch's sample indices, and nothing else.
+
+Indices come from a stream of per-epoch permutations of the dataset; step s takes
+stream[s*B : (s+1)*B]. Data-parallel rank r takes a contiguous slice of that batch
+and its gradient-accumulation micro-batches are slices of the slice. A checkpoint
+therefore needs only the step to resume the data position, at any layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return (seed * _MIX + epoch * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+class GlobalBatchSampler:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty")
+        self.n = num_samples
+        self.batch = global_batch_size
+        self.seed = seed
+        self._cache: tuple[int, torch.Tensor] | None = None
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if self._cache is None or self._cache[0] != epoch:
+            g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            self._cache = (epoch, torch.randperm(self.n, generator=g))
+        return self._cache[1]
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """Sample indices of the global batch at `step`."""
+        start, stop = step * self.batch, (step + 1) * self.batch
+        parts = []
+        while start < stop:
+            epoch, offset = divmod(start, self.n)
+            take = min(stop - start, self.n - offset)
+            parts.append(self._perm(epoch)[offset:offset + take])
+            start += take
+        return torch.cat(parts)
+
+
+def shard(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous slice of a batch that divides evenly by `world`."""
+    per = len(indices) // world
+    return indices[rank * per:(rank + 1) * per]
+
+
+def micro_batches(indices: torch.Tensor, micro: int) -> list[torch.Tensor]:
+    return [indices[i:i + micro] for i in range(0, len(indices), micro)]

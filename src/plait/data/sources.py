@@ -1,0 +1,173 @@
+"""Data sources chosen by `data.name`, each returning train and validation datasets and a DataSpec."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.data.datasets import Tensors, TokenWindows
+from plait.data.spec import DataSpec
+from plait.data.tokenizer import CharTokenizer
+from plait.errors import DataError
+
+SPLIT_SEED = 0  # the train/validation split never depends on train.seed
+
+
+@dataclass
+class DataBundle:
+    train: Any
+    val: Any
+    spec: DataSpec
+    tokenizer: CharTokenizer | None = None
+    unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's own .py sources (no site-packages), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    files.sort()
+    if not files:
+        raise DataError(f"no .py files found under the standard library at {root}")
+    return root, files
+
+
+def split_files(root: Path, files: list[Path], val_fraction: float) -> tuple[list[Path], list[Path]]:
+    """Deterministic split by a checksum of each file's relative path."""
+    cut = int(val_fraction * 10_000)
+    val = [f for f in files if zlib.crc32(str(f.relative_to(root)).encode()) % 10_000 < cut]
+    val_set = set(val)
+    train = [f for f in files if f not in val_set]
+    if not val:
+        val, train = train[-1:], train[:-1]
+    if not train:
+        raise DataError(f"{root}: too few files to split into train and validation; add files or lower data.val_fraction")
+    return train, val
+
+
+def _read(files: list[Path]) -> str:
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> float:
+    """Cross-entropy (nats) of val tokens under add-one-smoothed train token frequencies."""
+    counts = np.bincount(train_ids.astype(np.int64), minlength=vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[val_ids.astype(np.int64)].mean())
+
+
+def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: int) -> DataBundle:
+    tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
+    train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
+    train, val = TokenWindows(train_ids, context), TokenWindows(val_ids, context)
+    if len(val) == 0 or len(train) == 0:
+        raise DataError(
+            f"data.name = {name!r}: the {'validation' if len(val) == 0 else 'training'} text is shorter than one "
+            f"window of model.context + 1 = {context + 1} characters; add text or lower model.context"
+        )
+    spec = DataSpec(name=name, task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context)
+    # The baseline is measured on the tokens the validation loss is measured on.
+    n = len(val) * context + 1
+    return DataBundle(train, val, spec, tok, unigram_loss(train_ids, val_ids[1:n], tok.vocab_size))
+
+
+def stdlib_text(data_cfg, model_cfg) -> DataBundle:
+    root, files = stdlib_files()
+    train, val = split_files(root, files, data_cfg.val_fraction)
+    return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context)
+
+
+def user_text(data_cfg, model_cfg) -> DataBundle:
+    path = Path(data_cfg.path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if len(files) >= 2:
+            train, val = split_files(path, files, data_cfg.val_fraction)
+            return _text_bundle("text", _read(train), _read(val), data_cfg, model_cfg.context)
+        if not files:
+            raise DataError(f"data.path = {str(path)!r} is an empty folder; point it at text files")
+        path = files[0]
+    if not path.is_file():
+        raise DataError(f"data.path = {str(path)!r} does not exist; set it to a text file or a folder of them")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    cut = int(len(text) * (1 - data_cfg.val_fraction))
+    return _text_bundle("text", text[:cut], text[cut:], data_cfg, model_cfg.context)
+
+
+def _split_tensors(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float) -> tuple[Tensors, Tensors]:
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, int(len(x) * val_fraction))
+    if n_val >= len(x):
+        raise DataError(f"data.name = {name!r} has only {len(x)} samples: too few to hold out a validation set")
+    v, t = perm[:n_val], perm[n_val:]
+    return Tensors(x[t], y[t]), Tensors(x[v], y[v])
+
+
+def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float) -> DataBundle:
+    x = x.float()
+    y = y.long()
+    train, val = _split_tensors(name, x, y, val_fraction)
+    spec = DataSpec(name=name, task="classification", input_shape=list(x.shape[1:]), num_classes=int(y.max()) + 1)
+    return DataBundle(train, val, spec)
+
+
+def digits(data_cfg, model_cfg) -> DataBundle:
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images), scaled to [0, 1], shape (1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.images).float().div(16.0).unsqueeze(1)
+    return _class_bundle("digits", x, torch.from_numpy(d.target), data_cfg.val_fraction)
+
+
+def synthetic(data_cfg, model_cfg) -> DataBundle:
+    """Gaussian inputs labelled by a fixed random linear teacher: learnable, any size, no files."""
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    n, f, c = data_cfg.synthetic_samples, data_cfg.synthetic_features, data_cfg.synthetic_classes
+    x = torch.randn(n, f, generator=g)
+    teacher = torch.randn(f, c, generator=g)
+    return _class_bundle("synthetic", x, (x @ teacher).argmax(1), data_cfg.val_fraction)
+
+
+def user_tensors(data_cfg, model_cfg) -> DataBundle:
+    """A .pt or .npz file holding 'x' and 'y', or a 2-D .npy array whose last column is the label."""
+    path = Path(data_cfg.path)
+    if not path.is_file():
+        raise DataError(f"data.path = {str(path)!r} does not exist; set it to a .pt, .npz or .npy file")
+    try:
+        if path.suffix == ".pt":
+            obj = torch.load(path, weights_only=True, map_location="cpu")
+            x, y = obj["x"], obj["y"]
+        elif path.suffix == ".npz":
+            obj = np.load(path, allow_pickle=False)
+            x, y = torch.from_numpy(obj["x"]), torch.from_numpy(obj["y"])
+        elif path.suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+            if arr.ndim != 2 or arr.shape[1] < 2:
+                raise DataError(f"{path}: a .npy dataset must be 2-D (samples, features + label); got shape {arr.shape}")
+            x, y = torch.from_numpy(arr[:, :-1]), torch.from_numpy(arr[:, -1])
+        else:
+            raise DataError(f"data.path = {str(path)!r}: unsupported suffix {path.suffix!r}; use .pt, .npz or .npy")
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{path}: expected a mapping with tensors 'x' and 'y' ({e})") from None
+    return _class_bundle("tensors", torch.as_tensor(x), torch.as_tensor(y), data_cfg.val_fraction)
+
+
+SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "tensors": user_tensors}
+
+
+def build_data(data_cfg, model_cfg) -> DataBundle:
+    """Load the configured source; every rank gets the same datasets (sampling is by index)."""
+    if data_cfg.name not in SOURCES:
+        raise DataError(f"data.name = {data_cfg.name!r} is not one of: {', '.join(SOURCES)}")
+    return SOURCES[data_cfg.name](data_cfg, model_cfg)

@@ -1,0 +1,15 @@
+"""What a data source tells the model builder and the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataSpec:
+    name: str
+    task: str  # "lm": next-token prediction over (batch, time); "classification": one label per sample
+    input_shape: list = field(default_factory=list)  # one sample's input shape
+    vocab_size: int = 0  # lm
+    num_classes: int = 0  # classification
+    tokens_per_sample: int = 0  # lm: the loss is a mean over this many tokens per sample

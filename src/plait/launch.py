@@ -1,0 +1,90 @@
+"""Start the workers of a job through torchrun's elastic agent (its Python API).
+
+One machine: `launch(cfg, run_dir)` starts `cfg.nproc_per_node` workers with a c10d
+rendezvous on a free local port. Several machines: run the same `plait train` on each
+with launch.nnodes, launch.node_rank and launch.rdzv_endpoint = node 0's host:port.
+Each worker runs `python -m plait.worker RUN_DIR`; the launcher passes only the run
+directory (which holds the resolved config.toml) and torchrun's usual environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from plait.config import Config
+
+USER_ERROR_EXIT = 2
+
+
+def _quiet_agent() -> None:
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    """Environment defaults for workers (only where the user has not set them)."""
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+    if cfg.launch.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
+    return env
+
+
+def launch_config(cfg: Config, run_dir: Path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    lc = cfg.launch
+    if lc.nnodes == 1 and not lc.rdzv_endpoint:
+        endpoint, backend, rdzv_configs = "localhost:0", "c10d", {"is_host": True}
+    else:
+        endpoint, backend = lc.rdzv_endpoint, lc.rdzv_backend
+        rdzv_configs = {"rank": lc.node_rank} if backend == "static" else {"is_host": lc.node_rank == 0}
+    return LaunchConfig(
+        min_nodes=lc.nnodes,
+        max_nodes=lc.nnodes,
+        nproc_per_node=cfg.nproc_per_node,
+        run_id=f"plait-{run_dir.resolve().name}",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=lc.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+    )
+
+
+def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
+    """Run the job's workers to completion; returns the exit code for the CLI."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _quiet_agent()
+    os.environ.update(worker_env(cfg))
+    args = ["-m", "plait.worker", str(run_dir)] + (["--resume"] if resume else [])
+    try:
+        elastic_launch(launch_config(cfg, run_dir), sys.executable)(*args)
+    except ChildFailedError as e:
+        return report_failure(e)
+    return 0
+
+
+def report_failure(e) -> int:
+    """One short message for the CLI: user errors were already printed by the worker."""
+    failures = e.failures
+    codes = {f.exitcode for f in failures.values()}
+    if USER_ERROR_EXIT in codes:
+        return USER_ERROR_EXIT
+    rank, failure = min(failures.items())
+    msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    print(f"error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    if msg:
+        print(msg.strip()[-4000:], file=sys.stderr)
+    if failure.error_file and os.path.exists(failure.error_file):
+        print(f"(full error: {failure.error_file})", file=sys.stderr)
+    return 1

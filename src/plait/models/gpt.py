@@ -1,0 +1,127 @@
+"""A small GPT (pre-LayerNorm decoder-only transformer) for character-level language modelling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.data.spec import DataSpec
+from plait.errors import ConfigError
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention. q, k and v are separate projections so that a
+    column-parallel split gives each rank whole heads."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.proj = nn.Linear(width, width)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 for the width so that a tensor-parallel shard (fewer local heads) reshapes correctly.
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    @property
+    def head_dim(self) -> int:
+        return self.proj.in_features // self.heads
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads, dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, `layers` blocks, final LayerNorm, linear head."""
+
+    def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int,
+                 tie_embeddings: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.context = context
+        self.tok_emb = nn.Embedding(vocab_size, width)
+        self.pos_emb = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self._init(layers)
+
+    def _init(self, layers: int) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith(("proj.weight", "down.weight")):
+                # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample `new_tokens` continuations of idx (batch, time), one token at a time."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.context:])[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def build_gpt(cfg, spec: DataSpec) -> GPT:
+    vocab = cfg.vocab_size or spec.vocab_size
+    if spec.vocab_size and vocab < spec.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
+            "set model.vocab_size=0 to take the data's size"
+        )
+    return GPT(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout)

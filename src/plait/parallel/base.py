@@ -1,0 +1,119 @@
+"""The Strategy protocol: one object owns a layout's forward/backward/sync for a step.
+
+The trainer loop calls, per step::
+
+    loss = strategy.forward_backward(micro_batches)   # this rank's share of the global-batch mean loss
+    norm = strategy.clip_grad_norm(max_norm)
+    strategy.optimizer_step()
+
+Data-parallel schemes override how gradients are synchronised; a pipeline scheme
+overrides forward_backward with a schedule. Checkpoints go through
+`state_dict()` / `load_state_dict()`, always keyed by the plain model's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Autocast and (for fp16) dynamic loss scaling."""
+
+    def __init__(self, dtype: str, device: torch.device):
+        self.dtype = DTYPES[dtype]
+        self.device = device
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer) -> None:
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> None:
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)
+
+
+class Strategy:
+    """Single-process training; the base that data-parallel schemes refine."""
+
+    name = "single"
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable, precision: Precision, local_batch: int):
+        self.model = model  # what forward runs (possibly wrapped)
+        self.module = module  # the plain model, with the single-process parameter names
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.local_batch = local_batch  # samples per step on this data-parallel rank
+
+    def no_sync(self):
+        """Context in which backward does not synchronise gradients (all but the last micro-batch)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Accumulate gradients over micro-batches; returns this rank's mean loss (detached).
+
+        Each micro-batch's mean loss is scaled by its share of the rank's batch, so the
+        accumulated gradient is that of the rank's mean; data-parallel averaging then
+        gives the global-batch mean whatever the accumulation count and dp.
+        """
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            ctx = self.no_sync() if i < last else contextlib.nullcontext()
+            with ctx:
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.model(x), y) * (len(x) / self.local_batch)
+                self.precision.backward(loss)
+            total += loss.detach()
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+        self.precision.unscale(self.optimizer)
+        if max_norm <= 0:
+            return None
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def optimizer_step(self) -> None:
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- checkpoints: plain names, whatever the wrapping
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+
+    def model_state_dict(self) -> dict:
+        return get_state_dict(self.model, [])[0]

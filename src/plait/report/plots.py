@@ -1,0 +1,60 @@
+"""Matplotlib figures of a run (PNG files, headless backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PHASES = ("data", "forward_backward", "optimizer")
+
+
+def loss_curve(metrics: list[dict], out: Path, baseline: float | None = None) -> Path | None:
+    train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), label="train loss", lw=1.5)
+    if val:
+        ax.plot(*zip(*val), "o", label="validation loss", ms=6)
+    if baseline is not None:
+        ax.axhline(baseline, ls="--", c="gray", label=f"unigram baseline ({baseline:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def step_time_breakdown(metrics: list[dict], out: Path) -> Path | None:
+    """Stacked bars: mean seconds per step in each phase, per logging window."""
+    rows = [m for m in metrics if "time" in m]
+    if not rows:
+        return None
+    phases = list(PHASES) + sorted({k for m in rows for k in m["time"]} - set(PHASES))
+    steps = [m["step"] for m in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(rows)
+    width = max(1.0, (steps[-1] - steps[0]) / max(1, len(steps)) * 0.8) if len(steps) > 1 else 0.8
+    for ph in phases:
+        vals = [m["time"].get(ph, 0.0) * 1000 for m in rows]
+        ax.bar(steps, vals, width=width, bottom=bottom, label=ph)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    other = [max(0.0, m["step_time_s"] * 1000 - b) for m, b in zip(rows, bottom)]
+    ax.bar(steps, other, width=width, bottom=bottom, label="other", color="lightgray")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step")
+    ax.set_title("where each step's time goes")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

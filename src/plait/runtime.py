@@ -1,0 +1,140 @@
+"""Process group, device, named device mesh, seeding and rank-aware printing for one worker.
+
+The same code runs in every process of every layout: under plait's launcher,
+under a plain `torchrun -m plait train ...`, in the test harness (which makes the
+process group itself) or as a single process with no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import ConfigError
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    mesh: object | None  # DeviceMesh with axes ("pp", "dp", "tp"), None for a single process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def axis_group(self, axis: str):
+        """The process group of one mesh axis (None when single-process)."""
+        return None if self.mesh is None else self.mesh[axis].get_group()
+
+    def axis_rank(self, axis: str) -> int:
+        return 0 if self.mesh is None else self.mesh[axis].get_local_rank()
+
+    def axis_size(self, axis: str) -> int:
+        return 1 if self.mesh is None else self.mesh[axis].size()
+
+    def print(self, *args, **kwargs) -> None:
+        """Print on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """cuda:<local_rank> when CUDA is available (or asked for), else cpu."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("launch.device = 'cuda' but CUDA is not available here; set launch.device=auto or cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def pick_backend(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
+    """Join (or reuse) the default process group and build the named mesh for the layout."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        device = pick_device(launch_cfg.device, local_rank)
+        backend = dist.get_backend()
+    elif env_world > 1:
+        device = pick_device(launch_cfg.device, local_rank)
+        backend = pick_backend(launch_cfg.backend, device)
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=launch_cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    else:
+        device = pick_device(launch_cfg.device, local_rank)
+        backend = None
+    world = dist.get_world_size() if backend else 1
+    rank = dist.get_rank() if backend else 0
+    need = parallel_cfg.dp * parallel_cfg.tp * parallel_cfg.pp
+    if world != need:
+        raise ConfigError(
+            f"the layout needs dp({parallel_cfg.dp}) * tp({parallel_cfg.tp}) * pp({parallel_cfg.pp}) = {need} "
+            f"processes but this job has WORLD_SIZE = {world}; change parallel.dp or the number of processes"
+        )
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type,
+            (parallel_cfg.pp, parallel_cfg.dp, parallel_cfg.tp),
+            mesh_dim_names=("pp", "dp", "tp"),
+        )
+    return Runtime(rank, world, local_rank, device, backend, mesh)
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's CPU and accelerator generators (model init draws from them)."""
+    torch.manual_seed(seed)
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from several integers (e.g. seed, step, rank) without collisions of simple sums."""
+    h = 0x243F6A8885A308D3
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 % (1 << 64)
+        h ^= h >> 29
+    return h % ((1 << 63) - 1)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work so that wall-clock timings are true."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun's agent (plait's launcher or a plain torchrun)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,1 @@
+"""Trainer loop, optimizers and schedules, checkpoints, metrics."""

@@ -1,0 +1,276 @@
+"""The training loop: one code path for 1 and N processes, every layout.
+
+    result = train(cfg, run_dir)               # in each worker (or in a single process)
+    result = train(cfg, run_dir, resume=True)  # continue from run_dir/checkpoints/latest
+
+The loop knows nothing about layouts: data comes from the layout-independent
+sampler, the step belongs to a Strategy (plait.parallel), checkpoints go through
+DCP with the plain model's names. Rank 0 writes the run directory's files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from plait.config import Config, dump_config
+from plait.data import DataBundle, build_data
+from plait.data.datasets import eval_batches
+from plait.data.loader import StepLoader
+from plait.data.sampler import GlobalBatchSampler
+from plait.models import build_model
+from plait.parallel import Strategy, build_strategy
+from plait.runtime import Runtime, init_runtime, mix_seed, seed_all
+from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.loss import loss_for
+from plait.train.metrics import MetricsWriter, PhaseTimer
+from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.progress import Progress
+
+
+@dataclass
+class TrainResult:
+    summary: dict
+    module: nn.Module  # the plain model, single-process parameter names
+    strategy: Strategy
+    runtime: Runtime
+
+
+def _dp_mean(value: torch.Tensor, rt: Runtime) -> float:
+    """Mean of a per-rank scalar over the data-parallel axis."""
+    if rt.axis_size("dp") > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, group=rt.axis_group("dp"))
+        value /= rt.axis_size("dp")
+    return float(value)
+
+
+def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -> dict:
+    """Validation loss (and accuracy) on the fixed validation set.
+
+    Each fixed-size batch is evaluated whole on one dp rank and the per-batch figures are
+    combined in float64 in batch order, so the result does not depend on the layout and a
+    single process with the exported weights reproduces it.
+    """
+    batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
+    losses = torch.zeros(len(batches), dtype=torch.float64)
+    correct = torch.zeros(len(batches), dtype=torch.float64)
+    dp, r = rt.axis_size("dp"), rt.axis_rank("dp")
+    model = strategy.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i, idx in enumerate(batches):
+            if i % dp != r:
+                continue
+            x, y = dataset.fetch(idx)
+            x, y = x.to(rt.device), y.to(rt.device)
+            with strategy.precision.autocast():
+                logits = model(x)
+            losses[i] = strategy.loss_fn(logits, y).double().cpu()
+            if task == "classification":
+                correct[i] = (logits.argmax(-1) == y).sum().double().cpu()
+    model.train(was_training)
+    if dp > 1:
+        both = torch.stack([losses, correct]).to(rt.device)
+        dist.all_reduce(both, group=rt.axis_group("dp"))
+        losses, correct = both.cpu()
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
+    if task == "classification":
+        out["val_accuracy"] = float(correct.sum() / sizes.sum())
+    return out
+
+
+def generate_sample(module: nn.Module, bundle: DataBundle, cfg: Config, device: torch.device) -> str | None:
+    """A short seeded continuation of train.sample_prompt (language models only)."""
+    if bundle.tokenizer is None or cfg.train.sample_tokens <= 0 or not hasattr(module, "generate"):
+        return None
+    tok = bundle.tokenizer
+    prompt = torch.tensor(tok.encode(cfg.train.sample_prompt).astype("int64"), device=device)[None]
+    g = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    was_training = module.training
+    module.eval()
+    out = module.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=20, generator=g)
+    module.train(was_training)
+    return tok.decode(out[0].tolist())
+
+
+def write_run_files(run_dir: Path, cfg: Config, bundle: DataBundle) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_config(cfg))
+    (run_dir / "spec.json").write_text(json.dumps(asdict(bundle.spec), indent=1))
+    if bundle.tokenizer is not None:
+        (run_dir / "tokenizer.json").write_text(bundle.tokenizer.to_json())
+
+
+def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> TrainResult:
+    """Run (or continue) training as configured; every rank calls this."""
+    rt = init_runtime(cfg.launch, cfg.parallel)
+    run_dir = Path(run_dir) if run_dir is not None else None
+    t_begin = time.perf_counter()
+    bundle = build_data(cfg.data, cfg.model)
+    spec = bundle.spec
+    seed_all(cfg.train.seed)
+    module = build_model(cfg.model, spec).to(rt.device)
+    strategy = build_strategy(module, cfg, rt, lambda m: build_optimizer(m, cfg.optim), loss_for(spec))
+
+    start = 0
+    if resume and run_dir is not None:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            state = load_checkpoint(strategy, ckpt)
+            strategy.precision.load_state_dict(state.get("precision", {}))
+            start = int(state["step"])
+            rt.print(f"resuming from {ckpt} at step {start}")
+    steps = cfg.train.steps
+
+    writer = MetricsWriter(run_dir / "metrics.jsonl" if (run_dir is not None and rt.is_main) else None)
+    if rt.is_main and run_dir is not None:
+        write_run_files(run_dir, cfg, bundle)
+    dp, dp_rank = rt.axis_size("dp"), rt.axis_rank("dp")
+    n_params = sum(p.numel() for p in module.parameters())
+    rt.print(
+        f"plait: {cfg.model.factory or cfg.model.name} ({n_params / 1e6:.2f}M params) on {spec.name} · "
+        f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} (dp={dp}, {strategy.name}) · "
+        f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
+        f"{cfg.train.micro_batch_size} x {cfg.grad_accum} accum x {dp} dp"
+        + (f" · run dir {run_dir}" if run_dir is not None else "")
+    )
+
+    sampler = GlobalBatchSampler(len(bundle.train), cfg.train.global_batch_size, cfg.train.seed)
+    loader = StepLoader(bundle.train, sampler, start, steps, dp_rank, dp, cfg.train.micro_batch_size,
+                        cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
+    lm = spec.task == "lm"
+    per_sample = spec.tokens_per_sample if lm else 1
+    unit = "tok" if lm else "samples"
+    rate_key = "tokens_per_s" if lm else "samples_per_s"
+    timer = PhaseTimer(rt.device)
+    progress = Progress(steps, start, cfg.log.progress and rt.is_main, unit)
+    window_loss = torch.zeros((), device=rt.device)
+    window_steps, window_t0 = 0, time.perf_counter()
+    initial_loss = final_loss = None
+    last_eval: dict = {}
+    loop_t0, loop_steps = time.perf_counter(), 0
+
+    strategy.model.train()
+    step = start
+    batches = iter(loader)
+    try:
+        for _ in range(start, steps):
+            with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
+                micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                         for x, y in next(batches)]
+            set_lr(strategy.optimizer, lr_at(step, cfg.optim, steps))
+            if cfg.model.dropout > 0:
+                # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
+                torch.manual_seed(mix_seed(cfg.train.seed, step, rt.rank))
+            with timer.phase("forward_backward"):
+                loss = strategy.forward_backward(micro)
+            with timer.phase("optimizer"):
+                grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
+                strategy.optimizer_step()
+            timer.steps += 1
+            window_loss += loss
+            window_steps += 1
+            loop_steps += 1
+            step += 1
+
+            if step % cfg.log.every == 0 or step == steps or step == start + 1:
+                mean_loss = _dp_mean(window_loss / window_steps, rt)
+                now = time.perf_counter()
+                step_time = (now - window_t0) / window_steps
+                if initial_loss is None and step == start + 1:
+                    initial_loss = mean_loss
+                final_loss = mean_loss
+                record = {
+                    "step": step, "loss": mean_loss, "lr": strategy.optimizer.param_groups[0]["lr"],
+                    rate_key: cfg.train.global_batch_size * per_sample / step_time, "step_time_s": step_time,
+                    "time": timer.window(),
+                }
+                if grad_norm is not None:
+                    record["grad_norm"] = float(grad_norm)
+                writer.write(record)
+                progress.update(step, mean_loss, record[rate_key], force_line=True)
+                window_loss.zero_()
+                window_steps, window_t0 = 0, time.perf_counter()
+            else:
+                progress.update(step, None, None)
+
+            ckpt_due = run_dir is not None and (
+                step == steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
+            if ckpt_due:
+                t0 = time.perf_counter()
+                save_checkpoint(strategy, run_dir, step, {"precision": strategy.precision.state_dict()}, rt,
+                                cfg.checkpoint.keep)
+                writer.write({"step": step, "checkpoint_s": time.perf_counter() - t0})
+                window_t0 += time.perf_counter() - t0  # a checkpoint's stall is not step time
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
+                last_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
+                writer.write({"step": step, **last_eval})
+    finally:
+        batches.close()
+        progress.close()
+    loop_time = time.perf_counter() - loop_t0
+
+    final_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
+    writer.write({"step": step, **final_eval})
+    sample = generate_sample(module, bundle, cfg, rt.device) if rt.is_main else None
+
+    summary = {
+        "steps": step,
+        "resumed_from_step": start if start else None,
+        "initial_loss": initial_loss,
+        "final_loss": final_loss,
+        **final_eval,
+        "world_size": rt.world_size,
+        "parallel": {"dp": cfg.parallel.dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "strategy": strategy.name},
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.grad_accum,
+        "precision": cfg.precision.dtype,
+        "device": rt.device.type,
+        "backend": rt.backend,
+        "params": n_params,
+        "wall_time_s": time.perf_counter() - t_begin,
+        "train_time_s": loop_time,
+        rate_key: (loop_steps * cfg.train.global_batch_size * per_sample / loop_time) if loop_steps else None,
+    }
+    if lm:
+        summary["unigram_val_loss"] = bundle.unigram_val_loss
+    if sample is not None:
+        summary["sample"] = sample
+    writer.close()
+    if rt.is_main:
+        _finish(run_dir, summary, cfg, rt)
+    return TrainResult(summary, module, strategy, rt)
+
+
+def _finish(run_dir: Path | None, summary: dict, cfg: Config, rt: Runtime) -> None:
+    if run_dir is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if cfg.log.report:
+            from plait.report import write_report
+
+            write_report(run_dir)
+    rate = summary.get("tokens_per_s") or summary.get("samples_per_s")
+    unit = "tok/s" if "tokens_per_s" in summary else "samples/s"
+    lines = [f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f}s"
+             + (f" ({rate:,.0f} {unit})" if rate else "")]
+    line = f"val loss {summary['val_loss']:.4f}"
+    if summary.get("unigram_val_loss") is not None:
+        line += f" (unigram baseline {summary['unigram_val_loss']:.4f})"
+    if "val_accuracy" in summary:
+        line += f", val accuracy {summary['val_accuracy']:.3f}"
+    lines.append(line)
+    if summary.get("sample"):
+        lines.append("sample:\n" + summary["sample"])
+    if run_dir is not None:
+        lines.append(f"run dir: {run_dir}" + (" (report.html)" if cfg.log.report else ""))
+    rt.print("\n".join(lines))
