@@ -68,7 +68,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(300, "optimizer steps to run (total, including resumed steps)")
+    steps: int = opt(300, "optimizer steps of the whole run (resumed steps included); the LR schedule spans them")
+    stop_after: int = opt(0, "end this session after this step and checkpoint it (0: run to train.steps)")
     global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks")
     micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)")
     seed: int = opt(1234, "seed for model init and the data order")
@@ -331,7 +332,7 @@ def validate_config(cfg: Config) -> Config:
         _positive(cfg, key)
     for key in ("train.eval_every", "train.eval_samples", "checkpoint.every", "launch.nproc_per_node",
                 "launch.max_restarts", "launch.node_rank", "optim.warmup_steps", "optim.weight_decay",
-                "optim.grad_clip", "data.prefetch", "train.sample_tokens"):
+                "optim.grad_clip", "data.prefetch", "train.sample_tokens", "train.stop_after"):
         _positive(cfg, key, 0)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr = {cfg.optim.lr} must be > 0")

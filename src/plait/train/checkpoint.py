@@ -9,16 +9,32 @@ pointing at a partial checkpoint. Loading reads tensors through DCP (no pickle c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from plait.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
+
+
+def _single() -> bool:
+    """No process group: DCP reads and writes as one process (and says nothing about it)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it runs as one process even when asked to (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -56,7 +72,8 @@ def save_checkpoint(strategy, run_dir: str | Path, step: int, trainer_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     rt.barrier()
-    dcp.save(strategy.state_dict(), checkpoint_id=str(tmp))
+    with _quiet():
+        dcp.save(strategy.state_dict(), checkpoint_id=str(tmp), no_dist=_single())
     if rt.is_main:
         _write_json(tmp / STATE_FILE, {**trainer_state, "step": step})
         if final.exists():  # re-saving a step (e.g. a resumed run that ends where it began)
@@ -110,7 +127,8 @@ def load_checkpoint(strategy, path: Path) -> dict:
     """Load model and optimizer state into the strategy (any layout); returns the trainer state."""
     state = read_trainer_state(path)
     sd = strategy.state_dict()
-    dcp.load(sd, checkpoint_id=str(path))
+    with _quiet():
+        dcp.load(sd, checkpoint_id=str(path), no_dist=_single())
     strategy.load_state_dict(sd)
     return state
 
@@ -119,5 +137,6 @@ def load_model_weights(module, path: Path) -> None:
     """Load only the model's weights from a checkpoint into a plain module (no process group needed)."""
     read_trainer_state(path)
     sd = {"model": module.state_dict()}
-    dcp.load(sd, checkpoint_id=str(path))
+    with _quiet():
+        dcp.load(sd, checkpoint_id=str(path), no_dist=_single())
     module.load_state_dict(sd["model"])

@@ -130,10 +130,12 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
             start = int(state["step"])
             rt.print(f"resuming from {ckpt} at step {start}")
     steps = cfg.train.steps
+    stop = min(steps, cfg.train.stop_after) if cfg.train.stop_after else steps
+    stop = max(stop, start)
 
-    writer = MetricsWriter(run_dir / "metrics.jsonl" if (run_dir is not None and rt.is_main) else None)
     if rt.is_main and run_dir is not None:
         write_run_files(run_dir, cfg, bundle)
+    writer = MetricsWriter(run_dir / "metrics.jsonl" if (run_dir is not None and rt.is_main) else None)
     dp, dp_rank = rt.axis_size("dp"), rt.axis_rank("dp")
     n_params = sum(p.numel() for p in module.parameters())
     rt.print(
@@ -145,7 +147,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     )
 
     sampler = GlobalBatchSampler(len(bundle.train), cfg.train.global_batch_size, cfg.train.seed)
-    loader = StepLoader(bundle.train, sampler, start, steps, dp_rank, dp, cfg.train.micro_batch_size,
+    loader = StepLoader(bundle.train, sampler, start, stop, dp_rank, dp, cfg.train.micro_batch_size,
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
     lm = spec.task == "lm"
     per_sample = spec.tokens_per_sample if lm else 1
@@ -163,7 +165,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     step = start
     batches = iter(loader)
     try:
-        for _ in range(start, steps):
+        for _ in range(start, stop):
             with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
                 micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
                          for x, y in next(batches)]
@@ -182,7 +184,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
             loop_steps += 1
             step += 1
 
-            if step % cfg.log.every == 0 or step == steps or step == start + 1:
+            if step % cfg.log.every == 0 or step == stop or step == start + 1:
                 mean_loss = _dp_mean(window_loss / window_steps, rt)
                 now = time.perf_counter()
                 step_time = (now - window_t0) / window_steps
@@ -204,14 +206,14 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
                 progress.update(step, None, None)
 
             ckpt_due = run_dir is not None and (
-                step == steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
+                step == stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
             if ckpt_due:
                 t0 = time.perf_counter()
                 save_checkpoint(strategy, run_dir, step, {"precision": strategy.precision.state_dict()}, rt,
                                 cfg.checkpoint.keep)
                 writer.write({"step": step, "checkpoint_s": time.perf_counter() - t0})
                 window_t0 += time.perf_counter() - t0  # a checkpoint's stall is not step time
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != stop:
                 last_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
                 writer.write({"step": step, **last_eval})
     finally:

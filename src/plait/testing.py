@@ -1,0 +1,166 @@
+"""Run a function on N gloo ranks: the harness plait's tests use, shipped for users' tests too.
+
+    from plait.testing import run_distributed, RankPool
+
+    def check(x):                       # module-level, so spawned processes can import it
+        import torch.distributed as dist
+        t = torch.tensor([x + dist.get_rank()])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_distributed(check, 2, 10) == [21, 21]    # one result per rank
+
+    with RankPool(4) as pool:          # keep 4 ranks alive across many calls (fast test suites)
+        pool.run(check, 1)
+
+Ranks are spawned processes that meet through a FileStore in a temporary directory
+(no ports to collide), with gloo pinned to loopback, OMP_NUM_THREADS=1 and a timeout
+on every collective. An exception on any rank is raised in the caller with every
+failing rank's traceback tagged by its rank; after a failure the pool restarts its
+ranks, since a half-finished collective leaves the process group unusable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import shutil
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+RANK_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MKL_NUM_THREADS": "1"}
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks raised, died or timed out; the message holds each rank's traceback."""
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, tasks, results) -> None:
+    os.environ.update(RANK_ENV)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` live ranks that run functions on request (see the module docstring)."""
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        if not 1 <= world_size <= 8:
+            raise ValueError(f"world_size = {world_size}: the harness runs 1 to 8 ranks")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="plait-ranks-")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        saved = {k: os.environ.get(k) for k in RANK_ENV}
+        os.environ.update(RANK_ENV)  # inherited by the children before they import torch
+        try:
+            self._procs = [
+                ctx.Process(target=_rank_main, daemon=True,
+                            args=(r, self.world_size, os.path.join(self._dir, "store"), self.timeout_s,
+                                  self._tasks[r], self._results))
+                for r in range(self.world_size)
+            ]
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
+        """Run fn(*args, **kwargs) on every rank; returns the results in rank order."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = self.timeout_s * 2 + 60  # first call includes spawning and importing torch
+        waited = 0.0
+        while len(got) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+                got[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                waited += 1.0
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+            if dead or waited > deadline:
+                errors = {r: f"process exited with code {self._procs[r].exitcode}" for r in dead}
+                for r in range(self.world_size):
+                    if r not in got and r not in errors:
+                        errors[r] = f"no result within {deadline:.0f}s (hung in a collective?)"
+                for r, (ok, value) in got.items():
+                    if not ok:
+                        errors[r] = value
+                self.close()
+                raise DistributedError(_format(fn, errors))
+        failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if failed:
+            self.close()
+            raise DistributedError(_format(fn, failed))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _format(fn: Callable, errors: dict[int, str]) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    parts = [f"{name} failed on rank(s) {sorted(errors)}:"]
+    for r in sorted(errors):
+        body = "\n".join(f"[rank {r}] {line}" for line in str(errors[r]).rstrip().splitlines())
+        parts.append(body)
+    return "\n".join(parts)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list:
+    """Run fn on `world_size` fresh gloo ranks and return each rank's result, in rank order."""
+    with RankPool(world_size, timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)

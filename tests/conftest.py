@@ -1,0 +1,47 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from plait.testing import RankPool
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_env():
+    """A test must not leave torch.distributed's environment variables behind."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    before = {k: os.environ.get(k) for k in keys}
+    yield
+    after = {k: os.environ.get(k) for k in keys}
+    assert before == after, f"environment leaked: {before} -> {after}"
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    """The test process itself never joins a process group; ranks live in the pool."""
+    import torch.distributed as dist
+
+    yield
+    assert not dist.is_initialized(), "a test left the default process group initialised"
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with RankPool(2, timeout_s=90) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory) -> Path:
+    """A small text corpus from a few stdlib modules (a folder, so it splits by file)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    for name in ("textwrap.py", "string.py", "bisect.py", "heapq.py", "keyword.py", "colorsys.py", "fnmatch.py",
+                 "shlex.py", "glob.py", "copy.py"):
+        (out / name).write_text((root / name).read_text())
+    return out

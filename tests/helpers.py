@@ -1,0 +1,41 @@
+"""Shared test helpers: tiny configs and functions that the rank pool runs (module-level, picklable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from plait.config import load_config
+
+TINY_GPT = [
+    "model.layers=2", "model.width=32", "model.heads=2", "model.context=32",
+    "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_samples=16", "train.eval_batch_size=4",
+    "train.sample_tokens=0", "optim.warmup_steps=3", "log.progress=false", "log.report=false", "log.every=1",
+    "data.min_char_count=1", "checkpoint.every=5", "checkpoint.keep=3",
+]
+
+
+def tiny_gpt_config(corpus: Path, *overrides: str):
+    return load_config(None, TINY_GPT + [f"data.name='text'", f"data.path='{corpus}'", *overrides])
+
+
+def params_after(cfg, run_dir, resume: bool = False) -> dict[str, torch.Tensor]:
+    """Train as configured in this process (or on this rank); the plain model's parameters, on CPU."""
+    from plait.train.trainer import train
+
+    result = train(cfg, run_dir, resume=resume)
+    return {k: v.detach().cpu().clone() for k, v in result.module.state_dict().items()}
+
+
+def rank0_params(cfg, run_dir, resume: bool = False):
+    """Pool task: train on every rank, return rank 0's parameters (None elsewhere)."""
+    import torch.distributed as dist
+
+    params = params_after(cfg, run_dir, resume)
+    return params if dist.get_rank() == 0 else None
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -1,0 +1,124 @@
+"""Layout independence and exact resume (DESIGN.md "Contracts"), on 2 gloo ranks against a single process."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import max_diff, params_after, rank0_params, tiny_gpt_config
+from plait.config import load_config
+from plait.train.checkpoint import latest_checkpoint
+
+
+def test_dp2_matches_dp1_after_10_steps(pool2, tiny_text, tmp_path):
+    # Prepare: the same global batch (8); dp=1 accumulates 2 micro-batches, dp=2 takes 1 each.
+    single = tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=10")
+    double = tiny_gpt_config(tiny_text, "parallel.dp=2", "train.steps=10")
+    # Execute
+    ref = params_after(single, tmp_path / "dp1")
+    got = pool2.run(rank0_params, double, tmp_path / "dp2")[0]
+    # Assert: same parameters up to float reduction order, and training did move them.
+    assert max_diff(ref, got) <= 1e-5
+    init = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=1", "optim.lr=1e-12"), None)
+    assert max_diff(ref, init) > 1e-3
+
+
+def test_resume_continues_the_same_trajectory(pool2, tiny_text, tmp_path):
+    straight = pool2.run(rank0_params, tiny_gpt_config(tiny_text, "train.steps=20"), tmp_path / "straight")[0]
+    first = tiny_gpt_config(tiny_text, "train.steps=20", "train.stop_after=10")
+    pool2.run(rank0_params, first, tmp_path / "split")
+    assert latest_checkpoint(tmp_path / "split").name == "step_0000010"
+    resumed = pool2.run(rank0_params, tiny_gpt_config(tiny_text, "train.steps=20"), tmp_path / "split", True)[0]
+    assert max_diff(straight, resumed) <= 1e-6
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
+    steps = [m["step"] for m in map(json.loads, (tmp_path / "split" / "metrics.jsonl").read_text().splitlines())
+             if "loss" in m]
+    assert steps == list(range(1, 21))  # one metrics line per step, across both sessions
+
+
+def test_resume_with_another_micro_batch_and_world_size(pool2, tiny_text, tmp_path):
+    straight = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=20"), tmp_path / "straight")
+    first = tiny_gpt_config(tiny_text, "train.steps=20", "train.stop_after=10", "train.micro_batch_size=4")
+    pool2.run(rank0_params, first, tmp_path / "run")
+    # The second half runs in a single process with micro-batches of 2 (accumulation 4 instead of 1).
+    second = tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=20", "train.micro_batch_size=2")
+    resumed = params_after(second, tmp_path / "run", resume=True)
+    assert max_diff(straight, resumed) <= 1e-5
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_text):
+    # SGD is linear in the gradient, so a wrong micro-batch loss scale would show at once.
+    sgd = ["parallel.dp=1", "train.steps=5", "optim.name='sgd'", "optim.lr=0.5"]
+    whole = params_after(tiny_gpt_config(tiny_text, *sgd, "train.micro_batch_size=8"), None)
+    accum = params_after(tiny_gpt_config(tiny_text, *sgd, "train.micro_batch_size=2"), None)
+    assert max_diff(whole, accum) <= 1e-6
+    init = params_after(tiny_gpt_config(tiny_text, *sgd, "train.steps=1", "optim.lr=1e-12"), None)
+    assert max_diff(whole, init) > 1e-3
+
+
+def test_activation_checkpointing_keeps_the_trajectory(tiny_text):
+    plain = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=5"), None)
+    ckpt = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=5",
+                                        "train.activation_checkpointing=true"), None)
+    assert max_diff(plain, ckpt) <= 1e-6
+
+
+def test_bf16_autocast_trains_close_to_fp32(tiny_text):
+    fp32 = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=5"), None)
+    bf16 = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=5", "precision.dtype='bf16'"), None)
+    diff = max_diff(fp32, bf16)
+    assert 0 < diff < 5e-2  # bf16 changes the numbers, not the direction of training
+
+
+def test_fp16_uses_a_loss_scaler_that_is_checkpointed(tiny_text, tmp_path):
+    cfg = tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=4", "precision.dtype='fp16'")
+    params_after(cfg, tmp_path)
+    state = json.loads((latest_checkpoint(tmp_path) / "trainer_state.json").read_text())
+    assert state["precision"]["scale"] > 0 and "_growth_tracker" in state["precision"]
+
+
+def test_mlp_on_digits_learns_and_dp2_matches(pool2, tmp_path):
+    base = ["model.name='mlp'", "data.name='digits'", "model.width=64", "train.global_batch_size=64",
+            "train.micro_batch_size=16", "train.sample_tokens=0", "log.progress=false", "log.report=false",
+            "optim.lr=0.01", "train.eval_samples=400", "train.eval_batch_size=50"]
+    ref = load_config(None, base + ["parallel.dp=1", "train.steps=150"])
+    from plait.train.trainer import train
+
+    result = train(ref, tmp_path / "dp1")
+    assert result.summary["val_accuracy"] > 0.9  # 10 classes: chance is 0.1
+    assert result.summary["final_loss"] < 0.3 * result.summary["initial_loss"]
+    short = lambda dp: load_config(None, base + [f"parallel.dp={dp}", "train.steps=10"])  # noqa: E731
+    got = pool2.run(rank0_params, short(2), tmp_path / "dp2")[0]
+    assert max_diff(params_after(short(1), None), got) <= 1e-5
+
+
+def test_checkpoints_are_published_and_pruned(tiny_text, tmp_path):
+    cfg = tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=17", "checkpoint.every=4", "checkpoint.keep=2")
+    params_after(cfg, tmp_path)
+    root = tmp_path / "checkpoints"
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", "step_0000016", "step_0000017"]  # the final step is always saved
+    assert latest_checkpoint(tmp_path) == (root / "step_0000017").resolve()
+    assert not any(p.name.startswith(".") for p in root.iterdir())
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from plait.train.optim import lr_at
+
+    cfg = load_config(None, ["optim.lr=1.0", "optim.warmup_steps=10", "optim.min_lr_ratio=0.1"]).optim
+    assert lr_at(0, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert lr_at(60, cfg, 110) == pytest.approx(0.55)  # half-way: floor + (1 - floor) / 2
+    assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+
+
+def test_loss_is_a_global_batch_mean_whatever_the_split():
+    """The per-micro-batch scaling: sum over micro-batches of mean * (len/local) == the batch mean."""
+    from plait.train.loss import lm_loss
+
+    torch.manual_seed(0)
+    logits, y = torch.randn(8, 5, 7), torch.randint(0, 7, (8, 5))
+    whole = lm_loss(logits, y)
+    split = sum(lm_loss(logits[i:i + 2], y[i:i + 2]) * (2 / 8) for i in range(0, 8, 2))
+    assert float(whole) == pytest.approx(float(split), abs=1e-6)
