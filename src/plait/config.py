@@ -289,6 +289,8 @@ def format_config(cfg: Config) -> str:
     def literal(value: Any) -> str:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{k} = {literal(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + ", ".join(literal(v) for v in value) + "]"
         return tomli_w.dumps({"v": value}).strip()[len("v = "):]
 
     lines = []

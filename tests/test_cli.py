@@ -1,0 +1,152 @@
+"""The command line end to end: errors before any worker starts, the launcher, resume, export, torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_GPT
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+
+
+def plait(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "parallel.dp=3"], "train.global_batch_size (32) must be divisible by train.micro_batch_size (16) "
+                                     "* parallel.dp (3) = 48"),
+        (["--set", "launch.nproc_per_node=4"], "dp(2) * tp(1) * pp(1) = 2 processes but the launch gives "
+                                               "nproc_per_node(4) * nnodes(1) = 4"),
+        (["--set", "train.stepz=3"], "unknown key 'train.stepz'"),
+        (["--set", "train.steps=many"], "train.steps = 'many' has the wrong type: it must be an integer"),
+        (["--set", "optim.name=lamb"], "optim.name = 'lamb' is not one of: adamw, sgd"),
+        (["--set", "model.heads=3"], "model.width (128) must be divisible by model.heads (3)"),
+        (["nothere.toml"], "config file 'nothere.toml' does not exist"),
+    ],
+)
+def test_bad_config_exits_2_before_any_worker_starts(tmp_path, args, message):
+    out = tmp_path / "run"
+    r = plait("train", *args, "--out", out, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and message in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    assert not out.exists()  # nothing was started or written
+
+
+def test_config_show_prints_every_key_with_its_doc(tmp_path):
+    from plait.config import SECTIONS
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nsteps = 7\n[parallel]\ndp = 1\n")
+    r = plait("config", "show", cfg, "--set", "optim.lr=0.5", timeout=60)
+    assert r.returncode == 0, r.stderr
+    import dataclasses
+
+    for section, section_type in SECTIONS.items():
+        assert f"[{section}]" in r.stdout
+        for f in dataclasses.fields(section_type):
+            assert any(line.startswith(f"{f.name} = ") and f.metadata["doc"] in line for line in r.stdout.splitlines())
+    assert "steps = 7 " in r.stdout and "lr = 0.5 " in r.stdout and "dp = 1 " in r.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, tiny_text) -> Path:
+    """A TOML file for a tiny GPT on the tiny corpus."""
+    from plait.config import dump_config, load_config
+
+    cfg = load_config(None, TINY_GPT + ["data.name='text'", f"data.path='{tiny_text}'", "log.every=2",
+                                        "log.report=true", "train.sample_tokens=20", "optim.schedule='constant'"])
+    path = tmp_path_factory.mktemp("cfg") / "tiny.toml"
+    path.write_text(dump_config(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_train_resume_export_through_the_launcher(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    # 1. two workers through torchrun's agent
+    r = plait("train", tiny_config, "--set", "train.steps=6", "--out", run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 processes (dp=2, ddp)" in r.stdout and "unigram baseline" in r.stdout
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "report.html", "loss.png", "step_time.png",
+                 "tokenizer.json", "spec.json"):
+        assert (run / name).is_file(), name
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 4, 6]
+    for m in steps:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "time"} <= m.keys()
+        assert {"data", "forward_backward", "optimizer"} <= m["time"].keys()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 2 and summary["parallel"]["dp"] == 2
+    assert {"initial_loss", "final_loss", "val_loss", "wall_time_s", "tokens_per_s", "unigram_val_loss"} <= summary.keys()
+    assert os.readlink(run / "checkpoints" / "latest") == "step_0000006"
+
+    # 2. a second session continues in place: more steps, and another layout (1 process)
+    r = plait("train", "--resume", run, "--set", "train.steps=10", "--set", "parallel.dp=1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming from" in r.stdout and "step 6" in r.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["resumed_from_step"] == 6 and summary["world_size"] == 1
+    assert "dp = 1" in (run / "config.toml").read_text()
+
+    # 3. export: plain names, and the weights reproduce the run's validation loss in a fresh process
+    out = tmp_path / "model.safetensors"
+    r = plait("export", run, "-o", out, timeout=60)
+    assert r.returncode == 0 and out.is_file(), r.stderr
+    from safetensors import safe_open
+
+    from plait.data import build_data
+    from plait.data.datasets import eval_batches
+    from plait.export import load_exported, rebuild_model
+    from plait.train.loss import lm_loss
+
+    model, meta = load_exported(out)
+    cfg, _, plain = rebuild_model(run)
+    with safe_open(str(out), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(plain.state_dict().keys())
+        assert json.loads(meta["plait.model"])["width"] == cfg.model.width
+    val = build_data(cfg.data, cfg.model).val
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers ran with one thread each
+    try:
+        with torch.no_grad():
+            batches = eval_batches(val, cfg.train.eval_samples, cfg.train.eval_batch_size)
+            losses = [float(lm_loss(model(val.fetch(b)[0]), val.fetch(b)[1]).double()) * len(b) for b in batches]
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(losses) / sum(len(b) for b in batches) == summary["val_loss"]
+
+
+@pytest.mark.slow
+def test_same_command_under_plain_torchrun(tiny_config, tmp_path):
+    run = tmp_path / "tr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "plait", "train", str(tiny_config), "--set", "train.steps=3", "--out", str(run)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+
+
+@pytest.mark.slow
+def test_error_inside_a_worker_is_one_line_and_exit_2(tiny_config, tmp_path):
+    r = plait("train", tiny_config, "--set", "data.path='/no/such/corpus'", "--out", tmp_path / "x")
+    assert r.returncode == 2
+    assert "error: data.path = '/no/such/corpus' does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_out_dir_of_an_existing_run_is_refused(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    r = plait("train", "--out", tmp_path / "run", timeout=60)
+    assert r.returncode == 2 and f"continue it with --resume {tmp_path / 'run'}" in r.stderr
