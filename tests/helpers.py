@@ -17,7 +17,7 @@ TINY_GPT = [
 
 
 def tiny_gpt_config(corpus: Path, *overrides: str):
-    return load_config(None, TINY_GPT + [f"data.name='text'", f"data.path='{corpus}'", *overrides])
+    return load_config(None, TINY_GPT + ["data.name='text'", f"data.path='{corpus}'", *overrides])
 
 
 def params_after(cfg, run_dir, resume: bool = False) -> dict[str, torch.Tensor]:

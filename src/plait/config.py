@@ -13,11 +13,12 @@ worker starts; the message names the key, the rule and the fix.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from plait.errors import ConfigError
 
@@ -68,7 +69,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(300, "optimizer steps of the whole run (resumed steps included); the LR schedule spans them")
+    steps: int = opt(400, "optimizer steps of the whole run (resumed steps included); the LR schedule spans them")
     stop_after: int = opt(0, "end this session after this step and checkpoint it (0: run to train.steps)")
     global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks")
     micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)")
@@ -85,12 +86,12 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: str = opt("adamw", "optimizer: adamw or sgd", ("adamw", "sgd"))
-    lr: float = opt(3e-3, "peak learning rate")
+    lr: float = opt(6e-3, "peak learning rate")
     weight_decay: float = opt(0.01, "decoupled weight decay (adamw) or L2 (sgd)")
     betas: list = opt([0.9, 0.95], "adamw: (beta1, beta2)")
     eps: float = opt(1e-8, "adamw: epsilon")
     momentum: float = opt(0.9, "sgd: momentum")
-    warmup_steps: int = opt(20, "linear warmup steps from 0 to lr")
+    warmup_steps: int = opt(30, "linear warmup steps from 0 to lr")
     schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio * lr, or constant", ("cosine", "constant"))
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")

@@ -10,7 +10,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-
 import torch.nn as nn
 
 from plait.config import load_config

@@ -27,11 +27,14 @@ import os
 import queue
 import shutil
 import tempfile
+import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
+FAILURE_GRACE_S = 5.0  # how long the other ranks may take to finish once one has failed
 RANK_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MKL_NUM_THREADS": "1"}
 
 
@@ -104,38 +107,40 @@ class RankPool:
         for q in self._tasks:
             q.put((fn, args, kwargs))
         got: dict[int, tuple[bool, Any]] = {}
-        deadline = self.timeout_s * 2 + 60  # first call includes spawning and importing torch
-        waited = 0.0
+        deadline = time.monotonic() + self.timeout_s * 2 + 60  # the first call also spawns and imports torch
         while len(got) < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=1.0)
+                rank, ok, value = self._results.get(timeout=0.5)
                 got[rank] = (ok, value)
+                if not ok:  # the others are likely stuck in a collective with the failed rank
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                 continue
             except queue.Empty:
-                waited += 1.0
+                pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
-            if dead or waited > deadline:
+            if dead or time.monotonic() > deadline:
                 errors = {r: f"process exited with code {self._procs[r].exitcode}" for r in dead}
                 for r in range(self.world_size):
                     if r not in got and r not in errors:
-                        errors[r] = f"no result within {deadline:.0f}s (hung in a collective?)"
+                        errors[r] = "did not finish (hung in a collective, or waiting for a failed rank?)"
                 for r, (ok, value) in got.items():
                     if not ok:
                         errors[r] = value
-                self.close()
+                self.close(graceful=False)
                 raise DistributedError(_format(fn, errors))
         failed = {r: v for r, (ok, v) in got.items() if not ok}
         if failed:
-            self.close()
+            self.close(graceful=False)
             raise DistributedError(_format(fn, failed))
         return [got[r][1] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks: politely when idle, at once after a failure (they may be stuck)."""
         for p, q in zip(self._procs, getattr(self, "_tasks", [])):
             if p.is_alive():
                 q.put(None)
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if graceful else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -144,7 +149,7 @@ class RankPool:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,7 @@ class CharTokenizer:
         self._lut: np.ndarray | None = None
 
     @classmethod
-    def fit(cls, text: str, min_count: int = 1) -> "CharTokenizer":
+    def fit(cls, text: str, min_count: int = 1) -> CharTokenizer:
         """Vocabulary = characters occurring at least min_count times, in code-point order."""
         counts = np.bincount(_codepoints(text))
         keep = np.nonzero(counts >= max(1, min_count))[0]
@@ -48,5 +48,5 @@ class CharTokenizer:
         return json.dumps({"type": "char", "chars": self.chars[1:]}, ensure_ascii=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "CharTokenizer":
+    def from_json(cls, text: str) -> CharTokenizer:
         return cls(json.loads(text)["chars"])

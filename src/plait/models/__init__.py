@@ -9,7 +9,7 @@ later sharding can work per block without knowing the model.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 

@@ -4,7 +4,7 @@ applied (tensor parallel -> pipeline -> activation checkpointing -> compile -> d
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 

@@ -14,7 +14,7 @@ overrides forward_backward with a schedule. Checkpoints go through
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -1,0 +1,114 @@
+"""plait's DDP training step against a hand-written raw-torch DDP loop.
+
+Same model (the default GPT), same data (stdlib-text windows), same global batch,
+same optimizer and clipping, same 2 gloo ranks (plait.testing's harness, one
+thread per rank); the two alternate `--repeats` times in one run and the medians
+are compared. Target: plait / raw <= 1.05.
+
+    python benchmarks/overhead.py [--steps 60] [--warmup 10] [--repeats 3] [--world 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.config import load_config
+from plait.testing import RankPool
+
+
+def config(world: int, steps: int, log_every: int):
+    return load_config(None, [
+        f"parallel.dp={world}", f"train.steps={steps}", f"log.every={log_every}", "log.progress=false",
+        "log.report=false", "train.sample_tokens=0", "train.eval_samples=16", "checkpoint.every=0",
+    ])
+
+
+def raw_ddp(world: int, steps: int, warmup: int) -> float:
+    """Seconds per step of a plain DDP loop, over the steps after `warmup`."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from plait.data import build_data
+    from plait.models.gpt import GPT
+
+    cfg = config(world, warmup + steps, 10)
+    m, t = cfg.model, cfg.train
+    data = build_data(cfg.data, cfg.model).train
+    torch.manual_seed(t.seed)
+    model = GPT(data_vocab(cfg), m.context, m.width, m.heads, m.layers, m.tie_embeddings)
+    ddp = DDP(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))
+    local = t.global_batch_size // world
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    accum = local // t.micro_batch_size
+    for step in range(warmup + steps):
+        if step == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        for i in range(accum):
+            x, y = data.fetch(torch.randint(0, len(data), (t.micro_batch_size,), generator=gen))
+            ctx = ddp.no_sync() if i < accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()) / accum
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % 10 == 0:  # the raw loop also looks at its loss now and then
+            loss.item()
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def data_vocab(cfg) -> int:
+    from plait.data import build_data
+
+    return build_data(cfg.data, cfg.model).spec.vocab_size
+
+
+def plait_ddp(world: int, steps: int, warmup: int, run_dir: str) -> float | None:
+    """Seconds per step of plait's trainer, from its own metrics over the steps after `warmup`."""
+    from plait.train.trainer import train
+
+    train(config(world, warmup + steps, 10), run_dir)
+    if dist.get_rank() != 0:
+        return None
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in rows if "step_time_s" in r and r["step"] > warmup and r["step"] % 10 == 0]
+    return sum(r["step_time_s"] * 10 for r in windows) / (10 * len(windows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per measurement (multiple of 10)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (multiple of 10)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    a = ap.parse_args()
+    raw, ours = [], []
+    with RankPool(a.world, timeout_s=600) as pool, tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.repeats):
+            raw.append(pool.run(raw_ddp, a.world, a.steps, a.warmup)[0])
+            ours.append(pool.run(plait_ddp, a.world, a.steps, a.warmup, f"{tmp}/run{i}")[0])
+            print(f"repeat {i + 1}: raw DDP {raw[-1] * 1000:.1f} ms/step, plait {ours[-1] * 1000:.1f} ms/step", flush=True)
+    r, p = statistics.median(raw), statistics.median(ours)
+    print(f"\nbaseline: hand-written torch DDP loop, {a.world} gloo ranks, default GPT, global batch 32")
+    print(f"{'':14}{'ms/step':>10}")
+    print(f"{'raw DDP':14}{r * 1000:>10.1f}")
+    print(f"{'plait':14}{p * 1000:>10.1f}")
+    print(f"ratio plait / raw = {p / r:.3f}  (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The shipped test harness: results per rank, tracebacks tagged by rank, hangs turned into errors."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.testing import DistributedError, RankPool, run_distributed
+
+
+def all_reduce_rank(offset):
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return t.item(), dist.get_world_size(), os.environ["OMP_NUM_THREADS"], os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def fail_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    return "fine"
+
+
+def stall_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(30)
+        return "late"
+    dist.barrier()  # rank 1 never joins: the collective's timeout turns the hang into an error
+
+
+def pid():
+    return os.getpid()
+
+
+def test_run_distributed_returns_each_ranks_result():
+    assert run_distributed(all_reduce_rank, 3, 10) == [(33.0, 3, "1", "lo")] * 3
+
+
+def test_a_rank_exception_is_raised_with_its_rank_and_traceback():
+    with pytest.raises(DistributedError) as e:
+        run_distributed(fail_on_rank_1, 2)
+    text = str(e.value)
+    assert "fail_on_rank_1 failed on rank(s) [1]" in text
+    assert "[rank 1] ValueError: boom from rank one" in text
+    assert "[rank 0]" not in text
+
+
+def test_a_hang_becomes_an_error_naming_the_rank():
+    with pytest.raises(DistributedError) as e:
+        run_distributed(stall_on_rank_1, 2, timeout_s=3)
+    text = str(e.value)
+    assert "[rank 0]" in text and "[rank 1] did not finish" in text  # rank 0 timed out waiting for rank 1
+
+
+def test_pool_keeps_ranks_alive_and_restarts_after_a_failure():
+    with RankPool(2) as pool:
+        first = pool.run(pid)
+        assert pool.run(pid) == first  # the same processes serve the next call
+        with pytest.raises(DistributedError):
+            pool.run(fail_on_rank_1)
+        again = pool.run(all_reduce_rank, 0)
+        assert again[0][0] == 1.0 and pool.run(pid) != first  # fresh ranks after the failure
