@@ -11,7 +11,7 @@ from plait.config import load_config
 TINY_GPT = [
     "model.layers=2", "model.width=32", "model.heads=2", "model.context=32",
     "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_samples=16", "train.eval_batch_size=4",
-    "train.sample_tokens=0", "optim.warmup_steps=3", "log.progress=false", "log.report=false", "log.every=1",
+    "train.sample_tokens=0", "optim.warmup_steps=3", "optim.lr=3e-3", "log.progress=false", "log.report=false", "log.every=1",
     "data.min_char_count=1", "checkpoint.every=5", "checkpoint.keep=3",
 ]
 

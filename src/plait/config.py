@@ -13,12 +13,13 @@ worker starts; the message names the key, the rule and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from plait.errors import ConfigError
 
@@ -222,10 +223,10 @@ def set_value(cfg: Config, dotted: str, value: Any, source: str = "--set") -> No
         raise ConfigError(f"unknown section '{section}' in '{dotted}' from {source}; valid sections: {', '.join(SECTIONS)}")
     fields = _fields(SECTIONS[section])
     if key not in fields:
-        close = [k for k in fields if k.startswith(key[:3])] or list(fields)
+        close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
         raise ConfigError(
             f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(fields)}"
-            + (f" (did you mean {section}.{close[0]}?)" if close and close != list(fields) else "")
+            + (f" (did you mean {section}.{close[0]}?)" if close else "")
         )
     tp = typing.get_type_hints(SECTIONS[section])[key]
     value = _coerce(dotted, value, tp)
@@ -246,11 +247,25 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `--set section.key=value` overrides in order."""
+    """Apply `--set section.key=value` overrides in order.
+
+    For string keys an unquoted value is taken literally, so `data.path=2024-01-01`
+    stays a path rather than becoming a TOML date.
+    """
     for text in overrides:
         key, value = parse_override(text)
+        raw = text.split("=", 1)[1].strip()
+        if _field_type(key) is str and not isinstance(value, str) and raw[:1] not in ("'", '"'):
+            value = raw
         set_value(cfg, key, value, source=f"--set {text}")
     return cfg
+
+
+def _field_type(dotted: str):
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        return None
+    return typing.get_type_hints(SECTIONS[section]).get(key)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True) -> Config:
@@ -331,12 +346,17 @@ def validate_config(cfg: Config) -> Config:
             _check_choice(cfg, f"{section}.{f.name}")
     for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
                 "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep", "launch.nnodes",
-                "log.every", "launch.timeout_s"):
+                "log.every", "launch.timeout_s", "data.synthetic_samples", "data.synthetic_features",
+                "data.synthetic_classes", "model.width", "model.depth"):
         _positive(cfg, key)
     for key in ("train.eval_every", "train.eval_samples", "checkpoint.every", "launch.nproc_per_node",
                 "launch.max_restarts", "launch.node_rank", "optim.warmup_steps", "optim.weight_decay",
                 "optim.grad_clip", "data.prefetch", "train.sample_tokens", "train.stop_after"):
         _positive(cfg, key, 0)
+    for key in ("optim.lr", "optim.eps", "optim.momentum", "optim.weight_decay", "optim.grad_clip", "optim.min_lr_ratio"):
+        section, name = key.split(".")
+        if not math.isfinite(getattr(cfg.optim, name)):
+            raise ConfigError(f"{key} = {getattr(cfg.optim, name)} must be a finite number")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr = {cfg.optim.lr} must be > 0")
     if not 0.0 < cfg.data.val_fraction < 1.0:
@@ -352,17 +372,17 @@ def validate_config(cfg: Config) -> Config:
             f"parallel.tp = {p.tp}, parallel.pp = {p.pp}: tensor and pipeline parallelism are not available "
             "in this version of plait; set parallel.tp=1 and parallel.pp=1"
         )
+    if cfg.launch.nproc_per_node == 0 and cfg.world_size % cfg.launch.nnodes:
+        raise ConfigError(
+            f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
+            "change parallel.dp or launch.nnodes (or set launch.nproc_per_node)"
+        )
     procs = cfg.nproc_per_node * cfg.launch.nnodes
     if cfg.world_size != procs:
         raise ConfigError(
             f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp}) = {cfg.world_size} processes but the launch "
             f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({cfg.launch.nnodes}) = {procs}; "
             "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
-        )
-    if cfg.world_size % cfg.launch.nnodes:
-        raise ConfigError(
-            f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
-            "change parallel.dp or launch.nnodes"
         )
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -90,7 +91,8 @@ def stdlib_text(data_cfg, model_cfg) -> DataBundle:
 def user_text(data_cfg, model_cfg) -> DataBundle:
     path = Path(data_cfg.path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if len(files) >= 2:
             train, val = split_files(path, files, data_cfg.val_fraction)
             return _text_bundle("text", _read(train), _read(val), data_cfg, model_cfg.context)
@@ -113,11 +115,15 @@ def _split_tensors(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: fl
     return Tensors(x[t], y[t]), Tensors(x[v], y[v])
 
 
-def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float) -> DataBundle:
+def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float,
+                  num_classes: int | None = None) -> DataBundle:
     x = x.float()
     y = y.long()
+    if len(y) and int(y.min()) < 0:
+        raise DataError(f"data.name = {name!r}: labels must be class indices >= 0; found {int(y.min())}")
     train, val = _split_tensors(name, x, y, val_fraction)
-    spec = DataSpec(name=name, task="classification", input_shape=list(x.shape[1:]), num_classes=int(y.max()) + 1)
+    classes = num_classes if num_classes is not None else int(y.max()) + 1
+    spec = DataSpec(name=name, task="classification", input_shape=list(x.shape[1:]), num_classes=classes)
     return DataBundle(train, val, spec)
 
 
@@ -136,7 +142,7 @@ def synthetic(data_cfg, model_cfg) -> DataBundle:
     n, f, c = data_cfg.synthetic_samples, data_cfg.synthetic_features, data_cfg.synthetic_classes
     x = torch.randn(n, f, generator=g)
     teacher = torch.randn(f, c, generator=g)
-    return _class_bundle("synthetic", x, (x @ teacher).argmax(1), data_cfg.val_fraction)
+    return _class_bundle("synthetic", x, (x @ teacher).argmax(1), data_cfg.val_fraction, c)
 
 
 def user_tensors(data_cfg, model_cfg) -> DataBundle:
@@ -158,8 +164,10 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
             x, y = torch.from_numpy(arr[:, :-1]), torch.from_numpy(arr[:, -1])
         else:
             raise DataError(f"data.path = {str(path)!r}: unsupported suffix {path.suffix!r}; use .pt, .npz or .npy")
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, IndexError) as e:
         raise DataError(f"{path}: expected a mapping with tensors 'x' and 'y' ({e})") from None
+    except (pickle.UnpicklingError, ValueError, RuntimeError, OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read it as a {path.suffix} dataset ({e})") from None
     return _class_bundle("tensors", torch.as_tensor(x), torch.as_tensor(y), data_cfg.val_fraction)
 
 

@@ -108,12 +108,20 @@ class Strategy:
 
     # ---- checkpoints: plain names, whatever the wrapping
     def state_dict(self) -> dict:
+        """Model and optimizer *tensors*, keyed by the plain model's names.
+
+        The optimizer's param_groups (lr, betas, ...) are left out on purpose: they come
+        from the config (the lr from the step), so a resumed run takes its current config,
+        and the checkpoint holds only tensors, which DCP reads without unpickling objects.
+        """
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
 
     def load_state_dict(self, state: dict) -> None:
+        current = get_state_dict(self.model, self.optimizer)[1]
+        optim_sd = {"state": state["optim"]["state"], "param_groups": current["param_groups"]}
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+                       optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
 
     def model_state_dict(self) -> dict:
         return get_state_dict(self.model, [])[0]
