@@ -44,7 +44,7 @@ def raw_ddp(world: int, steps: int, warmup: int) -> float:
     data = build_data(cfg.data, cfg.model).train
     torch.manual_seed(t.seed)
     model = GPT(data_vocab(cfg), m.context, m.width, m.heads, m.layers, m.tie_embeddings)
-    ddp = DDP(model)
+    ddp = DDP(model, gradient_as_bucket_view=True)  # the same DDP options plait uses: this measures the loop
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},

@@ -150,3 +150,26 @@ def test_out_dir_of_an_existing_run_is_refused(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     r = plait("train", "--out", tmp_path / "run", timeout=60)
     assert r.returncode == 2 and f"continue it with --resume {tmp_path / 'run'}" in r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_form_one_job(tiny_config, tmp_path):
+    """The same command on two 'machines' (here two launchers on loopback) joins one 2-process job."""
+    run, port = tmp_path / "multi", _free_port()
+    common = ["-m", "plait", "train", str(tiny_config), "--out", str(run), "--set", "train.steps=4",
+              "--set", "launch.nnodes=2", "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}"]
+    nodes = [subprocess.Popen([sys.executable, *common, "--set", f"launch.node_rank={r}"], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert sum("2 processes (dp=2, ddp)" in o for o in outs) == 1  # one job, one rank 0

@@ -46,7 +46,8 @@ def cmd_train(a) -> int:
     else:
         cfg = load_config(a.config, a.set)
         run_dir = Path(a.out) if a.out else _default_run_dir()
-        if (run_dir / "checkpoints").exists() and not under_torchrun():
+        first_node = cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
+        if (run_dir / "checkpoints").exists() and first_node and not under_torchrun():
             raise ConfigError(
                 f"--out {run_dir} already holds a run; continue it with --resume {run_dir} or choose another --out"
             )
