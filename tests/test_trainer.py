@@ -122,3 +122,19 @@ def test_loss_is_a_global_batch_mean_whatever_the_split():
     whole = lm_loss(logits, y)
     split = sum(lm_loss(logits[i:i + 2], y[i:i + 2]) * (2 / 8) for i in range(0, 8, 2))
     assert float(whole) == pytest.approx(float(split), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_keeps_the_trajectory(tiny_text):
+    plain = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=3"), None)
+    compiled = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=3", "train.compile=true"), None)
+    assert max_diff(plain, compiled) <= 1e-4  # inductor fuses ops: float rounding differs, training does not
+
+
+def test_periodic_evaluation_is_logged(tiny_text, tmp_path):
+    params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=10", "train.eval_every=4"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [s for s, _ in evals] == [4, 8, 10]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert evals[-1][1] == summary["val_loss"] and evals[0][1] > evals[-1][1]
