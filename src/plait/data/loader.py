@@ -42,17 +42,13 @@ class StepLoader:
         stop = threading.Event()
 
         def work() -> None:
+            # A blocking put, no polling: a thread that wakes up on a timer steals CPU and the GIL
+            # from the training thread when each rank has a single core.
             try:
                 for step in range(self.start, self.stop):
-                    item = self._make(step)
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
                     if stop.is_set():
                         return
+                    q.put(self._make(step))
             except BaseException as e:  # surfaced in the consumer
                 q.put(e)
 
@@ -66,3 +62,8 @@ class StepLoader:
                 yield item
         finally:
             stop.set()
+            while t.is_alive():  # unblock a producer waiting on a full queue so that it sees `stop`
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    t.join(timeout=0.01)
