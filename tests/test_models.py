@@ -43,7 +43,7 @@ def test_gpt_output_shape(gpt):
     out = gpt(idx)
     assert out.shape == (3, 5, V) and out.dtype == torch.float32
     assert gpt(torch.randint(0, V, (2, C))).shape == (2, C, V)
-    assert isinstance(gpt.blocks, nn.ModuleList) and len(gpt.blocks) == L
+    assert isinstance(gpt.blocks, nn.ModuleDict) and list(gpt.blocks) == [str(i) for i in range(L)]
 
 
 def test_tied_embeddings_share_storage(gpt):

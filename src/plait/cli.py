@@ -4,6 +4,7 @@
     plait config show [CONFIG] [--set ...]
     plait export RUN_DIR [-o FILE]
     plait report RUN_DIR
+    plait bench WHAT ...
 
 Errors a user can fix print as one or two lines and exit with status 2.
 """
@@ -116,7 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="(re)write RUN_DIR/report.html from its metrics")
     r.add_argument("run_dir", type=Path)
     r.set_defaults(fn=cmd_report)
+
+    b = sub.add_parser("bench", help="measure plait on this machine")
+    bench = b.add_subparsers(dest="bench_verb", required=True, metavar="WHAT")
+    for name in VERB_MODULES:
+        _load_verbs(name).add_parsers(sub, bench)
     return p
+
+
+# Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
+# top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
+VERB_MODULES: tuple[str, ...] = ()
+
+
+def _load_verbs(name: str):
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, width)
         self.pos_emb = nn.Embedding(context, width)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        # A ModuleDict keyed "0", "1", ...: a pipeline stage deletes the blocks it does not own and the
+        # remaining ones keep their names (blocks.5.*), so checkpoints stay layout-free.
+        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout) for i in range(layers)})
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         if tie_embeddings:
@@ -89,14 +91,28 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, time) -> logits (batch, time, vocab).
+
+        A pipeline stage without the embeddings takes hidden states instead of ids, and one
+        without the head returns hidden states (see plait.parallel.split).
+        """
         t = idx.shape[1]
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+        if self.tok_emb is not None:
+            pos = torch.arange(t, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        else:
+            x = idx
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+    def pipeline_parts(self) -> dict:
+        """How to cut the model into pipeline stages: the repeated blocks, and what goes before and after them."""
+        return {"blocks": "blocks", "first": ["tok_emb", "pos_emb", "drop"], "last": ["ln_f", "head"]}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -13,7 +13,10 @@ from plait.parallel.ddp import DDPStrategy, apply_ddp
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (`model.blocks`, a ModuleList or ModuleDict), or none."""
     blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 

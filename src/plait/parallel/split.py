@@ -1,0 +1,104 @@
+"""Cut a model into pipeline stages by its blocks: used by pipeline training and pipeline serving.
+
+A model that can be cut exposes `pipeline_parts()` -> {"blocks": attribute name of an
+nn.ModuleDict of blocks keyed "0".."L-1", "first": [modules only the first stage keeps],
+"last": [modules only the last stage keeps]}; its forward must skip parts that are None
+(see plait.models.gpt.GPT.forward). A stage keeps the plain model's parameter names.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+
+from plait.errors import ConfigError
+
+
+def balanced_bounds(sizes: list[int], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) block ranges, one per stage, minimising the largest stage's total size.
+
+    Every stage gets at least one block. Ties go to the earlier cut (the first stage also holds
+    the embeddings in a GPT, so it should not take more blocks).
+    """
+    n = len(sizes)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"cannot cut {n} blocks into {stages} pipeline stages; set parallel.pp between 1 and {n}")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the smallest possible max stage size cutting the first i blocks into k stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+def bounds_from_split(split: list[int], n_blocks: int) -> list[tuple[int, int]]:
+    """Stage ranges from user cut points: pp_split = [3, 6] on 8 blocks -> [(0, 3), (3, 6), (6, 8)]."""
+    points = [0, *split, n_blocks]
+    if any(b <= a for a, b in zip(points, points[1:])):
+        raise ConfigError(
+            f"parallel.pp_split = {split} must be increasing block indices strictly between 0 and {n_blocks}; "
+            f"e.g. [{n_blocks // 2}] for 2 stages"
+        )
+    return list(zip(points, points[1:]))
+
+
+def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) -> list[tuple[int, int]]:
+    """Block ranges per stage: the user's split if given, else balanced by parameter count."""
+    blocks = getattr(model, model.pipeline_parts()["blocks"])
+    if split:
+        if len(split) != stages - 1:
+            raise ConfigError(f"parallel.pp_split = {split} gives {len(split) + 1} stages but parallel.pp = {stages}; "
+                              f"give {stages - 1} cut points")
+        return bounds_from_split(list(split), len(blocks))
+    # Embeddings count towards the first block and the head towards the last (tied weights once).
+    seen: set[int] = set()
+
+    def size(modules) -> int:
+        total = 0
+        for m in modules:
+            for p in (m.parameters() if m is not None else []):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+        return total
+
+    parts = model.pipeline_parts()
+    sizes = [size([b]) for b in blocks.values()]
+    sizes[0] += size(getattr(model, n) for n in parts["first"])
+    sizes[-1] += size(getattr(model, n) for n in parts["last"])
+    return balanced_bounds(sizes, stages)
+
+
+def pipeline_stage(model: nn.Module, bounds: list[tuple[int, int]], stage: int) -> nn.Module:
+    """A copy of `model` holding only stage `stage`'s blocks (plus embeddings first, head last)."""
+    if not hasattr(model, "pipeline_parts"):
+        raise ConfigError(f"{type(model).__name__} cannot be split into pipeline stages: it has no pipeline_parts()")
+    parts = model.pipeline_parts()
+    start, stop = bounds[stage]
+    part = copy.deepcopy(model)
+    blocks = getattr(part, parts["blocks"])
+    for name in list(blocks.keys()):
+        if not start <= int(name) < stop:
+            del blocks[name]
+    if stage != 0:
+        for name in parts["first"]:
+            setattr(part, name, None)
+    if stage != len(bounds) - 1:
+        for name in parts["last"]:
+            setattr(part, name, None)
+    return part
