@@ -100,9 +100,29 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = opt(2, "data-parallel degree (replicas, DDP all-reduce)")
-    tp: int = opt(1, "tensor-parallel degree")
-    pp: int = opt(1, "pipeline-parallel degree")
+    dp: int = opt(2, "data-parallel degree (model replicas)")
+    tp: int = opt(1, "tensor-parallel degree (each block's matrices split across ranks)")
+    pp: int = opt(1, "pipeline-parallel degree (stages of consecutive blocks)")
+    zero: int = opt(0, "ZeRO stage on the dp axis: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters",
+                    (0, 1, 2, 3))
+    offload: str = opt("none", "ZeRO: keep shards in CPU memory on GPU runs: none, optimizer or params",
+                       ("none", "optimizer", "params"))
+    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved-1f1b", ("gpipe", "1f1b", "interleaved-1f1b"))
+    microbatches: int = opt(0, "pipeline micro-batches per step (0: global_batch_size / (micro_batch_size * dp))")
+    virtual_stages: int = opt(1, "interleaved-1f1b: model chunks per pipeline rank")
+    pp_split: list = opt([], "block indices where pipeline stages begin, e.g. [2] (empty: balance by parameters)")
+    sequence_parallel: bool = opt(False, "with tp: shard LayerNorm/dropout activations along the sequence")
+    sync: str = opt("allreduce", "how dp replicas agree: allreduce, ps (parameter server) or gossip",
+                    ("allreduce", "ps", "gossip"))
+    ps_servers: int = opt(1, "ps: parameter-server processes, in addition to the dp workers")
+    ps_mode: str = opt("sync", "ps: sync, async, or ssp (bounded staleness)", ("sync", "async", "ssp"))
+    staleness: int = opt(0, "ps ssp: steps a worker may run ahead of the slowest one")
+    gossip_every: int = opt(1, "gossip: average with graph neighbours every N steps")
+    gossip_topology: str = opt("ring", "gossip: ring or exponential graph", ("ring", "exponential"))
+    compression: str = opt("none", "dp all-reduce compression: none, fp16, bf16, powersgd, topk or int8",
+                           ("none", "fp16", "bf16", "powersgd", "topk", "int8"))
+    powersgd_rank: int = opt(2, "compression = powersgd: rank of the low-rank approximation")
+    topk_ratio: float = opt(0.01, "compression = topk: fraction of gradient entries sent")
 
 
 @dataclass
@@ -150,8 +170,9 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: dp * tp * pp."""
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+        """Processes the layout needs: dp * tp * pp (plus the servers of a parameter server)."""
+        extra = self.parallel.ps_servers if self.parallel.sync == "ps" else 0
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp + extra
 
     @property
     def nproc_per_node(self) -> int:
@@ -322,6 +343,26 @@ def format_config(cfg: Config) -> str:
 
 # --------------------------------------------------------------------------- validation
 
+# Keys whose non-default values name schemes this version cannot run yet: (key, default, what).
+UNAVAILABLE: list[tuple[str, object, str]] = [
+    ("parallel.tp", 1, "tensor parallelism"),
+    ("parallel.pp", 1, "pipeline parallelism"),
+    ("parallel.zero", 0, "ZeRO sharding"),
+    ("parallel.offload", "none", "ZeRO offload"),
+    ("parallel.sync", "allreduce", "parameter-server and gossip synchronisation"),
+    ("parallel.compression", "none", "gradient compression"),
+]
+
+
+def _refuse_unavailable(cfg: Config) -> None:
+    for key, default, what in UNAVAILABLE:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != default:
+            raise ConfigError(
+                f"{key} = {value!r}: {what} is not available in this version of plait; set {key}={default!r}"
+            )
+
 
 def _check_choice(cfg: Config, dotted: str) -> None:
     section, key = dotted.split(".")
@@ -367,11 +408,7 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError(f"optim.betas = {cfg.optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
 
     p, t = cfg.parallel, cfg.train
-    if p.tp > 1 or p.pp > 1:
-        raise ConfigError(
-            f"parallel.tp = {p.tp}, parallel.pp = {p.pp}: tensor and pipeline parallelism are not available "
-            "in this version of plait; set parallel.tp=1 and parallel.pp=1"
-        )
+    _refuse_unavailable(cfg)
     if cfg.launch.nproc_per_node == 0 and cfg.world_size % cfg.launch.nnodes:
         raise ConfigError(
             f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
