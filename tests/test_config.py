@@ -466,7 +466,8 @@ def test_format_config_lists_every_field_with_its_doc():
         header, *lines = chunk.splitlines()
         blocks[header] = lines
     assert list(blocks) == [f"[{s}]" for s in SECTIONS]
-    assert list(SECTIONS) == ["model", "data", "train", "optim", "parallel", "precision", "checkpoint", "launch", "log"]
+    assert list(SECTIONS) == ["model", "data", "train", "optim", "parallel", "precision", "checkpoint", "launch", "log",
+                             "federated"]
     for section, section_type in SECTIONS.items():
         lines = blocks[f"[{section}]"]
         fields = dataclasses.fields(section_type)

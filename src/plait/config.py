@@ -157,6 +157,44 @@ class LogConfig:
 
 
 @dataclass
+class FederatedConfig:
+    strategy: str = opt("fedavg", "plait fed: fedavg, fedprox (+ mu), fedadam (server Adam) or fedsgd (the one-gradient baseline)",
+                        ("fedavg", "fedprox", "fedadam", "fedsgd"))
+    rounds: int = opt(30, "plait fed: communication rounds")
+    clients: int = opt(10, "plait fed: data owners; the training set is partitioned into this many parts")
+    clients_per_round: float = opt(1.0, "plait fed: clients sampled per round: a fraction (<= 1) or a count (> 1)")
+    min_clients: int = opt(2, "plait fed: quorum; a round with fewer valid updates by its deadline leaves the model as it is")
+    local_epochs: int = opt(2, "plait fed: passes over its own data each client makes per round (fedsgd: one full-batch gradient)")
+    local_batch_size: int = opt(16, "plait fed: samples per local SGD step")
+    local_lr: float = opt(0.05, "plait fed: clients' SGD learning rate (fedsgd: the server's gradient step)")
+    local_momentum: float = opt(0.0, "plait fed: clients' SGD momentum (reset every round)")
+    mu: float = opt(0.01, "plait fed: fedprox proximal weight: clients add mu/2 * |w - w_global|^2 to their loss")
+    server_lr: float = opt(0.0, "plait fed: server step on the averaged update; 0 = 1.0 (fedavg/fedprox/fedsgd) or 0.01 (fedadam)")
+    server_betas: list = opt([0.9, 0.99], "plait fed: fedadam (beta1, beta2) of the server optimizer")
+    server_tau: float = opt(1e-3, "plait fed: fedadam adaptivity tau (Adam's epsilon, Reddi et al. 2021)")
+    partition: str = opt("dirichlet", "plait fed: how the training set is split: iid, dirichlet (label skew, alpha) or shards",
+                         ("iid", "dirichlet", "shards"))
+    alpha: float = opt(0.5, "plait fed: Dirichlet concentration; small = each client sees few labels")
+    shards_per_client: int = opt(2, "plait fed: partition = shards: label-sorted shards each client gets")
+    aggregator: str = opt("mean", "plait fed: combine updates by weighted mean, coordinate-wise median or trimmed_mean",
+                          ("mean", "median", "trimmed_mean"))
+    trim_fraction: float = opt(0.1, "plait fed: trimmed_mean: share of the largest and of the smallest values dropped per coordinate")
+    clip_norm: float = opt(0.0, "plait fed: the server scales every update's L2 norm down to this (0: off)")
+    norm_bound: float = opt(5.0, "plait fed: updates above this multiple of the round's median norm are scaled to it (0: off)")
+    secure_aggregation: bool = opt(False, "plait fed: pairwise-masked updates; the server learns only their sum (Bonawitz et al.)")
+    dp_noise_multiplier: float = opt(0.0, "plait fed: client-level DP: Gaussian noise std / clip norm (0: no DP)")
+    dp_clip_norm: float = opt(1.0, "plait fed: client-level DP: each client's update is clipped to this L2 norm")
+    dp_delta: float = opt(1e-5, "plait fed: client-level DP: the delta of the (epsilon, delta) reported per round")
+    round_deadline_s: float = opt(60.0, "plait fed server: seconds a round waits for its clients before using the quorum")
+    start_timeout_s: float = opt(300.0, "plait fed server: seconds to wait for min_clients clients to connect")
+    heartbeat_timeout_s: float = opt(10.0, "plait fed server: a client silent this long is not sampled")
+    host: str = opt("127.0.0.1", "plait fed server: address to bind (0.0.0.0 to accept other machines)")
+    port: int = opt(8470, "plait fed server: TCP port (0: any free port, written to RUN_DIR/endpoint.json)")
+    stop_at_accuracy: float = opt(0.0, "plait fed: end the run once test accuracy reaches this (0: run every round)")
+    sim_dropout: float = opt(0.0, "plait fed simulate: chance that a sampled client drops out mid-round")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -167,6 +205,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
 
     @property
     def world_size(self) -> int:
@@ -347,11 +386,13 @@ def format_config(cfg: Config) -> str:
 UNAVAILABLE: list[tuple[str, object, str]] = [
     ("parallel.tp", 1, "tensor parallelism"),
     ("parallel.pp", 1, "pipeline parallelism"),
-    ("parallel.zero", 0, "ZeRO sharding"),
-    ("parallel.offload", "none", "ZeRO offload"),
     ("parallel.sync", "allreduce", "parameter-server and gossip synchronisation"),
     ("parallel.compression", "none", "gradient compression"),
 ]
+
+
+# Optimizers whose update is elementwise, so that ZeRO's per-shard step equals the full one.
+SHARDABLE_OPTIMIZERS = ("adamw", "sgd")
 
 
 def _refuse_unavailable(cfg: Config) -> None:
@@ -421,6 +462,21 @@ def validate_config(cfg: Config) -> Config:
             f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({cfg.launch.nnodes}) = {procs}; "
             "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
         )
+    if p.zero and p.dp == 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} shards over the data-parallel axis, but parallel.dp = 1; "
+            "set parallel.dp >= 2 or parallel.zero=0"
+        )
+    if p.offload != "none" and p.zero < 2:
+        raise ConfigError(
+            f"parallel.offload = {p.offload!r} moves ZeRO shards to CPU memory and needs parallel.zero = 2 or 3 "
+            f"(it is {p.zero}); set parallel.zero=3 or parallel.offload='none'"
+        )
+    if p.zero and cfg.optim.name not in SHARDABLE_OPTIMIZERS:
+        raise ConfigError(
+            f"optim.name = {cfg.optim.name!r} cannot be sharded by ZeRO (its update is not elementwise); "
+            f"use one of {', '.join(SHARDABLE_OPTIMIZERS)} or set parallel.zero=0"
+        )
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -470,4 +526,55 @@ def validate_config(cfg: Config) -> Config:
             )
     if cfg.data.name in ("text", "tensors") and not cfg.data.path:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
+    _validate_federated(cfg)
     return cfg
+
+
+def _validate_federated(cfg: Config) -> None:
+    """The [federated] section: ranges, and the combinations a federated round cannot run."""
+    f = cfg.federated
+    for key in ("rounds", "clients", "min_clients", "local_epochs", "local_batch_size", "shards_per_client"):
+        _positive(cfg, f"federated.{key}")
+    for key in ("mu", "server_lr", "clip_norm", "norm_bound", "dp_noise_multiplier", "port", "stop_at_accuracy"):
+        _positive(cfg, f"federated.{key}", 0)
+    for key in ("clients_per_round", "local_lr", "local_momentum", "mu", "server_lr", "server_tau", "alpha", "trim_fraction",
+                "clip_norm", "norm_bound", "dp_noise_multiplier", "dp_clip_norm", "dp_delta", "round_deadline_s",
+                "start_timeout_s", "heartbeat_timeout_s", "stop_at_accuracy", "sim_dropout"):
+        if not math.isfinite(getattr(f, key)):
+            raise ConfigError(f"federated.{key} = {getattr(f, key)} must be a finite number")
+    for key in ("clients_per_round", "local_lr", "server_tau", "alpha", "dp_clip_norm", "round_deadline_s", "start_timeout_s",
+                "heartbeat_timeout_s"):
+        if getattr(f, key) <= 0:
+            raise ConfigError(f"federated.{key} = {getattr(f, key)} must be > 0")
+    if f.clients_per_round > 1 and (f.clients_per_round != int(f.clients_per_round) or f.clients_per_round > f.clients):
+        raise ConfigError(
+            f"federated.clients_per_round = {f.clients_per_round}: above 1 it is a count of clients and must be a whole "
+            f"number <= federated.clients ({f.clients}); or give a fraction in (0, 1]"
+        )
+    if f.min_clients > f.clients:
+        raise ConfigError(f"federated.min_clients ({f.min_clients}) must be <= federated.clients ({f.clients})")
+    if f.port > 65535:
+        raise ConfigError(f"federated.port = {f.port} must be in 0..65535")
+    if not 0 <= f.trim_fraction < 0.5:
+        raise ConfigError(f"federated.trim_fraction = {f.trim_fraction} must be in [0, 0.5)")
+    if not (0 < f.dp_delta < 1):
+        raise ConfigError(f"federated.dp_delta = {f.dp_delta} must be in (0, 1)")
+    if not (0 <= f.sim_dropout < 1) or not (0 <= f.local_momentum < 1) or f.stop_at_accuracy > 1:
+        raise ConfigError(
+            f"federated.sim_dropout ({f.sim_dropout}) and federated.local_momentum ({f.local_momentum}) must be in [0, 1), "
+            f"federated.stop_at_accuracy ({f.stop_at_accuracy}) in [0, 1]"
+        )
+    if len(f.server_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in f.server_betas):
+        raise ConfigError(f"federated.server_betas = {f.server_betas} must be two numbers in [0, 1), e.g. [0.9, 0.99]")
+    if f.partition == "shards" and f.clients * f.shards_per_client < 1:
+        raise ConfigError("federated.partition = 'shards' needs clients * shards_per_client >= 1")
+    if f.secure_aggregation and f.aggregator != "mean":
+        raise ConfigError(
+            f"federated.aggregator = {f.aggregator!r} needs each update in the clear, but federated.secure_aggregation = true "
+            "shows the server only their sum; set federated.aggregator='mean' or secure_aggregation=false"
+        )
+    if f.dp_noise_multiplier > 0 and f.aggregator != "mean":
+        raise ConfigError(
+            f"federated.aggregator = {f.aggregator!r} with differential privacy: the accountant covers the noised mean only; "
+            "set federated.aggregator='mean' or federated.dp_noise_multiplier=0"
+        )

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from plait.parallel.base import Precision, Strategy
 from plait.parallel.ddp import DDPStrategy, apply_ddp
+from plait.parallel.fsdp import FSDPStrategy, apply_fsdp
+from plait.parallel.zero import ZeroOneStrategy
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -39,25 +41,48 @@ def apply_compile(model: nn.Module) -> nn.Module:
 
 
 def parallelize(model: nn.Module, cfg, rt) -> nn.Module:
-    """Apply the configured schemes to a plain model in the fixed order; returns what forward runs."""
+    """Apply the configured schemes to a plain model in the fixed order; returns what forward runs.
+
+    Order: activation checkpointing -> compile -> data parallel (DDP, or FSDP2 for ZeRO-2/3;
+    ZeRO-1 shards only the optimizer and is set up by its strategy).
+    """
     if cfg.train.activation_checkpointing:
         model = apply_activation_checkpointing(model)
     if cfg.train.compile:
         model = apply_compile(model)
-    if rt.axis_size("dp") > 1:
+    dp, zero = rt.axis_size("dp"), cfg.parallel.zero
+    if dp > 1 and zero >= 2:
+        offload = cfg.parallel.offload != "none" and rt.device.type != "cpu"
+        model = apply_fsdp(model, rt.mesh["dp"], zero, param_dtype=cfg.precision.dtype, offload=offload)
+    elif dp > 1 and zero == 0:
         model = apply_ddp(model, rt.mesh["dp"], rt.device)
     return model
 
 
 def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn: Callable) -> Strategy:
-    """Parallelize the plain module, then build the optimizer over the result and the step owner."""
+    """Parallelize the plain module, then build the optimizer over the result and the step owner.
+
+    make_optimizer(module, only=None) builds the optimizer over module's parameters (or the
+    subset whose ids are in `only`).
+    """
+    if cfg.parallel.offload != "none" and rt.device.type == "cpu" and rt.is_main:
+        print(f"note: parallel.offload = {cfg.parallel.offload!r} has no effect on a CPU run (the shards already "
+              "live in CPU memory)", flush=True)
     model = parallelize(module, cfg, rt)
-    optimizer = make_optimizer(module)
     precision = Precision(cfg.precision.dtype, rt.device)
-    local_batch = cfg.train.global_batch_size // rt.axis_size("dp")
-    cls = DDPStrategy if rt.axis_size("dp") > 1 else Strategy
+    dp, zero = rt.axis_size("dp"), cfg.parallel.zero
+    local_batch = cfg.train.global_batch_size // dp
+    if dp > 1 and zero == 1:
+        return ZeroOneStrategy(module, make_optimizer, loss_fn, precision, local_batch, rt.axis_group("dp"))
+    optimizer = make_optimizer(module)
+    if dp > 1 and zero >= 2:
+        # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
+        return FSDPStrategy(model, module, optimizer, loss_fn, Precision("fp32", rt.device) if cfg.precision.dtype == "bf16"
+                            else precision, local_batch, stage=zero, dp_group=rt.axis_group("dp"))
+    cls = DDPStrategy if dp > 1 else Strategy
     return cls(model, module, optimizer, loss_fn, precision, local_batch)
 
 
-__all__ = ["Precision", "Strategy", "DDPStrategy", "parallelize", "build_strategy", "apply_ddp",
+__all__ = ["Precision", "Strategy", "DDPStrategy", "FSDPStrategy", "ZeroOneStrategy", "parallelize", "build_strategy",
+           "apply_ddp", "apply_fsdp",
            "apply_activation_checkpointing", "apply_compile"]

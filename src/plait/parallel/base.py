@@ -41,9 +41,18 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def unscale(self, optimizer) -> None:
-        if self.scaler:
-            self.scaler.unscale_(optimizer)
+    def unscale(self, optimizer, group=None) -> None:
+        """Unscale gradients; with sharded gradients (`group` given) every rank must agree on an overflow."""
+        if not self.scaler:
+            return
+        self.scaler.unscale_(optimizer)
+        if group is not None:
+            import torch.distributed as dist
+
+            # GradScaler decides per rank; a shard with an inf must make every rank skip the step.
+            state = self.scaler._per_optimizer_states[id(optimizer)]
+            for found in state["found_inf_per_device"].values():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
 
     def step(self, optimizer) -> None:
         if self.scaler:
@@ -73,6 +82,7 @@ class Strategy:
         self.loss_fn = loss_fn
         self.precision = precision
         self.local_batch = local_batch  # samples per step on this data-parallel rank
+        self.activation_meter = None  # set by the trainer on the steps where it measures memory
 
     def no_sync(self):
         """Context in which backward does not synchronise gradients (all but the last micro-batch)."""
@@ -89,8 +99,9 @@ class Strategy:
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync() if i < last else contextlib.nullcontext()
+            meter = self.activation_meter.measure() if self.activation_meter else contextlib.nullcontext()
             with ctx:
-                with self.precision.autocast():
+                with meter, self.precision.autocast():
                     loss = self.loss_fn(self.model(x), y) * (len(x) / self.local_batch)
                 self.precision.backward(loss)
             total += loss.detach()
@@ -123,5 +134,9 @@ class Strategy:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
 
-    def model_state_dict(self) -> dict:
-        return get_state_dict(self.model, [])[0]
+    def full_model_state_dict(self) -> dict:
+        """The whole model's weights on every rank, plain names (a collective when parameters are sharded)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu().clone() for k, v in sd.items()}

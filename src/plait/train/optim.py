@@ -8,20 +8,21 @@ import torch
 import torch.nn as nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices and embeddings decay; biases and norm scales do not."""
+def param_groups(model: nn.Module, weight_decay: float, only: set[int] | None = None) -> list[dict]:
+    """Matrices and embeddings decay; biases and norm scales do not. `only`: ids of the parameters to include."""
     decay, no_decay = [], []
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and (only is None or id(p) in only):
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    if not groups:
+        raise ValueError("no trainable parameters to optimize")
     return groups
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    groups = param_groups(model, optim_cfg.weight_decay)
+def build_optimizer(model: nn.Module, optim_cfg, only: set[int] | None = None) -> torch.optim.Optimizer:
+    """The configured optimizer over the model's parameters (or the subset `only`, by id)."""
+    groups = param_groups(model, optim_cfg.weight_decay, only)
     if optim_cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
     return torch.optim.SGD(groups, lr=optim_cfg.lr, momentum=optim_cfg.momentum)

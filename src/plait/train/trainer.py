@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from plait.comm import CommCounter, counting
 from plait.config import Config, dump_config
 from plait.data import DataBundle, build_data
 from plait.data.datasets import eval_batches
@@ -29,6 +30,7 @@ from plait.parallel import Strategy, build_strategy
 from plait.runtime import Runtime, init_runtime, mix_seed, seed_all
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.loss import loss_for
+from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.progress import Progress
@@ -40,6 +42,15 @@ class TrainResult:
     module: nn.Module  # the plain model, single-process parameter names
     strategy: Strategy
     runtime: Runtime
+
+
+def _gather(obj, rt: Runtime) -> list:
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    if not rt.distributed:
+        return [obj]
+    out = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _dp_mean(value: torch.Tensor, rt: Runtime) -> float:
@@ -65,10 +76,17 @@ def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -
     model = strategy.model
     was_training = model.training
     model.eval()
+    rounds = -(-len(batches) // dp)
     with torch.no_grad():
-        for i, idx in enumerate(batches):
-            if i % dp != r:
+        for k in range(rounds):
+            i = k * dp + r
+            if i >= len(batches):
+                # Sharded parameters are gathered collectively: every rank runs as many forwards.
+                x, _ = dataset.fetch(batches[0])
+                with strategy.precision.autocast():
+                    model(x.to(rt.device))
                 continue
+            idx = batches[i]
             x, y = dataset.fetch(idx)
             x, y = x.to(rt.device), y.to(rt.device)
             with strategy.precision.autocast():
@@ -119,7 +137,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     spec = bundle.spec
     seed_all(cfg.train.seed)
     module = build_model(cfg.model, spec).to(rt.device)
-    strategy = build_strategy(module, cfg, rt, lambda m: build_optimizer(m, cfg.optim), loss_for(spec))
+    strategy = build_strategy(module, cfg, rt, lambda m, only=None: build_optimizer(m, cfg.optim, only), loss_for(spec))
 
     start = 0
     if resume and run_dir is not None:
@@ -163,6 +181,11 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
 
     strategy.model.train()
     step = start
+    comm = CommCounter()
+    meter = ActivationMeter()
+    grads_seen = 0
+    measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
+    window_comm = 0.0
     batches = iter(loader)
     try:
         for _ in range(start, stop):
@@ -173,11 +196,18 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
             if cfg.model.dropout > 0:
                 # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
                 torch.manual_seed(mix_seed(cfg.train.seed, step, rt.rank))
-            with timer.phase("forward_backward"):
-                loss = strategy.forward_backward(micro)
-            with timer.phase("optimizer"):
-                grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
-                strategy.optimizer_step()
+            measuring = step + 1 in measure_at
+            strategy.activation_meter = meter if measuring else None
+            sent_before = comm.bytes_sent
+            with counting(comm):
+                with timer.phase("forward_backward"):
+                    loss = strategy.forward_backward(micro)
+                if measuring:
+                    grads_seen = max(grads_seen, grads_bytes(strategy.module))
+                with timer.phase("optimizer"):
+                    grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
+                    strategy.optimizer_step()
+            window_comm += comm.bytes_sent - sent_before
             timer.steps += 1
             window_loss += loss
             window_steps += 1
@@ -194,14 +224,14 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
                 record = {
                     "step": step, "loss": mean_loss, "lr": strategy.optimizer.param_groups[0]["lr"],
                     rate_key: cfg.train.global_batch_size * per_sample / step_time, "step_time_s": step_time,
-                    "time": timer.window(),
+                    "time": timer.window(), "comm_bytes": window_comm / window_steps,
                 }
                 if grad_norm is not None:
                     record["grad_norm"] = float(grad_norm)
                 writer.write(record)
                 progress.update(step, mean_loss, record[rate_key], force_line=True)
                 window_loss.zero_()
-                window_steps, window_t0 = 0, time.perf_counter()
+                window_steps, window_t0, window_comm = 0, time.perf_counter(), 0.0
             else:
                 progress.update(step, None, None)
 
@@ -221,9 +251,15 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
         progress.close()
     loop_time = time.perf_counter() - loop_t0
 
+    strategy.activation_meter = None
+    memory = snapshot(strategy.module, strategy.optimizer, grads_seen, meter.peak, rt.device)
+    comm_per_step = comm.bytes_sent / loop_steps if loop_steps else 0.0
+    per_rank = _gather([memory, comm_per_step], rt)
+
     final_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
     writer.write({"step": step, **final_eval})
-    sample = generate_sample(module, bundle, cfg, rt.device) if rt.is_main else None
+    # Every rank generates (the same text): sharded parameters are gathered collectively.
+    sample = generate_sample(module, bundle, cfg, rt.device)
 
     summary = {
         "steps": step,
@@ -244,6 +280,8 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
         "train_time_s": loop_time,
         rate_key: (loop_steps * cfg.train.global_batch_size * per_sample / loop_time) if loop_steps else None,
     }
+    summary["memory"] = {"per_rank": [m for m, _ in per_rank]}
+    summary["comm"] = {"bytes_per_step_per_rank": [c for _, c in per_rank]}
     if lm:
         summary["unigram_val_loss"] = bundle.unigram_val_loss
     if sample is not None:

@@ -1,0 +1,139 @@
+"""Bytes on the wire, counted by wrapping torch.distributed's collectives.
+
+    counter = CommCounter()
+    with counting(counter):
+        ...                       # DDP (through a Python comm hook), FSDP2, ZeRO-1, pipeline sends
+    counter.bytes_sent            # bytes this rank sent
+
+Every collective call is intercepted and its tensors measured; the bytes *this rank
+sends* follow from the tensor sizes and the group size n by the ring algorithm, the
+model behind nccl-tests' bus bandwidth:
+
+    all_reduce(B)                  2 (n-1)/n * B
+    all_gather(output B)           (n-1)/n * B
+    reduce_scatter(input B)        (n-1)/n * B
+    broadcast(B), reduce(B)        (n-1)/n * B   (pipelined chain: all but one rank forward B)
+    all_to_all(input B)            (n-1)/n * B
+    send(B)                        B
+
+so the ZeRO paper's volumes can be checked: data parallel moves 2 Psi per step
+(all-reduce, or reduce-scatter + all-gather), ZeRO-3 3 Psi.
+
+Not seen: DTensor's functional collectives (torch.distributed._functional_collectives), which
+bypass these Python entry points; FSDP2 reduces a gradient-norm scalar that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+# op name -> (the parameter naming the tensor(s) that size it, factor(n)); bytes sent = factor(n) * bytes
+RULES: dict[str, tuple[str, object]] = {
+    "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather": ("tensor_list", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
+    "broadcast": ("tensor", lambda n: (n - 1) / n),
+    "reduce": ("tensor", lambda n: (n - 1) / n),
+    "all_to_all_single": ("input", lambda n: (n - 1) / n),
+    "send": ("tensor", lambda n: 1.0),
+    "isend": ("tensor", lambda n: 1.0),
+}
+# Deprecated spellings (all_gather_into_tensor, reduce_scatter_tensor) forward to the *_single functions
+# through distributed_c10d's module globals, which are wrapped too: they are counted there.
+
+
+class CommCounter:
+    """Bytes sent and calls made by this rank, in total and per operation."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0.0
+        self.by_op: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+
+    def add(self, op: str, nbytes: float) -> None:
+        self.bytes_sent += nbytes
+        self.by_op[op] += nbytes
+        self.calls[op] += 1
+
+
+_active: list[CommCounter] = []
+_local = threading.local()
+
+
+def _wrap(op: str, fn):
+    tensor_name, factor = RULES[op]
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        depth = getattr(_local, "depth", 0)
+        if depth == 0 and _active:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            n = _group_size(bound.get("group"))
+            sent = factor(n) * _nbytes(bound.get(tensor_name)) if n > 1 or op in ("send", "isend") else 0.0
+            for c in _active:
+                c.add(op, sent)
+        _local.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.depth = depth
+
+    wrapper.__plait_counted__ = fn
+    return wrapper
+
+
+_installed: dict[tuple[object, str], object] = {}
+
+
+def _install() -> None:
+    for op in RULES:
+        for mod in (dist, c10d):
+            fn = getattr(mod, op, None)
+            if fn is None or hasattr(fn, "__plait_counted__"):
+                continue
+            _installed[(mod, op)] = fn
+            setattr(mod, op, _wrap(op, fn))
+
+
+def _uninstall() -> None:
+    for (mod, op), fn in _installed.items():
+        setattr(mod, op, fn)
+    _installed.clear()
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter):
+    """Count this rank's collectives into `counter` while the context is open (nestable)."""
+    if not _active:
+        _install()
+    _active.append(counter)
+    try:
+        yield counter
+    finally:
+        _active.remove(counter)
+        if not _active:
+            _uninstall()

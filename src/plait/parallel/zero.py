@@ -1,0 +1,97 @@
+"""ZeRO stage 1: optimizer states sharded over the dp axis (Rajbhandari et al., 2020, "P_os").
+
+Every rank keeps the full parameters and gradients; each parameter is *owned* by one
+rank (whole tensors, assigned greedily by size so the shards balance), and only the
+owner keeps its optimizer state and updates it. One step moves what the paper says
+plain data parallelism moves, 2 Psi:
+
+    backward            gradients accumulate in place into a flat buffer, owners' segments
+                        laid out rank after rank (each padded to the same length S)
+    reduce-scatter      each rank receives the averaged gradients of the parameters it owns
+    optimizer step      on owned parameters only (AdamW/SGD are elementwise: same result)
+    all-gather          every rank receives the updated parameters of all owners
+
+Parameters and gradients are views into the two flat buffers, so both collectives run
+in place and no second copy of either exists. torch's ZeroRedundancyOptimizer would
+keep DDP's all-reduce and add broadcasts (3 Psi); this is the paper's schedule.
+
+Checkpoints stay layout-free: optimizer state is keyed by parameter name and written by
+its owner, so a ZeRO-1 checkpoint loads at zero=0 and the other way round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from plait.parallel.base import Strategy
+
+
+def assign_owners(sizes: list[int], ranks: int) -> list[int]:
+    """Owner rank per parameter: largest first, each to the least-loaded rank (ties: lowest rank)."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class ZeroOneStrategy(Strategy):
+    name = "zero1"
+
+    def __init__(self, module: nn.Module, make_optimizer, loss_fn, precision, local_batch: int, dp_group):
+        self.group = dp_group
+        self.ranks = dist.get_world_size(dp_group)
+        self.rank = dist.get_rank(dp_group)
+        params = [p for p in module.parameters() if p.requires_grad]  # unique (tied weights once)
+        self.params = params
+        owner = assign_owners([p.numel() for p in params], self.ranks)
+        loads = [sum(p.numel() for p, o in zip(params, owner) if o == r) for r in range(self.ranks)]
+        self.segment = max(loads)  # S: every rank's segment is padded to this length
+        ref = params[0]
+        self.flat_params = torch.zeros(self.segment * self.ranks, dtype=ref.dtype, device=ref.device)
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        fill = [r * self.segment for r in range(self.ranks)]
+        with torch.no_grad():
+            for p, o in zip(params, owner):
+                n = p.numel()
+                view = self.flat_params[fill[o]:fill[o] + n].view_as(p)
+                view.copy_(p)
+                p.data = view
+                p.grad = self.flat_grads[fill[o]:fill[o] + n].view_as(p)
+                fill[o] += n
+        self.owned = [p for p, o in zip(params, owner) if o == self.rank]
+        self.owned_numel = loads[self.rank]
+        optimizer = make_optimizer(module, only=set(map(id, self.owned)))
+        super().__init__(module, module, optimizer, loss_fn, precision, local_batch)
+
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        loss = super().forward_backward(micro_batches)
+        lo = self.rank * self.segment
+        # In place: the output is this rank's own segment of the input buffer.
+        dist.reduce_scatter_single(self.flat_grads[lo:lo + self.segment], self.flat_grads, group=self.group)
+        self.flat_grads[lo:lo + self.segment].div_(self.ranks)
+        return loss
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+        """Global gradient norm from the owned (already averaged) segments; clips owned gradients."""
+        self.precision.unscale(self.optimizer, self.group)
+        if max_norm <= 0:
+            return None
+        lo = self.rank * self.segment
+        own = self.flat_grads[lo:lo + self.segment]
+        sq = own.double().pow(2).sum().reshape(1)
+        dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt().to(own.dtype)[0]
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        own.mul_(coef)
+        return norm
+
+    def optimizer_step(self) -> None:
+        self.precision.step(self.optimizer)
+        lo = self.rank * self.segment
+        dist.all_gather_single(self.flat_params, self.flat_params[lo:lo + self.segment], group=self.group)
+        self.flat_grads.zero_()  # gradients are views into this buffer: zero it, never drop them

@@ -1,0 +1,89 @@
+"""Memory per rank, measured from the tensors the rank actually holds (local shards, deduplicated storage).
+
+    params_bytes            parameters at rest (DTensor shards count their local piece)
+    grads_bytes             gradients right after backward (before the optimizer clears them)
+    optimizer_bytes         optimizer state tensors (only the local shard under ZeRO)
+    activations_peak_bytes  tensors saved for backward by one micro-batch's forward, at most
+    peak_rss_bytes          the process's peak resident memory (CUDA: cuda_peak_bytes as well)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        if t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        key = (t.device.type, t.device.index, st.data_ptr())
+        seen[key] = max(seen.get(key, 0), st.nbytes())
+    return sum(seen.values())
+
+
+def params_bytes(module: torch.nn.Module) -> int:
+    return storage_bytes(p for p in module.parameters())
+
+
+def grads_bytes(module: torch.nn.Module) -> int:
+    return storage_bytes(p.grad for p in module.parameters())
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward inside `measure()` (distinct storages)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self):
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            if not isinstance(t, torch.nn.Parameter) and t.numel():
+                try:
+                    st = _local(t).untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+                except (RuntimeError, NotImplementedError):
+                    pass
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak = max(self.peak, sum(seen.values()))
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def snapshot(module: torch.nn.Module, optimizer, grads: int, activations: int, device: torch.device) -> dict:
+    out = {
+        "params_bytes": params_bytes(module),
+        "grads_bytes": grads,
+        "optimizer_bytes": optimizer_bytes(optimizer),
+        "activations_peak_bytes": activations,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
