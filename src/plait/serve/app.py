@@ -1,0 +1,321 @@
+"""The ASGI app: Open Inference Protocol (KServe v2) endpoints, text generation, metrics, auth and access log.
+
+    GET  /v2/health/live, /v2/health/ready, /v2, /v2/models, /v2/models/{name}[/versions/{v}]
+    GET  /v2/models/{name}/ready, /v2/models/{name}/config
+    POST /v2/models/{name}[/versions/{v}]/infer      JSON tensors or the binary tensor data extension
+    POST /v2/repository/index                        Triton's repository-index extension
+    POST /v1/generate                                text generation (gpt), optionally server-sent events
+    GET  /metrics                                    Prometheus
+
+Handlers read raw bodies (the binary framing is not JSON), so errors are the protocol's own
+`{"error": message}` with 400/401/404/413/503/504, never FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from plait.serve.metrics import access_logger, access_record
+from plait.serve.protocol import HEADER_LENGTH, RequestError, check_inputs, decode_infer_request, encode_infer_response
+from plait.serve.service import Service
+
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes work without the token
+
+TENSOR_SCHEMA = {
+    "type": "object", "required": ["name", "shape", "datatype"],
+    "properties": {
+        "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "datatype": {"type": "string", "enum": ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+                                                "INT64", "FP16", "FP32", "FP64"]},
+        "parameters": {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}},
+        "data": {"type": "array", "items": {}},
+    },
+}
+INFER_SCHEMA = {
+    "type": "object", "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": {"type": "object", "properties": {"binary_data_output": {"type": "boolean"}}},
+        "inputs": {"type": "array", "minItems": 1, "items": TENSOR_SCHEMA},
+        "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"},
+            "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}}}}},
+    },
+}
+GENERATE_SCHEMA = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "prompt": {"type": "string", "minLength": 1}, "max_new_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0}, "top_k": {"type": ["integer", "null"], "minimum": 1},
+        "seed": {"type": ["integer", "null"], "minimum": 0}, "stream": {"type": "boolean"}, "model": {"type": "string"},
+    },
+}
+
+
+def _body(schema: dict, description: str) -> dict:
+    return {"requestBody": {"required": True, "description": description,
+                            "content": {"application/json": {"schema": schema},
+                                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def endpoint_of(path: str) -> str:
+    """A low-cardinality label for metrics."""
+    if path.endswith("/infer"):
+        return "infer"
+    if path.startswith("/v1/generate"):
+        return "generate"
+    if path.startswith("/v2/health"):
+        return "health"
+    if path.startswith("/v2"):
+        return "metadata"
+    return path.strip("/").split("/")[0] or "root"
+
+
+class Observe:
+    """Pure ASGI middleware: bearer-token check, request metrics and one JSON access-log line per request."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+        self.log = access_logger()
+        token = service.opts.token
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        scope.setdefault("state", {})["arrived"] = started
+        seen = {"status": 500, "bytes": 0}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                seen["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        path = scope["path"]
+        try:
+            if self.expected is not None and path not in OPEN_PATHS:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not secrets.compare_digest(given, self.expected):
+                    resp = error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                                 {"WWW-Authenticate": "Bearer"})
+                    return await resp(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            label = endpoint_of(path)
+            m = self.service.metrics
+            m.requests.labels(label, str(seen["status"])).inc()
+            m.latency.labels(label).observe(time.perf_counter() - started)
+            client = scope.get("client")
+            self.log.info(access_record(scope["method"], path, seen["status"], started,
+                                        f"{client[0]}:{client[1]}" if client else None, seen["bytes"]))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {limit} (--max-body-mb)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes (--max-body-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(service: Service) -> FastAPI:
+    """The app for one service; its lifespan starts and stops the service's workers."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="plait serve", version="1", lifespan=lifespan,
+                  description="Open Inference Protocol (KServe v2) and text generation for plait models.")
+    limit = int(service.opts.max_body_mb * 1024 * 1024)
+    name = service.name
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError):
+        return error(e.status, str(e), {"Retry-After": "1"} if e.status == 503 else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        message = f"no such endpoint: {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error(e.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return error(500, f"internal error: {type(e).__name__}: {e}")
+
+    def model_or_404(model: str, version: str | None = None) -> None:
+        if model != name:
+            raise RequestError(404, f"unknown model '{model}'; this server serves: {name}")
+        if version not in (None, "", "1"):
+            raise RequestError(404, f"model '{model}' has no version '{version}'; it has version 1")
+
+    def index() -> list[dict]:
+        return [{"name": name, "version": "1", "state": "READY" if service.ready() else "UNAVAILABLE"}]
+
+    @app.get("/v2/health/live", summary="liveness")
+    async def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", summary="readiness (every model can answer)")
+    async def ready():
+        ok = service.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2", summary="server metadata")
+    async def server_metadata():
+        return {"name": "plait", "version": "1", "extensions": ["binary_tensor_data", "model_repository"]}
+
+    @app.get("/v2/models", summary="models served")
+    async def models():
+        return {"models": index()}
+
+    @app.post("/v2/repository/index", summary="Triton's repository index")
+    async def repository_index():
+        return index()
+
+    def metadata() -> dict:
+        s = service.served
+        return {"name": name, "versions": ["1"], "platform": "pytorch",
+                "inputs": [t.as_json() for t in s.inputs], "outputs": [t.as_json() for t in s.outputs],
+                "parameters": {"registry_name": s.registry_name, "task": s.spec.task, "checkpoint": s.checkpoint,
+                               "max_batch_size": service.opts.max_batch_size, "layout": service.layout,
+                               "quantize": service.opts.quantize or "none"}}
+
+    @app.get("/v2/models/{model}", summary="model metadata")
+    async def model_metadata(model: str):
+        model_or_404(model)
+        return metadata()
+
+    @app.get("/v2/models/{model}/versions/{version}", summary="model metadata (one version)")
+    async def model_version_metadata(model: str, version: str):
+        model_or_404(model, version)
+        return metadata()
+
+    @app.get("/v2/models/{model}/ready", summary="model readiness")
+    async def model_ready(model: str):
+        model_or_404(model)
+        ok = service.ready()
+        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/models/{model}/config", summary="Triton-style model configuration")
+    async def model_config(model: str):
+        model_or_404(model)
+        s, o = service.served, service.opts
+
+        def dims(t):
+            return {"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape[1:])}
+
+        return {"name": name, "platform": "pytorch", "max_batch_size": o.max_batch_size,
+                "input": [dims(t) for t in s.inputs], "output": [dims(t) for t in s.outputs],
+                "dynamic_batching": {"max_queue_delay_microseconds": int(o.max_delay_ms * 1000)},
+                "instance_group": [{"count": o.replicas if o.pp == 1 else 1, "kind": "KIND_CPU"}]}
+
+    async def infer(request: Request, model: str, version: str | None = None) -> Response:
+        model_or_404(model, version)
+        body = await read_body(request, limit)
+        req = decode_infer_request(body, request.headers.get(HEADER_LENGTH))
+        s = service.served
+        check_inputs(req, name, s.inputs, service.opts.max_batch_size)
+        x = req.inputs[s.inputs[0].name]
+        if s.is_lm:
+            if x.shape[1] > s.context:
+                raise RequestError(400, f"input 'input_ids' has {x.shape[1]} tokens; the model's context is {s.context}")
+            if x.min() < 0 or x.max() >= s.vocab_size:
+                raise RequestError(400, f"input 'input_ids' holds ids outside [0, {s.vocab_size}) (the vocabulary)")
+        outputs = await service.infer(x, request.scope["state"]["arrived"])
+        content, headers = encode_infer_response(name, req, outputs, s.outputs)
+        return Response(content, headers=headers)
+
+    infer_doc = _body(INFER_SCHEMA, "KServe v2 inference request; binary tensors follow the JSON header, whose "
+                                    f"size the {HEADER_LENGTH} header gives")
+
+    @app.post("/v2/models/{model}/infer", summary="inference", openapi_extra=infer_doc)
+    async def model_infer(request: Request, model: str):
+        return await infer(request, model)
+
+    @app.post("/v2/models/{model}/versions/{version}/infer", summary="inference (one version)", openapi_extra=infer_doc)
+    async def model_version_infer(request: Request, model: str, version: str):
+        return await infer(request, model, version)
+
+    @app.post("/v1/generate", summary="text generation", openapi_extra=_body(GENERATE_SCHEMA, "generation request"))
+    async def generate(request: Request):
+        raw = await read_body(request, limit)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "request body must be a JSON object with a 'prompt'")
+        if "model" in body:
+            model_or_404(body["model"] if isinstance(body["model"], str) else repr(body["model"]))
+        service.require_generation()
+        row, stream = service.gen_row(body)
+        arrived = request.scope["state"]["arrived"]
+        tok = service.served.tokenizer
+        if not stream:
+            tokens = await service.generate(row, arrived)
+            return {"model": name, "text": tok.decode(tokens), "tokens": tokens, "prompt_tokens": len(row.prompt),
+                    "seed": row.seed}
+        return StreamingResponse(_sse(service, row, arrived), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return Observe(app, service)  # type: ignore[return-value]
+
+
+async def _sse(service: Service, row, arrived: float):
+    """Server-sent events: one `data:` line per token, then `event: done` with the whole text."""
+    tok = service.served.tokenizer
+    events: asyncio.Queue = asyncio.Queue()
+    sent = 0
+
+    def on_token(pos: int, token: int) -> None:
+        events.put_nowait((pos, token))
+
+    job = asyncio.ensure_future(service.generate(row, arrived, on_token))
+    job.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while True:
+            item = await events.get()
+            if item is None:
+                break
+            pos, token = item
+            if pos < sent:  # a retried batch replays tokens already sent
+                continue
+            sent += 1
+            yield f"data: {json.dumps({'index': pos, 'token': token, 'text': tok.decode([token])})}\n\n"
+        tokens = job.result()
+        yield f"event: done\ndata: {json.dumps({'text': tok.decode(tokens), 'tokens': tokens, 'seed': row.seed})}\n\n"
+    except RequestError as e:
+        yield f"event: error\ndata: {json.dumps({'error': str(e), 'status': e.status})}\n\n"
+    finally:
+        if not job.done():
+            job.cancel()

@@ -1,0 +1,73 @@
+"""`plait serve` and `plait bench serve`: argument parsing only (registered in plait.cli.VERB_MODULES)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_serve(a) -> int:
+    from plait.serve.server import run
+    from plait.serve.service import ServeOptions
+
+    opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
+                        max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
+                        timeout_ms=a.timeout_ms, token=a.token, quantize=a.quantize, max_body_mb=a.max_body_mb,
+                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching)
+    return run(str(a.model), opts.validate())
+
+
+def cmd_bench_serve(a) -> int:
+    from plait.serve.bench import BenchOptions, run_bench
+
+    opts = BenchOptions(concurrency=a.concurrency, rate=a.rate, duration_s=a.duration, max_batch_size=a.max_batch_size,
+                        max_delay_ms=a.max_delay_ms, replicas=a.replicas, out=a.out, warmup_s=a.warmup)
+    return run_bench(str(a.model), opts)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,4,16")
+    return values
+
+
+def add_parsers(sub, bench) -> None:
+    """Add `plait serve` to the top-level verbs and `serve` to `plait bench`."""
+    s = sub.add_parser("serve", help="serve a run or an exported model over HTTP (Open Inference Protocol)",
+                       description="Serve RUN_DIR (its latest checkpoint) or a model.safetensors from `plait export`.")
+    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--name", help="model name in URLs (default: the registry name, e.g. mlp or gpt)")
+    s.add_argument("--replicas", type=int, default=1, help="worker processes each holding the model (1: in-process)")
+    s.add_argument("--pp", type=int, default=1, help="pipeline stages: split the model's blocks over K processes")
+    s.add_argument("--max-batch-size", type=int, default=16, help="rows merged into one batch at most (1: no batching)")
+    s.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for a batch to fill")
+    s.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 503 (backpressure)")
+    s.add_argument("--timeout-ms", type=float, default=30_000.0, help="a request not answered by then gets 504")
+    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (health probes stay open)")
+    s.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of linear layers (CPU)")
+    s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
+    s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
+    s.add_argument("--no-exact-batching", action="store_true",
+                   help="do not pad classifier batches to --max-batch-size rows (faster when lightly loaded; answers "
+                        "may then differ from a lone request's in the last bit)")
+    s.set_defaults(fn=cmd_serve)
+
+    b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas")
+    b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors")
+    b.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop concurrencies (default 1,4,16)")
+    b.add_argument("--rate", type=float, default=0.0, help="open-loop requests per second (0: 60%% of the best "
+                                                           "closed-loop throughput of batching off)")
+    b.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    b.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each measurement")
+    b.add_argument("--max-batch-size", type=int, default=16)
+    b.add_argument("--max-delay-ms", type=float, default=5.0)
+    b.add_argument("--replicas", type=_ints, default=[1, 2], help="replica counts to compare (default 1,2)")
+    b.add_argument("--out", type=Path, help="folder for bench_serve.png and .json (default: the run dir or the "
+                                            "model's folder)")
+    b.set_defaults(fn=cmd_bench_serve)

@@ -1,0 +1,130 @@
+"""What is served: a model loaded from a run directory or an exported model.safetensors, and its signature.
+
+`ModelRef` is the picklable recipe (path + options) that replica and pipeline-stage processes
+use to load the same weights themselves; `ServedModel` is the loaded model with the tensor
+names, datatypes and shapes that the Open Inference Protocol metadata advertises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from plait.data.spec import DataSpec
+from plait.data.tokenizer import CharTokenizer
+from plait.serve.protocol import ServeError, TensorSpec
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where the weights come from and how to prepare them; every worker process loads from it."""
+
+    path: str
+    quantize: str | None = None  # None or "int8"
+
+
+@dataclass
+class ServedModel:
+    module: nn.Module
+    registry_name: str  # `mlp`, `gpt`, ... or the factory function's name
+    spec: DataSpec
+    tokenizer: CharTokenizer | None
+    checkpoint: str  # which checkpoint the weights came from (for the metadata)
+
+    @property
+    def is_lm(self) -> bool:
+        return self.spec.task == "lm"
+
+    @property
+    def can_generate(self) -> bool:
+        """Text generation needs a tokenizer and a GPT built from plait's blocks (see plait.serve.kvcache)."""
+        from plait.models.gpt import GPT
+
+        return self.is_lm and self.tokenizer is not None and isinstance(self.module, GPT)
+
+    @property
+    def context(self) -> int:
+        return int(getattr(self.module, "context", self.spec.input_shape[0] if self.spec.input_shape else 0))
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        if self.is_lm:
+            return [TensorSpec("input_ids", "INT64", (-1, -1))]
+        return [TensorSpec("input", "FP32", (-1, *self.spec.input_shape))]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        if self.is_lm:
+            return [TensorSpec("logits", "FP32", (-1, -1, self.vocab_size))]
+        return [TensorSpec("logits", "FP32", (-1, self.spec.num_classes)), TensorSpec("label", "INT64", (-1,))]
+
+    @property
+    def vocab_size(self) -> int:
+        head = getattr(self.module, "head", None)
+        return int(head.out_features) if isinstance(head, nn.Linear) else int(self.spec.vocab_size)
+
+
+def _registry_name(model_cfg: dict) -> str:
+    if model_cfg.get("factory"):
+        return model_cfg["factory"].rpartition(":")[2]
+    return model_cfg["name"]
+
+
+def load_model(ref: ModelRef) -> ServedModel:
+    """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
+    path = Path(ref.path)
+    if path.is_dir():
+        from plait.export import rebuild_model
+        from plait.train.checkpoint import latest_checkpoint, load_model_weights
+
+        if not (path / "config.toml").is_file():
+            raise ServeError(f"{path} is not a plait run directory (no config.toml); pass a run's --out or a model.safetensors")
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise ServeError(f"{path} has no checkpoint yet (checkpoints/latest is missing); train it first")
+        cfg, spec, module = rebuild_model(path)
+        load_model_weights(module, ckpt)
+        tok_file = path / "tokenizer.json"
+        tokenizer = CharTokenizer.from_json(tok_file.read_text()) if tok_file.is_file() else None
+        served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name)
+    elif path.is_file():
+        from plait.export import load_exported
+
+        module, meta = load_exported(path)
+        spec = DataSpec(**json.loads(meta["plait.spec"]))
+        tokenizer = CharTokenizer.from_json(meta["plait.tokenizer"]) if "plait.tokenizer" in meta else None
+        served = ServedModel(module, _registry_name(json.loads(meta["plait.model"])), spec, tokenizer,
+                             meta.get("plait.checkpoint", ""))
+    else:
+        raise ServeError(f"{path} does not exist; pass a run directory or an exported model.safetensors")
+    served.module.eval()
+    for p in served.module.parameters():
+        p.requires_grad_(False)
+    if ref.quantize:
+        from plait.serve.quantize import quantize_int8
+
+        served.module = quantize_int8(served.module)
+    return served
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise ServeError(f"--name {name!r} must be letters, digits, '_', '.' or '-' (it becomes part of URLs)")
+    return name
+
+
+def example_input(served: ServedModel, rows: int, seed: int = 0) -> torch.Tensor:
+    """A deterministic input batch of the model's input shape (start-up checks and benchmarks)."""
+    g = torch.Generator().manual_seed(seed)
+    if served.is_lm:
+        t = max(1, min(served.context, 16))
+        return torch.randint(0, served.vocab_size, (rows, t), generator=g)
+    return torch.randn(rows, *served.spec.input_shape, generator=g)

@@ -1,0 +1,262 @@
+"""The Open Inference Protocol (KServe v2) tensor codec: JSON tensors and the binary tensor data extension.
+
+A request is a JSON header, optionally followed by raw little-endian tensor bytes; the
+`Inference-Header-Content-Length` header says where the JSON ends (Triton's framing, which
+`tritonclient.http` sends by default, with no Content-Type). Responses use the same framing
+when the client asks for binary outputs. Everything a client can get wrong raises
+`RequestError` with the HTTP status and a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plait.errors import PlaitError
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+# KServe v2 datatypes that map onto fixed-size little-endian numpy types. BYTES and BF16 are not
+# used by any plait model, so they are refused with a message rather than half-supported.
+DATATYPES: dict[str, np.dtype] = {
+    name: np.dtype(t).newbyteorder("<")
+    for name, t in {
+        "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+        "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+        "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    }.items()
+}
+NUMPY_TO_DATATYPE = {np.dtype(v).newbyteorder("="): k for k, v in DATATYPES.items()}
+
+
+class ServeError(PlaitError):
+    """A serving option or model cannot be served as asked (the CLI prints it and exits 2)."""
+
+
+class RequestError(ServeError):
+    """A client request is wrong: carries the HTTP status the server answers with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a served model; -1 in `shape` means any size."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.datatype} {list(self.shape)})"
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass
+class InferRequest:
+    """A decoded infer request: its input arrays by name and how each output should come back."""
+
+    inputs: dict[str, np.ndarray]
+    datatypes: dict[str, str]
+    id: str | None = None
+    outputs: list[str] | None = None  # None: every output
+    binary: dict[str, bool] = field(default_factory=dict)  # per requested output
+    binary_default: bool = False
+    parameters: dict = field(default_factory=dict)
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(400, message)
+
+
+def _flatten(data, out: list) -> None:
+    if isinstance(data, list):
+        for d in data:
+            _flatten(d, out)
+    else:
+        out.append(data)
+
+
+def _json_values(name: str, datatype: str, data) -> np.ndarray:
+    """The flat (or nested) JSON `data` of a tensor as a numpy array of its datatype."""
+    flat: list = []
+    _flatten(data if isinstance(data, list) else [data], flat)
+    if datatype == "BOOL":
+        ok = all(isinstance(v, bool) for v in flat)
+        kind = "true/false"
+    elif datatype.startswith(("INT", "UINT")):
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in flat)
+        kind = "integers"
+    else:
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat)
+        kind = "numbers"
+    if not ok:
+        bad = next(v for v in flat if not (isinstance(v, (int, float, bool))))
+        raise _bad(f"input '{name}': data must hold {kind} for datatype {datatype}, found {json.dumps(bad)[:40]}")
+    try:
+        return np.array(flat, dtype=DATATYPES[datatype])
+    except (OverflowError, ValueError) as e:
+        raise _bad(f"input '{name}': a value does not fit datatype {datatype} ({e})") from None
+
+
+def _shape(name: str, shape) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise _bad(f"input '{name}': shape must be a list of non-negative integers, got {json.dumps(shape)[:80]}")
+    return tuple(shape)
+
+
+def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Parse an infer request body (JSON, or JSON + binary tensor data)."""
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise _bad(f"{HEADER_LENGTH} = {header_length!r} is not an integer") from None
+        if not 0 < n <= len(body):
+            raise _bad(f"{HEADER_LENGTH} = {n} but the body has {len(body)} bytes; it must be between 1 and the body size")
+        head, binary = body[:n], memoryview(body)[n:]
+    else:
+        head, binary = body, memoryview(b"")
+    try:
+        req = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise _bad(f"request body must be a JSON object with 'inputs', got {type(req).__name__}")
+    inputs = req.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise _bad("request must have 'inputs': a non-empty list of tensors {name, shape, datatype, data}")
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _bad("'parameters' must be a JSON object")
+    out = InferRequest(inputs={}, datatypes={}, id=None, parameters=params)
+    if "id" in req:
+        if not isinstance(req["id"], str):
+            raise _bad("'id' must be a string")
+        out.id = req["id"]
+    offset = 0
+    for i, t in enumerate(inputs):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _bad(f"inputs[{i}] must be an object with a string 'name'")
+        name = t["name"]
+        if name in out.inputs:
+            raise _bad(f"input '{name}' is given twice")
+        datatype = t.get("datatype")
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
+            raise _bad(f"input '{name}': datatype {json.dumps(datatype)[:40]} is not supported; use one of {', '.join(DATATYPES)}")
+        shape = _shape(name, t.get("shape"))
+        count = math.prod(shape)
+        tparams = t.get("parameters") or {}
+        if not isinstance(tparams, dict):
+            raise _bad(f"input '{name}': 'parameters' must be a JSON object")
+        size = tparams.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise _bad(f"input '{name}': binary_data_size must be a non-negative integer")
+            want = count * DATATYPES[datatype].itemsize
+            if size != want:
+                raise _bad(f"input '{name}': binary_data_size is {size} bytes but shape {list(shape)} of {datatype} "
+                           f"needs {want}")
+            if offset + size > len(binary):
+                raise _bad(f"input '{name}': the body holds {len(binary) - offset} bytes of tensor data after the JSON "
+                           f"header, {size} are declared")
+            arr = np.frombuffer(binary[offset:offset + size], dtype=DATATYPES[datatype])
+            offset += size
+        elif "data" in t:
+            arr = _json_values(name, datatype, t["data"])
+            if arr.size != count:
+                raise _bad(f"input '{name}': data has {arr.size} values but shape {list(shape)} needs {count}")
+        else:
+            raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
+        out.inputs[name] = arr.reshape(shape)
+        out.datatypes[name] = datatype
+    if offset != len(binary):
+        raise _bad(f"the body has {len(binary) - offset} bytes after the tensor data that the inputs declare")
+    default = params.get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise _bad("parameters.binary_data_output must be true or false")
+    out.binary_default = default
+    outputs = req.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
+            raise _bad("'outputs' must be a list of objects with a string 'name'")
+        out.outputs = []
+        for o in outputs:
+            oparams = o.get("parameters") or {}
+            if not isinstance(oparams, dict):
+                raise _bad(f"output '{o['name']}': 'parameters' must be a JSON object")
+            binary_flag = oparams.get("binary_data", default)
+            if not isinstance(binary_flag, bool):
+                raise _bad(f"output '{o['name']}': parameters.binary_data must be true or false")
+            out.outputs.append(o["name"])
+            out.binary[o["name"]] = binary_flag
+    return out
+
+
+def check_inputs(req: InferRequest, model_name: str, specs: list[TensorSpec], max_rows: int) -> int:
+    """Check names, datatypes and shapes against the model's inputs; returns the request's batch size."""
+    wanted = {s.name: s for s in specs}
+    takes = ", ".join(s.describe() for s in specs)
+    for name in req.inputs:
+        if name not in wanted:
+            raise _bad(f"unknown input '{name}'; model '{model_name}' takes: {takes}")
+    rows = None
+    for spec in specs:
+        if spec.name not in req.inputs:
+            raise _bad(f"missing input '{spec.name}'; model '{model_name}' takes: {takes}")
+        arr, dt = req.inputs[spec.name], req.datatypes[spec.name]
+        if dt != spec.datatype:
+            raise _bad(f"input '{spec.name}' has datatype {dt} but model '{model_name}' expects {spec.datatype}")
+        ok = len(arr.shape) == len(spec.shape) and all(w in (-1, d) for w, d in zip(spec.shape, arr.shape))
+        if not ok:
+            raise _bad(f"input '{spec.name}' has shape {list(arr.shape)} but model '{model_name}' expects "
+                       f"{list(spec.shape)} (-1: any size)")
+        if any(d == 0 for d in arr.shape):
+            raise _bad(f"input '{spec.name}' has shape {list(arr.shape)}: every dimension must be at least 1")
+        if rows is not None and arr.shape[0] != rows:
+            raise _bad(f"inputs disagree on the batch size: '{spec.name}' has {arr.shape[0]} rows, others {rows}")
+        rows = arr.shape[0]
+    assert rows is not None
+    if rows > max_rows:
+        raise _bad(f"the request has batch size {rows} but max_batch_size is {max_rows}; split it into smaller requests")
+    return rows
+
+
+def encode_infer_response(model_name: str, req: InferRequest, outputs: dict[str, np.ndarray],
+                          specs: list[TensorSpec]) -> tuple[bytes, dict[str, str]]:
+    """The response body and its headers: JSON, or JSON + binary when any output is asked for as binary."""
+    names = req.outputs if req.outputs is not None else [s.name for s in specs]
+    known = {s.name: s for s in specs}
+    for n in names:
+        if n not in known:
+            raise _bad(f"unknown output '{n}'; model '{model_name}' has: {', '.join(known)}")
+    head: dict = {"model_name": model_name, "model_version": "1", "outputs": []}
+    if req.id is not None:
+        head["id"] = req.id
+    chunks: list[bytes] = []
+    for n in names:
+        arr = np.ascontiguousarray(outputs[n], dtype=DATATYPES[known[n].datatype])
+        t = {"name": n, "datatype": known[n].datatype, "shape": list(arr.shape)}
+        if req.binary.get(n, req.binary_default):
+            raw = arr.tobytes()
+            t["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            t["data"] = arr.reshape(-1).tolist()
+        head["outputs"].append(t)
+    text = json.dumps(head, separators=(",", ":")).encode()
+    if not chunks:
+        return text, {"content-type": "application/json"}
+    return text + b"".join(chunks), {"content-type": "application/octet-stream", HEADER_LENGTH.lower(): str(len(text))}
+
+
+def error_body(message: str) -> bytes:
+    """KServe v2 error object (tritonclient reads its 'error' field)."""
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,135 @@
+"""Run a Service on uvicorn: from the CLI (signals, graceful shutdown) or on a background thread (tests, benchmarks).
+
+The service's workers start before uvicorn accepts connections, so a model that cannot load
+is a one-line error, and stop after uvicorn has finished the requests in flight: on SIGTERM
+uvicorn stops listening, lets running requests complete (the batcher keeps cutting batches
+for them), and only then are the batcher and the worker processes shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from plait.serve.app import create_app
+from plait.serve.protocol import ServeError
+from plait.serve.service import ServeOptions, Service
+
+GRACEFUL_S = 30  # how long in-flight requests may take to finish after SIGTERM
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line error when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"{host}:{port} is already in use; pass another --port (or stop what listens there)") from None
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(service: Service) -> uvicorn.Server:
+    config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=30)
+    return uvicorn.Server(config)
+
+
+async def serve_async(service: Service, server: uvicorn.Server, sock: socket.socket) -> None:
+    await service.start()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await service.stop()
+
+
+def run(path: str, opts: ServeOptions) -> int:
+    """`plait serve`: load, print what is served, answer until SIGINT/SIGTERM."""
+    sock = bind(opts.host, opts.port)
+    try:
+        service = Service(path, opts)
+        s = service.served
+        if opts.quantize:
+            from plait.serve.model import ModelRef, load_model
+            from plait.serve.quantize import accuracy_change
+
+            fp32 = load_model(ModelRef(path)).module
+            print(accuracy_change(fp32, s.module, s, path), flush=True)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        print(f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
+              f"{service.layout} · batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue "
+              f"{opts.max_queue}, timeout {opts.timeout_ms:g} ms" + (" · bearer token required" if opts.token else ""),
+              flush=True)
+        print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
+              + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)
+        asyncio.run(serve_async(service, uvicorn_server(service), sock))
+    finally:
+        sock.close()
+    print("plait serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+class ServerThread:
+    """A Service on uvicorn in a background thread, on a free loopback port (tests and benchmarks).
+
+        with ServerThread(path, ServeOptions(max_batch_size=8)) as srv:
+            httpx.get(srv.url + "/v2/health/ready")
+    """
+
+    def __init__(self, path: str, opts: ServeOptions | None = None, service: Service | None = None,
+                 start_timeout_s: float = 120.0):
+        self.service = service or Service(str(path), opts or ServeOptions())
+        opts = self.service.opts
+        self.sock = bind(opts.host, 0)  # always a free port: tests and benchmarks run side by side
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{opts.host}:{self.port}"
+        self.server = uvicorn_server(self.service)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="plait-serve", daemon=True)
+        self._timeout = start_timeout_s
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(serve_async(self.service, self.server, self.sock))
+        except BaseException as e:  # surfaced by start() / stop()
+            self._error = e
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        # uvicorn sets `started` once it accepts connections; a failed start ends the thread.
+        tick = threading.Event()
+        waited = 0.0
+        while not self.server.started and self._thread.is_alive() and waited < self._timeout:
+            tick.wait(0.02)
+            waited += 0.02
+        if not self.server.started:
+            self.stop()
+            raise RuntimeError(f"server did not start: {self._error!r}")
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self.sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError("server thread did not stop")
+        if self._error is not None and not isinstance(self._error, (KeyboardInterrupt, SystemExit)):
+            raise self._error
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

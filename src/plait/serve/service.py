@@ -1,0 +1,217 @@
+"""One served model: options, the executor that holds it, the batcher in front, timeouts and backpressure.
+
+The HTTP layer (plait.serve.app) only decodes requests and encodes answers; this module
+decides where work runs. Executors share one small interface:
+
+    capacity: int                      batches that may run at once
+    restarts: int                      processes restarted after a crash
+    await start() / await stop()
+    ready() -> bool
+    await run(task, on_event=None, cancelled=None) -> result     (see plait.serve.runner)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
+from plait.serve.kvcache import GenRow
+from plait.serve.metrics import Metrics
+from plait.serve.model import ModelRef, ServedModel, check_name, load_model
+from plait.serve.protocol import RequestError, ServeError
+
+
+@dataclass
+class ServeOptions:
+    """Everything `plait serve` takes besides the model path (the CLI's flags, one to one)."""
+
+    name: str | None = None  # served model name; default: the registry name (mlp, gpt, ...)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    pp: int = 1
+    max_batch_size: int = 16
+    max_delay_ms: float = 5.0
+    max_queue: int = 256
+    timeout_ms: float = 30_000.0
+    token: str | None = None
+    quantize: str | None = None
+    max_body_mb: float = 16.0
+    max_new_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
+    exact_batching: bool = True  # pad classifier batches to max_batch_size rows (bitwise batch invariance)
+
+    def validate(self) -> ServeOptions:
+        from plait.serve.quantize import QUANTIZE_CHOICES
+
+        for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1),
+                                 ("--max-batch-size", self.max_batch_size, 1), ("--max-queue", self.max_queue, 1),
+                                 ("--max-new-tokens", self.max_new_tokens, 1)):
+            if value < low:
+                raise ServeError(f"{flag} = {value} must be >= {low}")
+        for flag, value in (("--max-delay-ms", self.max_delay_ms), ("--timeout-ms", self.timeout_ms),
+                            ("--max-body-mb", self.max_body_mb)):
+            if not math.isfinite(value) or value < 0 or (value == 0 and flag != "--max-delay-ms"):
+                raise ServeError(f"{flag} = {value} must be a finite number > 0" + (" (or 0)" if flag == "--max-delay-ms" else ""))
+        if self.replicas > 1 and self.pp > 1:
+            raise ServeError(f"--replicas {self.replicas} and --pp {self.pp} cannot be combined yet; "
+                             "use replicas of a whole model or one pipeline")
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
+        if self.quantize and self.pp > 1:
+            raise ServeError("--quantize int8 with --pp is not supported; drop one of them")
+        if not 0 <= self.port <= 65535:
+            raise ServeError(f"--port {self.port} must be between 0 and 65535")
+        if self.name is not None:
+            check_name(self.name)
+        return self
+
+    @property
+    def policy(self) -> BatchPolicy:
+        return BatchPolicy(self.max_batch_size, self.max_delay_ms, self.max_queue)
+
+
+class Service:
+    """The served model behind its batcher; `await start()` inside the server's event loop."""
+
+    def __init__(self, path: str, opts: ServeOptions, served: ServedModel | None = None):
+        self.opts = opts.validate()
+        self.ref = ModelRef(str(path), opts.quantize)
+        self.served = served if served is not None else load_model(self.ref)
+        self.name = opts.name or self.served.registry_name
+        self.metrics = Metrics()
+        self.executor = self._executor()
+        self.batcher: Batcher | None = None
+
+    def _executor(self):
+        pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
+        if self.opts.pp > 1:
+            from plait.serve.pipeline import PipelineExecutor
+
+            return PipelineExecutor(self.ref, self.served, self.opts.pp)
+        if self.opts.replicas > 1:
+            from plait.serve.replicas import ReplicaPool
+
+            return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts)
+        from plait.serve.runner import LocalExecutor, Runner
+
+        return LocalExecutor(Runner(self.served, pad_to))
+
+    @property
+    def layout(self) -> str:
+        if self.opts.pp > 1:
+            return f"{self.opts.pp} pipeline stages"
+        return f"{self.opts.replicas} replica process(es)" if self.opts.replicas > 1 else "in-process"
+
+    async def start(self) -> None:
+        await self.executor.start()
+        self.batcher = Batcher(self.opts.policy, self._run_batch, self.executor.capacity,
+                               on_batch=self.metrics.batch_size.observe)
+        self.batcher.start()
+        self.metrics.queue_depth.set_function(lambda: self.batcher.depth if self.batcher else 0)
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        await self.executor.stop()
+
+    def ready(self) -> bool:
+        return self.batcher is not None and self.executor.ready()
+
+    # ------------------------------------------------------------------ requests
+
+    async def _submit(self, key, payload, rows: int, arrived: float) -> Any:
+        assert self.batcher is not None
+        try:
+            item = self.batcher.submit(key, payload, rows)
+        except QueueFull as e:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise RequestError(503, f"server busy: {e}; retry later") from None
+        left = self.opts.timeout_ms / 1000 - (time.perf_counter() - arrived)
+        try:
+            return await asyncio.wait_for(asyncio.shield(item.future), max(left, 0.0))
+        except TimeoutError:
+            self.batcher.cancel(item)
+            self.metrics.rejected.labels("timeout").inc()
+            raise RequestError(504, f"the request did not finish within --timeout-ms {self.opts.timeout_ms:g}; "
+                                    "its work was dropped") from None
+        except asyncio.CancelledError:  # the client went away
+            self.batcher.cancel(item)
+            raise
+
+    async def infer(self, x: np.ndarray, arrived: float) -> dict[str, np.ndarray]:
+        """Outputs for one request's input batch (rows merged with other requests' by the batcher)."""
+        key = ("infer", x.dtype.str, x.shape[1:])  # only same-shaped rows stack into one tensor
+        return await self._submit(key, x, x.shape[0], arrived)
+
+    def require_generation(self) -> None:
+        if not self.served.can_generate:
+            raise RequestError(404, f"model '{self.name}' does not generate text (it is a {self.served.registry_name} "
+                                    f"{self.served.spec.task} model); use /v2/models/{self.name}/infer")
+
+    async def generate(self, row: GenRow, arrived: float, on_token=None) -> list[int]:
+        """New token ids for one prompt; on_token(position, token) is called as they come (streaming)."""
+        self.require_generation()
+        return await self._submit(("generate",), (row, on_token), 1, arrived)
+
+    async def _run_batch(self, batch: list[Pending]) -> None:
+        if batch[0].key[0] == "infer":
+            x = np.concatenate([p.payload for p in batch]) if len(batch) > 1 else batch[0].payload
+            out = await self.executor.run(("infer", x))
+            start = 0
+            for p in batch:
+                stop = start + p.rows
+                if not p.future.done():
+                    p.future.set_result({k: v[start:stop] for k, v in out.items()})
+                start = stop
+            return
+
+        def on_event(i: int, pos: int, tok: int) -> None:
+            callback = batch[i].payload[1]
+            if callback is not None and not batch[i].cancelled:
+                callback(pos, tok)
+
+        rows = [p.payload[0] for p in batch]
+        tokens = await self.executor.run(("generate", rows), on_event, lambda i: batch[i].cancelled)
+        for p, t in zip(batch, tokens):
+            if not p.future.done():
+                p.future.set_result(t)
+
+    def gen_row(self, body: dict) -> tuple[GenRow, bool]:
+        """Check a /v1/generate body; returns the row to generate and whether to stream."""
+        allowed = {"prompt", "max_new_tokens", "temperature", "top_k", "seed", "stream", "model"}
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise RequestError(400, f"unknown field '{unknown[0]}'; /v1/generate takes: {', '.join(sorted(allowed))}")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(400, "'prompt' must be a non-empty string")
+
+        def integer(key: str, default, low: int, high: int):
+            v = body.get(key, default)
+            if v is None and default is None:
+                return None
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                raise RequestError(400, f"'{key}' must be an integer between {low} and {high}, got {v!r}")
+            return v
+
+        n = integer("max_new_tokens", 64, 1, self.opts.max_new_tokens)
+        top_k = integer("top_k", None, 1, 1 << 31)
+        seed = integer("seed", None, 0, (1 << 63) - 1)
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
+                math.isfinite(temperature) and 0 <= temperature <= 100):
+            raise RequestError(400, f"'temperature' must be a number between 0 and 100 (0: greedy), got {temperature!r}")
+        self.require_generation()
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError(400, "'stream' must be true or false")
+        assert self.served.tokenizer is not None
+        ids = [int(i) for i in self.served.tokenizer.encode(prompt)]
+        return GenRow(ids, n, float(temperature), top_k, secrets.randbits(63) if seed is None else seed), stream
