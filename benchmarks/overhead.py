@@ -1,4 +1,7 @@
-"""plait's DDP training step against a hand-written raw-torch DDP loop.
+"""plait's training step against a hand-written raw-torch loop: DDP, or FSDP2 for ZeRO-3.
+
+    --scheme ddp   plait (zero=0) vs a plain DDP loop            (foundation issue; target <= 1.05)
+    --scheme fsdp  plait (zero=3) vs a plain FSDP2 fully_shard loop (ZeRO issue; target <= 1.05)
 
 Same model (the default GPT), same data (stdlib-text windows), same global batch,
 same optimizer and clipping, same 2 gloo ranks (plait.testing's harness, one
@@ -7,7 +10,7 @@ timed (plait by its own metrics, logged every step) and the medians of the
 per-step times are compared, which a noisy shared machine disturbs least.
 Target: plait / raw <= 1.05.
 
-    python benchmarks/overhead.py [--steps 40] [--warmup 5] [--repeats 4] [--world 2]
+    python benchmarks/overhead.py [--scheme ddp|fsdp] [--steps 40] [--warmup 5] [--repeats 4] [--world 2]
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def config(world: int, steps: int, log_every: int, extra: tuple = ()):
     ])
 
 
-def raw_ddp(world: int, steps: int, warmup: int) -> list[float]:
-    """Seconds of each step of a plain DDP loop after `warmup`."""
+def raw_loop(world: int, steps: int, warmup: int, scheme: str = "ddp") -> list[float]:
+    """Seconds of each step of a plain DDP (or FSDP2) loop after `warmup`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plait.data import build_data
@@ -46,7 +49,14 @@ def raw_ddp(world: int, steps: int, warmup: int) -> list[float]:
     data = build_data(cfg.data, cfg.model).train
     torch.manual_seed(t.seed)
     model = GPT(data_vocab(cfg), m.context, m.width, m.heads, m.layers, m.tie_embeddings)
-    ddp = DDP(model, gradient_as_bucket_view=True)  # the same DDP options plait uses: this measures the loop
+    if scheme == "ddp":
+        ddp = DDP(model, gradient_as_bucket_view=True)  # the same DDP options plait uses: this measures the loop
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks.values():
+            fully_shard(block)
+        ddp = fully_shard(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
@@ -61,7 +71,11 @@ def raw_ddp(world: int, steps: int, warmup: int) -> list[float]:
         t0 = time.perf_counter()
         for i in range(accum):
             x, y = data.fetch(torch.randint(0, len(data), (t.micro_batch_size,), generator=gen))
-            ctx = ddp.no_sync() if i < accum - 1 else torch.enable_grad()
+            if scheme == "ddp":
+                ctx = ddp.no_sync() if i < accum - 1 else torch.enable_grad()
+            else:
+                ddp.set_requires_gradient_sync(i == accum - 1)
+                ctx = torch.enable_grad()
             with ctx:
                 loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()) / accum
                 loss.backward()
@@ -97,6 +111,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--scheme", choices=("ddp", "fsdp"), default="ddp", help="baseline: DDP (zero=0) or FSDP2 (zero=3)")
     ap.add_argument("--set", action="append", default=[], help="extra plait config overrides")
     a = ap.parse_args()
     raw: list[float] = []
@@ -106,18 +121,20 @@ def main() -> None:
             order = ["raw", "plait"] if i % 2 == 0 else ["plait", "raw"]  # neither always runs first
             for who in order:
                 if who == "raw":
-                    got = pool.run(raw_ddp, a.world, a.steps, a.warmup)[0]
+                    got = pool.run(raw_loop, a.world, a.steps, a.warmup, a.scheme)[0]
                     raw += got
                 else:
-                    got = pool.run(plait_ddp, a.world, a.steps, a.warmup, f"{tmp}/run{i}", tuple(a.set))[0]
+                    extra = (*a.set, f"parallel.zero={0 if a.scheme == 'ddp' else 3}")
+                    got = pool.run(plait_ddp, a.world, a.steps, a.warmup, f"{tmp}/run{i}", extra)[0]
                     ours += got
                 print(f"repeat {i + 1} {who:5}: median {statistics.median(got) * 1000:.1f} ms/step", flush=True)
     r, p = statistics.median(raw), statistics.median(ours)
-    print(f"\nbaseline: hand-written torch DDP loop, {a.world} gloo ranks, default GPT, global batch 32, "
+    name = "DDP" if a.scheme == "ddp" else "FSDP2 (fully_shard per block + root)"
+    print(f"\nbaseline: hand-written torch {name} loop, {a.world} gloo ranks, default GPT, global batch 32, "
           f"{len(raw)} steps each")
     print(f"{'':14}{'median ms/step':>16}{'mean ms/step':>14}")
-    print(f"{'raw DDP':14}{r * 1000:>16.1f}{statistics.mean(raw) * 1000:>14.1f}")
-    print(f"{'plait':14}{p * 1000:>16.1f}{statistics.mean(ours) * 1000:>14.1f}")
+    print(f"{'raw ' + a.scheme:14}{r * 1000:>16.1f}{statistics.mean(raw) * 1000:>14.1f}")
+    print(f"{'plait zero=' + ('0' if a.scheme == 'ddp' else '3'):14}{p * 1000:>16.1f}{statistics.mean(ours) * 1000:>14.1f}")
     print(f"ratio plait / raw = {p / r:.3f}  (median; target <= 1.05)")
 
 

@@ -83,6 +83,16 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_bench_memory(a) -> int:
+    from plait.config import load_config
+    from plait.train.bench_memory import bench_memory
+
+    base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
+    out = a.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"
+    bench_memory(base, out, a.steps)
+    return 0
+
+
 def cmd_report(a) -> int:
     from plait.report import write_report
 
@@ -120,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure plait on this machine")
     bench = b.add_subparsers(dest="bench_verb", required=True, metavar="WHAT")
+    bm = bench.add_parser("memory", help="ZeRO stages 0-3: memory per rank against the ZeRO paper, step time, traffic")
+    bm.add_argument("config", nargs="?", help="TOML config file (default: the built-in default job)")
+    bm.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    bm.add_argument("--steps", type=int, default=6, help="steps per stage")
+    bm.add_argument("--out", type=Path, help="where the runs, memory.json and memory.png go (default: runs/bench-memory-<time>)")
+    bm.set_defaults(fn=cmd_bench_memory)
     for name in VERB_MODULES:
         _load_verbs(name).add_parsers(sub, bench)
     return p
@@ -127,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
-VERB_MODULES: tuple[str, ...] = ("plait.serve.cli",)
+VERB_MODULES: tuple[str, ...] = ()
 
 
 def _load_verbs(name: str):
