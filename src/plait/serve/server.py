@@ -9,7 +9,9 @@ for them), and only then are the batcher and the worker processes shut down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import signal
 import socket
 import sys
 import threading
@@ -40,10 +42,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT once it has shut down, which would kill the process before the
+    service's worker processes are stopped; here the signal only asks for the graceful stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 def uvicorn_server(service: Service) -> uvicorn.Server:
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=30)
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 async def serve_async(service: Service, server: uvicorn.Server, sock: socket.socket) -> None:
