@@ -1,0 +1,262 @@
+"""`--replicas N`: N worker processes each holding the whole model; the router sends a batch to the least-loaded one.
+
+Each replica is a spawned process that loads the weights itself (from the same `ModelRef`) and
+answers tasks over a pipe, one at a time, with the code the in-process executor runs
+(plait.serve.runner). A reader thread per replica turns its messages into results on the
+event loop; end-of-file on the pipe means the process died. Then its in-flight batches go
+to another replica (each batch is tried at most twice), a replacement process is started,
+and a batch that fails twice gets a 503 that says so: a crash never leaves a request hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.serve.model import ModelRef
+from plait.serve.protocol import RequestError, ServeError
+
+ATTEMPTS = 2  # a batch whose replica crashes is retried once
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
+    """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        from plait.serve.model import load_model
+        from plait.serve.runner import Runner
+
+        runner = Runner(load_model(ref), pad_to)
+        conn.send(("ready", os.getpid()))
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the server is gone
+        if msg is None:
+            return
+        task_id, task = msg
+
+        def emit(row: int, pos: int, tok: int, task_id=task_id) -> None:
+            conn.send(("event", task_id, row, pos, tok))
+
+        try:
+            result = runner.run(task, emit)
+        except Exception as e:
+            conn.send(("error", task_id, f"{type(e).__name__}: {e}"))
+        else:
+            conn.send(("result", task_id, result))
+
+
+@dataclass(eq=False)
+class _Task:
+    id: int
+    task: tuple
+    future: asyncio.Future
+    on_event: Any = None
+    attempts: int = 0
+
+
+@dataclass(eq=False)
+class _Replica:
+    index: int
+    proc: Any
+    conn: Any
+    live: bool = False
+    was_live: bool = False  # a replica that never loaded is not restarted (it would fail again)
+    inflight: dict[int, _Task] = field(default_factory=dict)
+    started: asyncio.Future | None = None
+
+
+class ReplicaPool:
+    """The executor for `--replicas N` (see plait.serve.service for the interface)."""
+
+    def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, start_timeout_s: float = 180.0):
+        self.ref, self.n, self.pad_to = ref, n, pad_to
+        self.capacity = n
+        self.restarts = 0
+        self._counter = restart_counter
+        self._timeout = start_timeout_s
+        self._replicas: list[_Replica | None] = [None] * n
+        self._waiting: list[_Task] = []
+        self._ids = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, index: int, first: bool = False) -> _Replica:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        threads = max(1, (os.cpu_count() or 1) // self.n)
+        saved = {k: os.environ.get(k) for k in WORKER_ENV}
+        os.environ.update(WORKER_ENV)  # read by the child's OpenMP before torch is imported
+        try:
+            proc = ctx.Process(target=replica_main, args=(child, self.ref, self.pad_to, threads), daemon=True,
+                               name=f"plait-replica-{index}")
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()  # so that the child's death is end-of-file here
+        assert self._loop is not None
+        r = _Replica(index, proc, parent, started=self._loop.create_future() if first else None)
+        self._replicas[index] = r
+        t = threading.Thread(target=self._read, args=(r,), name=f"plait-replica-{index}-reader", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return r
+
+    def _read(self, r: _Replica) -> None:
+        """Reader thread: forward every message to the loop; on end-of-file report the death."""
+        assert self._loop is not None
+        while True:
+            try:
+                msg = r.conn.recv()
+            except (EOFError, OSError):
+                break
+            self._loop.call_soon_threadsafe(self._on_message, r, msg)
+        r.proc.join(10)
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_death, r)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for i in range(self.n):
+            self._spawn(i, first=True)
+        started = [r.started for r in self._replicas if r is not None]
+        try:
+            await asyncio.wait_for(asyncio.gather(*started), self._timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def ready(self) -> bool:
+        return any(r is not None and r.live for r in self._replicas)
+
+    def pids(self) -> list[int | None]:
+        """Process ids of the replicas that are up (None where one is starting)."""
+        return [r.proc.pid if r is not None and r.live else None for r in self._replicas]
+
+    def running(self) -> list[list[tuple[str, int]]]:
+        """Per replica: (task kind, attempt) of each batch it is running (what operators and tests look at)."""
+        return [[(t.task[0], t.attempts) for t in list(r.inflight.values())] if r is not None else []
+                for r in self._replicas]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for r in self._replicas:
+            if r is not None:
+                try:
+                    r.conn.send(None)
+                except (OSError, ValueError):
+                    pass
+        loop = asyncio.get_running_loop()
+        for r in self._replicas:
+            if r is not None:
+                await loop.run_in_executor(None, r.proc.join, 10)
+                if r.proc.is_alive():
+                    r.proc.kill()
+                    await loop.run_in_executor(None, r.proc.join, 10)
+        for t in self._threads:
+            await loop.run_in_executor(None, t.join, 10)
+        for r in self._replicas:
+            if r is not None:
+                r.conn.close()
+        for t in self._waiting:
+            if not t.future.done():
+                t.future.set_exception(RequestError(503, "the server is shutting down"))
+
+    # ------------------------------------------------------------------ routing
+
+    async def run(self, task: tuple, on_event=None, cancelled=None) -> Any:
+        assert self._loop is not None
+        t = _Task(next(self._ids), task, self._loop.create_future(), on_event)
+        self._dispatch(t)
+        return await t.future
+
+    def _dispatch(self, t: _Task) -> None:
+        live = [r for r in self._replicas if r is not None and r.live]
+        if not live:
+            self._waiting.append(t)  # a replacement is starting; the request's own timeout bounds the wait
+            return
+        r = min(live, key=lambda r: (len(r.inflight), r.index))  # least loaded
+        t.attempts += 1
+        r.inflight[t.id] = t
+        try:
+            r.conn.send((t.id, t.task))
+        except (OSError, ValueError):
+            pass  # the reader thread sees the death and re-routes what was in flight
+
+    def _on_message(self, r: _Replica, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            r.live = r.was_live = True
+            if r.started is not None and not r.started.done():
+                r.started.set_result(msg[1])
+            waiting, self._waiting = self._waiting, []
+            for t in waiting:
+                if not t.future.done():
+                    self._dispatch(t)
+        elif kind == "failed":
+            error = ServeError(f"replica {r.index} could not load the model:\n{msg[1]}")
+            if r.started is not None and not r.started.done():
+                r.started.set_exception(error)
+            if not self.ready():
+                waiting, self._waiting = self._waiting, []
+                for t in waiting:
+                    if not t.future.done():
+                        t.future.set_exception(RequestError(503, f"no replica is up: {str(error).splitlines()[0]}"))
+        elif kind == "event":
+            t = r.inflight.get(msg[1])
+            if t is not None and t.on_event is not None:
+                t.on_event(*msg[2:])
+        elif kind in ("result", "error"):
+            t = r.inflight.pop(msg[1], None)
+            if t is not None and not t.future.done():
+                if kind == "result":
+                    t.future.set_result(msg[2])
+                else:
+                    t.future.set_exception(RuntimeError(f"replica {r.index}: {msg[2]}"))
+
+    def _on_death(self, r: _Replica) -> None:
+        r.live = False
+        if self._stopping:
+            return
+        code = r.proc.exitcode
+        lost, r.inflight = list(r.inflight.values()), {}
+        if r.started is not None and not r.started.done():
+            r.started.set_exception(ServeError(f"replica {r.index} exited with code {code} while loading the model"))
+        if not r.was_live:
+            return
+        if self._replicas[r.index] is r:
+            self.restarts += 1
+            if self._counter is not None:
+                self._counter.inc()
+            self._spawn(r.index)
+        for t in lost:
+            if t.future.done():
+                continue
+            if t.attempts < ATTEMPTS:
+                self._dispatch(t)
+            else:
+                t.future.set_exception(RequestError(
+                    503, f"replica {r.index} (pid {r.proc.pid}) died with exit code {code} while running this request, "
+                         f"after another replica had died running it too; nothing was answered, send it again"))
