@@ -1,0 +1,296 @@
+"""`--pp K`: the model's blocks split over K processes (training's own split code), joined by torch.distributed.
+
+Stage r holds `pipeline_stage(model, stage_bounds(model, K), r)` — the same cut as pipeline
+training. The server puts micro-batches on stage 0's queue; each stage runs its part and
+sends the activations to the next with point-to-point gloo messages (a small header tensor
+with the shape, then the data); the last stage returns results on a queue. A stage works on
+micro-batch i+1 while the next one works on micro-batch i, so a batch split into K micro-batches
+keeps every stage busy, and several batches may be in the pipeline at once.
+
+Generation through a pipeline recomputes each row's window every token (there is no KV cache
+across stages); rows travel as separate micro-batches, so they overlap in the stages.
+A stage that dies fails the requests in flight with a 503 and the server reports not-ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import traceback
+from typing import Any
+
+import numpy as np
+
+from plait.serve.kvcache import GenRow, sample_next
+from plait.serve.model import ModelRef, ServedModel
+from plait.serve.protocol import RequestError, ServeError
+
+STAGE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+HEADER = 10  # flag, task id, micro-batch, dtype code, ndim, up to 5 dims
+DATA, STOP, SKIP = 0, 1, 2
+DTYPES = ["float32", "int64", "float16", "bfloat16"]
+
+
+def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, outbox, status, threads: int) -> None:
+    """One pipeline stage: receive, run its blocks, send on; until a STOP header comes down the pipeline."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.parallel.split import pipeline_stage, stage_bounds
+    from plait.serve.model import load_model
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        served = load_model(ref)
+        bounds = stage_bounds(served.module, world)
+        part = pipeline_stage(served.module, bounds, rank).eval()
+        del served
+        status.put(("ready", rank, os.getpid(), bounds[rank]))
+    except BaseException:
+        status.put(("failed", rank, traceback.format_exc()))
+        return
+    pending: list = []
+
+    def send(flag: int, task_id: int, mb: int, t=None) -> None:
+        for w in pending:  # at most one message in flight: its buffers must live until it is sent
+            w.wait()
+        pending.clear()
+        head = torch.zeros(HEADER, dtype=torch.int64)
+        head[:3] = torch.tensor([flag, task_id, mb])
+        if t is not None:
+            head[3], head[4] = DTYPES.index(str(t.dtype).removeprefix("torch.")), t.dim()
+            head[5:5 + t.dim()] = torch.tensor(t.shape)
+        pending.append(dist.isend(head, rank + 1))
+        if t is not None:
+            pending.append(dist.isend(t.contiguous(), rank + 1))
+
+    last = rank == world - 1
+    with torch.inference_mode():
+        while True:
+            if rank == 0:
+                msg = inbox.get()
+                flag, (task_id, mb, x) = (STOP, (0, 0, None)) if msg is None else (DATA, msg)
+                x = None if x is None else torch.from_numpy(x)
+            else:
+                head = torch.zeros(HEADER, dtype=torch.int64)
+                dist.recv(head, rank - 1)
+                flag, task_id, mb, code, ndim = (int(v) for v in head[:5])
+                x = None
+                if flag == DATA:
+                    x = torch.empty(head[5:5 + ndim].tolist(), dtype=getattr(torch, DTYPES[code]))
+                    dist.recv(x, rank - 1)
+            if flag == STOP:
+                if not last:
+                    send(STOP, 0, 0)
+                break
+            if flag == DATA:
+                try:
+                    y = part(x)
+                except Exception as e:
+                    status.put(("error", task_id, f"stage {rank}: {type(e).__name__}: {e}"))
+                    flag, y = SKIP, None
+            if last:
+                if flag == DATA:
+                    outbox.put((task_id, mb, y.float().numpy()))
+            else:
+                send(flag, task_id, mb, y if flag == DATA else None)
+    for w in pending:
+        w.wait()
+    dist.destroy_process_group()
+
+
+class PipelineExecutor:
+    """The executor for `--pp K` (see plait.serve.service for the interface)."""
+
+    restarts = 0
+
+    def __init__(self, ref: ModelRef, served: ServedModel, stages: int, start_timeout_s: float = 180.0):
+        module = served.module
+        if not hasattr(module, "pipeline_parts"):
+            raise ServeError(f"--pp {stages}: a {served.registry_name} model cannot be cut into pipeline stages "
+                             "(it has no pipeline_parts()); serve it with --replicas instead")
+        n_blocks = len(getattr(module, module.pipeline_parts()["blocks"]))
+        if not 1 <= stages <= n_blocks:
+            raise ServeError(f"--pp {stages}: the model has {n_blocks} blocks; use --pp between 1 and {n_blocks}")
+        self.ref, self.served, self.k = ref, served, stages
+        self.capacity = stages
+        self._timeout = start_timeout_s
+        self._ids = itertools.count()
+        self._tasks: dict[int, tuple[asyncio.Future, list]] = {}
+        self._ready: set[int] = set()
+        self._broken: str | None = None
+        self._closing = False  # stop() has begun: stages exiting now are not failures
+        self._stopping = False  # the reader threads may end
+        self.bounds: list = [None] * stages
+        self.pids: list[int | None] = [None] * stages
+
+    async def start(self) -> None:
+        import torch.multiprocessing as mp
+
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="plait-pp-")
+        self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        threads = max(1, (os.cpu_count() or 1) // self.k)
+        saved = {k: os.environ.get(k) for k in STAGE_ENV}
+        os.environ.update(STAGE_ENV)  # the children read these before importing torch
+        try:
+            self._procs = [ctx.Process(target=stage_main, daemon=True, name=f"plait-stage-{r}",
+                                       args=(r, self.k, os.path.join(self._dir, "store"), self.ref,
+                                             self._inbox if r == 0 else None, self._outbox if r == self.k - 1 else None,
+                                             self._status, threads))
+                           for r in range(self.k)]
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._started = self._loop.create_future()
+        self._threads = [threading.Thread(target=fn, daemon=True, name=name)
+                         for fn, name in ((self._read_status, "plait-pp-status"), (self._read_results, "plait-pp-results"))]
+        for t in self._threads:
+            t.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._started), self._timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def ready(self) -> bool:
+        return len(self._ready) == self.k and self._broken is None
+
+    # ------------------------------------------------------------------ reader threads (report to the loop)
+
+    def _read_status(self) -> None:
+        while not self._stopping:
+            try:
+                msg = self._status.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead and not self._closing:
+                    r, p = dead[0]
+                    self._loop.call_soon_threadsafe(self._on_broken, f"pipeline stage {r} (pid {p.pid}) died with exit "
+                                                                     f"code {p.exitcode}; the pipeline is down")
+                    return
+                continue
+            self._loop.call_soon_threadsafe(self._on_status, msg)
+
+    def _read_results(self) -> None:
+        while not self._stopping:
+            try:
+                task_id, mb, y = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._loop.call_soon_threadsafe(self._on_result, task_id, mb, y)
+
+    def _on_status(self, msg: tuple) -> None:
+        if msg[0] == "ready":
+            _, rank, pid, bounds = msg
+            self._ready.add(rank)
+            self.pids[rank], self.bounds[rank] = pid, bounds
+            if len(self._ready) == self.k and not self._started.done():
+                self._started.set_result(True)
+        elif msg[0] == "failed":
+            self._on_broken(f"pipeline stage {msg[1]} could not start:\n{msg[2]}")
+        elif msg[0] == "error":
+            entry = self._tasks.pop(msg[1], None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(RuntimeError(msg[2]))
+
+    def _on_broken(self, why: str) -> None:
+        self._broken = why
+        if not self._started.done():
+            self._started.set_exception(ServeError(why))
+        tasks, self._tasks = self._tasks, {}
+        for fut, _ in tasks.values():
+            if not fut.done():
+                fut.set_exception(RequestError(503, why.splitlines()[0]))
+
+    def _on_result(self, task_id: int, mb: int, y: np.ndarray) -> None:
+        entry = self._tasks.get(task_id)
+        if entry is None:
+            return
+        fut, parts = entry
+        parts[mb] = y
+        if all(p is not None for p in parts):
+            del self._tasks[task_id]
+            if not fut.done():
+                fut.set_result(parts)
+
+    # ------------------------------------------------------------------ work
+
+    async def _through(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """Send micro-batches into the pipeline; their outputs, in order."""
+        if self._broken:
+            raise RequestError(503, self._broken.splitlines()[0])
+        task_id = next(self._ids)
+        fut = self._loop.create_future()
+        self._tasks[task_id] = (fut, [None] * len(chunks))
+        for mb, c in enumerate(chunks):
+            self._inbox.put((task_id, mb, np.ascontiguousarray(c)))
+        return await fut
+
+    async def run(self, task: tuple, on_event=None, cancelled=None) -> Any:
+        kind, payload = task
+        if kind == "infer":
+            chunks = np.array_split(payload, min(self.k, len(payload)))  # K micro-batches keep K stages busy
+            return {"logits": np.concatenate(await self._through(chunks))}
+        if kind == "generate":
+            return await self._generate(payload, on_event, cancelled)
+        raise ValueError(f"unknown task kind {kind!r}")
+
+    async def _generate(self, rows: list[GenRow], on_event, cancelled) -> list[list[int]]:
+        import torch
+
+        ctx = self.served.context
+        seqs = [list(r.prompt) for r in rows]
+        out: list[list[int]] = [[] for _ in rows]
+        gens = [torch.Generator().manual_seed(int(r.seed)) for r in rows]
+        while True:
+            active = [i for i, r in enumerate(rows) if len(out[i]) < r.max_new_tokens and not (cancelled and cancelled(i))]
+            if not active:
+                return out
+            windows = [np.array([seqs[i][-ctx:]], dtype=np.int64) for i in active]
+            logits = await self._through(windows)
+            for i, y in zip(active, logits):
+                tok = sample_next(torch.from_numpy(y[0, -1]), rows[i], gens[i])
+                out[i].append(tok)
+                seqs[i].append(tok)
+                if on_event is not None:
+                    on_event(i, len(out[i]) - 1, tok)
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._closing = True
+        if getattr(self, "_procs", None):
+            if self._broken is None:  # a STOP header walks down a healthy pipeline; a broken one is killed
+                self._inbox.put(None)
+                for p in self._procs:
+                    await loop.run_in_executor(None, p.join, 15)
+            self._stopping = True
+            for p in self._procs:
+                if p.is_alive():
+                    p.kill()
+                    await loop.run_in_executor(None, p.join, 10)
+            for t in self._threads:
+                await loop.run_in_executor(None, t.join, 5)
+            for q in (self._inbox, self._outbox, self._status):
+                q.close()
+                q.cancel_join_thread()
+        self._stopping = True
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+        for fut, _ in self._tasks.values():
+            if not fut.done():
+                fut.set_exception(RequestError(503, "the server is shutting down"))
