@@ -1,0 +1,41 @@
+"""The load generator of `plait bench serve`: closed and open loop against a real server, target checks, plot."""
+
+import asyncio
+
+import pytest
+
+from plait.serve.bench import BenchOptions, Point, closed_loop, format_table, open_loop, plot, request_body, target_checks
+from plait.serve.model import ModelRef, load_model
+from plait.serve.server import ServerThread
+from plait.serve.service import ServeOptions
+from serve_helpers import mlp_run  # noqa: F401
+
+
+def test_closed_and_open_loop_measure_a_real_server(mlp_run):  # noqa: F811
+    body = request_body(load_model(ModelRef(str(mlp_run))))
+    with ServerThread(mlp_run, ServeOptions(max_delay_ms=1)) as srv:
+        path = "/v2/models/mlp/infer"
+        tput, lat, errors = asyncio.run(closed_loop("127.0.0.1", srv.port, path, body, 4, 0.1, 0.5))
+        assert errors == 0 and len(lat) > 0 and tput == pytest.approx(len(lat) / 0.5)
+        assert all(0 < t < 0.5 for t in lat)
+        tput, lat, errors, dropped = asyncio.run(open_loop("127.0.0.1", srv.port, path, body, 40.0, 0.1, 1.0, seed=3))
+        assert errors == 0 and dropped == 0 and 15 <= len(lat) <= 70  # Poisson(40) arrivals in one second
+        bad = asyncio.run(closed_loop("127.0.0.1", srv.port, "/v2/models/nope/infer", body, 2, 0.0, 0.2))
+        assert bad[0] == 0 and bad[2] > 0  # 404s are counted as errors, not throughput
+
+
+def test_target_checks_table_and_plot(tmp_path):
+    opts = BenchOptions(concurrency=[1, 16], max_delay_ms=5, replicas=[1])
+    points = [Point("batching off, 1 replica", "closed c=16", 16, None, 100.0, 50, 60, 70, 0),
+              Point("batching on, 1 replica", "closed c=16", 16, None, 350.0, 20, 30, 9.0, 0)]
+    assert target_checks(points, opts, compute_ms=2.0) == [
+        "check: batching on / off at concurrency 16, 1 replica: 3.50x (target >= 3x): PASS",
+        "check: p99 with batching at concurrency 16, 1 replica: 9.00 ms <= max_delay 5 + 2 x batch compute 2.00 = 9.00 ms: PASS",
+    ]
+    points[1].throughput, points[1].p99_ms = 250.0, 9.5
+    assert [c.rsplit(": ", 1)[1] for c in target_checks(points, opts, compute_ms=2.0)] == ["MISS", "MISS"]
+    table = format_table(points).splitlines()
+    assert table[0].split() == ["configuration", "load", "req/s", "p50", "ms", "p95", "ms", "p99", "ms", "errors"]
+    assert table[2].split()[-5:] == ["100.0", "50.00", "60.00", "70.00", "0"]
+    out = plot(points, tmp_path / "b.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
