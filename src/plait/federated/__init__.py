@@ -1,0 +1,12 @@
+"""Federated learning: many data owners train one model without moving their data.
+
+    plait fed simulate [CONFIG] --clients 100 [--set ...] [--out DIR]     # all clients in one process
+    plait fed server CONFIG [--out DIR] [--token-file FILE]               # the coordinating server (HTTP)
+    plait fed client --server HOST:PORT --client-id I CONFIG              # one data owner
+
+Modules: server.py (the round state machine, shared by server and simulation), client.py
+(local training and uploads), strategies/ (FedAvg, FedProx, FedAdam, FedSGD), partition.py,
+robust.py (update validation, norm bounds, median / trimmed mean), secagg.py (pairwise
+masks), privacy.py (client-level DP and its accountant), transport.py (HTTP), simulate.py,
+report.py (run directory and plots), cli.py.
+"""

@@ -1,0 +1,349 @@
+"""The federated server's round logic, shared by `plait fed server` (over HTTP) and `plait fed simulate`.
+
+`Coordinator` is a state machine that never touches the network: open a round (the strategy
+samples clients and writes their instructions), hand out tasks, accept or reject uploads, run
+secure-aggregation recovery when masked clients dropped, then close the round (bound norms,
+add DP noise, let the strategy aggregate, evaluate). Every input from a client goes through
+`submit`/`submit_unmask`, which answer (accepted, reason) and never raise: a hostile or broken
+client can waste its own slot, not stop the server. The transport (transport.py) and the
+simulation (simulate.py) only move these plain values around.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from plait.federated.privacy import PrivacyPolicy
+from plait.federated.robust import bound_norms, check_update
+from plait.federated.secagg import MaskedSum
+from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, sample_count
+from plait.federated.tensors import Weights, encode, unflatten
+
+Evaluate = Callable[[Weights], tuple[float, float]]
+
+
+def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 512) -> Evaluate:
+    """(mean loss, accuracy) of given weights on a held-out dataset."""
+    from plait.federated.tensors import set_weights
+
+    device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def evaluate(weights: Weights) -> tuple[float, float]:
+        set_weights(model, weights)
+        model.eval()
+        loss_sum, correct, n = 0.0, 0, 0
+        for idx in torch.arange(len(dataset)).split(batch_size):
+            x, y = dataset.fetch(idx)
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            loss_sum += float(loss_fn(logits, y)) * len(idx)
+            correct += int((logits.argmax(-1) == y).sum())
+            n += len(idx)
+        return loss_sum / max(1, n), correct / max(1, n)
+
+    return evaluate
+
+
+class Coordinator:
+    """One federated run's server state: the global weights and the round in progress (thread-safe)."""
+
+    def __init__(self, fed, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int,
+                 privacy: PrivacyPolicy | None = None):
+        self.fed, self.weights, self.strategy, self.evaluate, self.privacy = fed, weights, strategy, evaluate, privacy
+        self.secure = bool(fed.secure_aggregation)
+        self.length = sum(v.numel() for v in weights.values())
+        self.rng = np.random.default_rng(seed)
+        self.lock = threading.RLock()
+        self.public_keys: dict[int, int] = {}
+        self.seen: dict[int, float] = {}
+        self.told_done: set[int] = set()
+        self.round = 0
+        self.phase = "idle"  # idle -> train (-> unmask) -> idle ... -> done
+        self.plan: RoundPlan | None = None
+        self.updates: dict[int, ClientUpdate] = {}
+        self.rejected: dict[int, str] = {}
+        self.masked: MaskedSum | None = None
+        self.started = 0.0
+        self._blob: tuple[int, bytes] | None = None
+
+    # ----------------------------------------------------------------- clients
+
+    def register(self, client_id: int, public_key: int | None = None) -> None:
+        with self.lock:
+            if public_key is not None:
+                self.public_keys[client_id] = public_key
+            self.seen[client_id] = time.monotonic()
+
+    def alive(self, within_s: float) -> list[int]:
+        now = time.monotonic()
+        with self.lock:
+            return sorted(c for c, t in self.seen.items() if now - t <= within_s)
+
+    def weights_blob(self) -> bytes:
+        """The current global weights as a wire message, encoded once per round."""
+        with self.lock:
+            if self._blob is None or self._blob[0] != self.round:
+                self._blob = (self.round, encode(self.weights))
+            return self._blob[1]
+
+    def task(self, client_id: int) -> tuple[dict, Weights | None]:
+        """What this client should do now: train (with the weights), unmask, wait, or stop."""
+        with self.lock:
+            self.seen[client_id] = time.monotonic()
+            if self.phase == "done":
+                self.told_done.add(client_id)
+                return {"status": "done", "round": self.round}, None
+            plan = self.plan
+            if self.phase == "train" and plan and client_id in plan.clients and not self._submitted(client_id):
+                task = {"status": "train", "round": self.round, "instructions": plan.instructions}
+                if self.secure:
+                    task["peers"] = {str(c): str(self.public_keys[c]) for c in plan.clients}
+                return task, self.weights
+            if self.phase == "unmask" and self.masked and client_id in self.masked.received \
+                    and client_id not in self.masked.recovered:
+                return {"status": "unmask", "round": self.round, "dropped": self.masked.dropped,
+                        "min_survivors": self.fed.min_clients,
+                        "peers": {str(c): str(self.public_keys[c]) for c in self.masked.participants}}, None
+            return {"status": "wait", "round": self.round}, None
+
+    def _submitted(self, client_id: int) -> bool:
+        if self.masked is not None:
+            return client_id in self.masked.received or client_id in self.rejected
+        return client_id in self.updates or client_id in self.rejected
+
+    # ----------------------------------------------------------------- rounds
+
+    def open_round(self, available: list[int]) -> RoundPlan:
+        """Start the next round among `available` clients (those with keys, under secure aggregation)."""
+        with self.lock:
+            self.round += 1
+            if self.secure:
+                available = [c for c in available if c in self.public_keys]
+            plan = self.strategy.configure_round(self.round, available, self.rng, poisson=self.privacy is not None)
+            ins = dict(plan.instructions)
+            if self.privacy is not None:
+                ins.update(clip_norm=self.privacy.clip_norm, unweighted=True)
+            elif self.secure and self.fed.clip_norm > 0:
+                ins["clip_norm"] = self.fed.clip_norm
+            self.plan = RoundPlan(plan.round, plan.clients, ins)
+            self.updates, self.rejected = {}, {}
+            self.masked = MaskedSum(plan.clients, self.length + 1) if self.secure else None
+            self.phase, self.started = "train", time.monotonic()
+            return self.plan
+
+    def submit(self, client_id: int, rnd: int, tensors: Weights, meta: dict) -> tuple[bool, str]:
+        """Take one client's upload for round `rnd`; (accepted, reason). Never raises."""
+        try:
+            with self.lock:
+                if client_id in self.seen:  # a client busy training is alive too
+                    self.seen[client_id] = time.monotonic()
+                return self._submit(client_id, rnd, tensors, meta)
+        except Exception as e:  # a malformed upload must not take the server down
+            with self.lock:
+                self.rejected.setdefault(client_id, f"unusable upload: {e}")
+            return False, f"unusable upload: {e}"
+
+    def _submit(self, client_id: int, rnd: int, tensors: Weights, meta: dict) -> tuple[bool, str]:
+        if self.phase != "train" or rnd != self.round or self.plan is None:
+            return False, f"round {rnd} is not open (the server is at round {self.round}, {self.phase})"
+        if client_id not in self.plan.clients:
+            return False, f"client {client_id} was not sampled in round {rnd}"
+        if self._submitted(client_id):
+            return False, f"client {client_id} already uploaded in round {rnd}"
+        if self.masked is not None:
+            t = tensors.get("masked")
+            if set(tensors) != {"masked"} or t is None or t.dtype != torch.int64 or tuple(t.shape) != (self.length + 1,):
+                reason = f"a secure-aggregation upload must be one int64 tensor 'masked' of {self.length + 1} values"
+                self.rejected[client_id] = reason
+                return False, reason
+            self.masked.add(client_id, t.numpy().view(np.uint64).copy())
+            return True, "accepted"
+        n = meta.get("num_samples")
+        loss = meta.get("loss")
+        loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else math.nan
+        update = ClientUpdate(client_id, n, dict(tensors), loss)
+        reason = check_update(update, self.weights)
+        if reason:
+            self.rejected[client_id] = reason
+            return False, reason
+        update.delta = {k: update.delta[k].to(v.dtype) for k, v in self.weights.items()}  # the model's order
+        self.updates[client_id] = update
+        return True, "accepted"
+
+    def all_in(self) -> bool:
+        with self.lock:
+            return self.plan is not None and all(self._submitted(c) for c in self.plan.clients)
+
+    def begin_recovery(self) -> bool:
+        """Secure aggregation with dropped clients and a quorum of survivors: ask survivors for seeds."""
+        with self.lock:
+            m = self.masked
+            if m is None or not m.dropped or len(m.received) < self.fed.min_clients:
+                return False
+            self.phase = "unmask"
+            return True
+
+    def submit_unmask(self, client_id: int, rnd: int, seeds: dict) -> tuple[bool, str]:
+        try:
+            with self.lock:
+                if self.phase != "unmask" or rnd != self.round or self.masked is None:
+                    return False, f"no recovery open for round {rnd}"
+                self.masked.recover(client_id, {int(d): int(s) for d, s in seeds.items()})
+                return True, "accepted"
+        except Exception as e:
+            return False, f"unusable recovery: {e}"
+
+    def recovery_done(self) -> bool:
+        with self.lock:
+            return self.masked is None or self.masked.complete
+
+    def _reduce(self) -> tuple[list[ClientUpdate], list[int]]:
+        """The updates the strategy aggregates (one summary update under secure aggregation or DP), and who was clipped."""
+        if self.masked is not None:
+            vec = self.masked.result()
+            total_w, s = float(vec[-1]), vec[:-1]
+            if self.privacy is not None:
+                return [ClientUpdate(-1, 1, unflatten(self.privacy.noised_mean(s), self.weights))], []
+            if not total_w > 0:
+                raise ValueError(f"secure aggregation gave a total weight of {total_w}")
+            return [ClientUpdate(-1, max(1, round(total_w)), unflatten(s / total_w, self.weights))], []
+        # Client-id order, not arrival order: the float sum (and so the run) does not depend on network timing.
+        updates, clipped = bound_norms([self.updates[c] for c in sorted(self.updates)], self.fed.clip_norm, self.fed.norm_bound)
+        if self.privacy is not None:
+            return [self.privacy.aggregate(updates, self.weights)], clipped
+        return updates, clipped
+
+    def close_round(self) -> dict:
+        """Aggregate what arrived (if a quorum did), evaluate, and return the round's metrics record."""
+        with self.lock:
+            plan = self.plan
+            received = list(self.masked.received) if self.masked is not None else sorted(self.updates)
+            dropped = [c for c in plan.clients if c not in received and c not in self.rejected]
+            record: dict = {"round": self.round, "selected": len(plan.clients), "clients": len(received),
+                            "dropped": dropped, "rejected": {str(c): r for c, r in sorted(self.rejected.items())}}
+            skipped = None
+            if len(received) < self.fed.min_clients:
+                skipped = f"{len(received)} valid updates, quorum is federated.min_clients = {self.fed.min_clients}"
+            else:
+                try:
+                    updates, clipped = self._reduce()
+                    record["clipped"] = clipped
+                    new = self.strategy.aggregate(self.round, self.weights, updates)
+                    if all(bool(torch.isfinite(v).all()) for v in new.values()):
+                        self.weights = new
+                    else:
+                        skipped = "the aggregate is not finite"
+                except ValueError as e:
+                    skipped = str(e)
+            if skipped:
+                record["skipped"] = skipped
+                record["clients"] = 0
+            losses = [(u.loss, u.num_samples) for u in self.updates.values() if math.isfinite(u.loss)]
+            if losses:
+                record["train_loss"] = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+            record["test_loss"], record["test_accuracy"] = self.evaluate(self.weights)
+            if self.privacy is not None:
+                record["epsilon"] = self.privacy.epsilon()
+            record["round_time_s"] = time.monotonic() - self.started
+            self.phase = "idle"
+            return record
+
+    def finish(self) -> None:
+        with self.lock:
+            self.phase = "done"
+
+
+def sample_rate(fed) -> float:
+    """The per-round sampling probability the DP accountant uses: clients per round / clients."""
+    return sample_count(fed.clients_per_round, fed.clients) / fed.clients
+
+
+def build_coordinator(cfg, data, generator: torch.Generator | None = None) -> Coordinator:
+    """The coordinator of a configured run: initial model (seeded by train.seed), strategy, evaluator, DP policy."""
+    from plait.federated.strategies import build_strategy
+    from plait.federated.tensors import get_weights
+    from plait.models import build_model
+    from plait.runtime import pick_device
+    from plait.train.loss import loss_for
+
+    fed = cfg.federated
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, data.bundle.spec).to(pick_device(cfg.launch.device, 0))
+    weights = get_weights(model)
+    privacy = None
+    if fed.dp_noise_multiplier > 0:
+        privacy = PrivacyPolicy(fed.dp_noise_multiplier, fed.dp_clip_norm, sample_rate(fed), fed.clients, fed.dp_delta, generator)
+    evaluate = make_evaluator(model, data.bundle.val, loss_for(data.bundle.spec))
+    return Coordinator(fed, weights, build_strategy(fed), evaluate, seed=cfg.train.seed, privacy=privacy)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def serve(cfg, run_dir, tokens: dict, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+          log: Callable[[str], None] = print) -> dict:
+    """The `plait fed server` process: HTTP on federated.host:port, rounds until federated.rounds; returns the summary."""
+    from plait.federated.client import federated_data, fingerprint
+    from plait.federated.report import RunRecorder
+    from plait.federated.transport import FederatedError, HTTPServerThread, make_app
+
+    fed = cfg.federated
+    data = federated_data(cfg)
+    coord = build_coordinator(cfg, data)
+    recorder = RunRecorder(run_dir, cfg, data)
+    app = make_app(coord, tokens, fingerprint(cfg))
+    http = HTTPServerThread(app, fed.host, fed.port, ssl_certfile, ssl_keyfile)
+    port = http.start()
+    recorder.write_endpoint(fed.host, port, tls=bool(ssl_certfile))
+    log(f"plait fed server on {'https' if ssl_certfile else 'http'}://{fed.host}:{port}; waiting for {fed.clients} clients "
+        f"(at least {fed.min_clients})")
+    try:
+        # All data owners are expected; after start_timeout_s the run starts with whoever came, if a quorum did.
+        wait_until(lambda: len(coord.alive(fed.heartbeat_timeout_s)) >= fed.clients, fed.start_timeout_s)
+        if len(coord.alive(fed.heartbeat_timeout_s)) < fed.min_clients:
+            raise FederatedError(
+                f"only {len(coord.alive(fed.heartbeat_timeout_s))} of federated.min_clients = {fed.min_clients} clients "
+                f"connected within federated.start_timeout_s = {fed.start_timeout_s}s; start more clients or lower min_clients"
+            )
+        for _ in range(fed.rounds):
+            wait_until(lambda: len(coord.alive(fed.heartbeat_timeout_s)) >= fed.min_clients, fed.round_deadline_s)
+            plan = coord.open_round(coord.alive(fed.heartbeat_timeout_s))
+            wait_until(coord.all_in, fed.round_deadline_s)
+            if coord.begin_recovery():
+                wait_until(coord.recovery_done, fed.round_deadline_s)
+            record = coord.close_round()
+            recorder.write_round(record)
+            log(round_line(record, plan.clients))
+            if fed.stop_at_accuracy and record["test_accuracy"] >= fed.stop_at_accuracy:
+                break
+        coord.finish()
+        # Let clients that are still polling learn that the run is over before the port closes.
+        wait_until(lambda: set(coord.alive(fed.heartbeat_timeout_s)) <= coord.told_done, 5.0)
+        return recorder.finish(coord.weights, coord.strategy.name)
+    finally:
+        coord.finish()
+        http.stop()
+
+
+def round_line(record: dict, clients: list[int]) -> str:
+    extra = f" skipped: {record['skipped']}" if record.get("skipped") else ""
+    if record.get("dropped"):
+        extra += f" dropped {record['dropped']}"
+    if record.get("rejected"):
+        extra += f" rejected {sorted(map(int, record['rejected']))}"
+    eps = f" eps {record['epsilon']:.3g}" if "epsilon" in record else ""
+    return (f"round {record['round']:>4}: test acc {record['test_accuracy']:.4f} loss {record['test_loss']:.4f} "
+            f"clients {record['clients']}/{len(clients)}{eps}{extra}")

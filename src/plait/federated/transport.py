@@ -1,0 +1,267 @@
+"""HTTP transport between `plait fed server` and `plait fed client` (FastAPI + uvicorn, httpx).
+
+Every request carries `Authorization: Bearer <token>`; the token must be the client's own
+(a tokens file may give each client id its own token) or the shared one. TLS is uvicorn's
+(--ssl-certfile/--ssl-keyfile on the server, --ca-file on the client). Clients poll; the
+server never calls out, so clients may sit behind NAT.
+
+    POST /v1/register {client_id, public_key, fingerprint}  -> {"rounds": R}       (409: other config)
+    GET  /v1/task?client_id=i     -> {"status": train|unmask|wait|done, ...} + the weights when training
+    POST /v1/update?client_id=i&round=r   body: tensor message (delta or masked vector + meta)
+    POST /v1/unmask {client_id, round, seeds}
+    GET  /v1/status               -> the round in progress (monitoring and tests)
+
+Bodies above the size of a model upload (plus slack) are refused with 413 before they are read
+in full; bodies that do not parse are answered with 400; rejected updates with 422 and the
+reason. None of these reach anything that could stop the server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from plait.errors import PlaitError
+from plait.federated.tensors import Weights, decode, encode
+
+
+class FederatedError(PlaitError):
+    """A federated run cannot go on: no quorum of clients, a wrong token, a config that differs from the server's."""
+
+
+def frame(meta: dict, blob: bytes) -> bytes:
+    """A task message: 8-byte length, the JSON task, then the weights blob (possibly empty)."""
+    head = json.dumps(meta).encode()
+    return len(head).to_bytes(8, "little") + head + blob
+
+
+def unframe(body: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + n]), body[8 + n:]
+
+
+def parse_tokens(text: str) -> dict:
+    """Tokens file: each line `TOKEN` (shared by all clients) or `CLIENT_ID TOKEN`; '#' starts a comment."""
+    tokens: dict = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) == 1:
+            tokens["*"] = parts[0]
+        elif len(parts) == 2 and parts[0].isdigit():
+            tokens[int(parts[0])] = parts[1]
+        else:
+            raise FederatedError(f"tokens file line {n}: expected 'TOKEN' or 'CLIENT_ID TOKEN', got {line!r}")
+    if not tokens:
+        raise FederatedError("the tokens file holds no token; add a line with a token")
+    return tokens
+
+
+def authorized(tokens: dict, header: str | None, client_id: int | None) -> bool:
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer "):].encode()
+    want = [tokens[client_id]] if client_id in tokens else []
+    if "*" in tokens:
+        want.append(tokens["*"])
+    if client_id is None:
+        want = list(tokens.values())
+    return any(hmac.compare_digest(given, w.encode()) for w in want)
+
+
+def make_app(coord, tokens: dict, fingerprint: str):
+    """The FastAPI app serving one Coordinator (handlers' annotations must resolve at module level)."""
+    app = FastAPI(title="plait federated server", docs_url=None, redoc_url=None, openapi_url=None)
+    max_body = (coord.length + 1) * 8 * 2 + (1 << 20)
+
+    def deny(status: int, reason: str) -> JSONResponse:
+        return JSONResponse({"accepted": False, "reason": reason}, status_code=status)
+
+    def client_of(request: Request) -> int | None:
+        try:
+            return int(request.query_params["client_id"])
+        except (KeyError, ValueError):
+            return None
+
+    async def read_body(request: Request) -> bytes | None:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > max_body:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def read_json(request: Request) -> dict | None:
+        body = await read_body(request)
+        try:
+            obj = json.loads(body) if body is not None else None
+        except ValueError:
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    @app.post("/v1/register")
+    async def register(request: Request):
+        obj = await read_json(request)
+        if obj is None or not isinstance(obj.get("client_id"), int) or isinstance(obj.get("client_id"), bool):
+            return deny(400, "body must be JSON with an integer client_id")
+        cid = obj["client_id"]
+        if not authorized(tokens, request.headers.get("authorization"), cid):
+            return deny(401, "missing or wrong bearer token")
+        if not 0 <= cid < coord.fed.clients:
+            return deny(400, f"client_id {cid} is outside 0..{coord.fed.clients - 1}")
+        if obj.get("fingerprint") != fingerprint:
+            return deny(409, "this client's config (model, data, partition, seed) differs from the server's; use the same file")
+        try:
+            public_key = int(obj["public_key"]) if obj.get("public_key") is not None else None
+        except (TypeError, ValueError):
+            return deny(400, "public_key must be an integer (as a string)")
+        coord.register(cid, public_key)
+        return {"accepted": True, "rounds": coord.fed.rounds}
+
+    @app.get("/v1/task")
+    def task(request: Request):
+        cid = client_of(request)
+        if cid is None or not authorized(tokens, request.headers.get("authorization"), cid):
+            return deny(401, "missing or wrong bearer token (or no client_id)")
+        if cid not in coord.seen:
+            return deny(409, f"client {cid} has not registered")
+        meta, weights = coord.task(cid)
+        body = frame(meta, coord.weights_blob() if weights is not None else b"")
+        return Response(body, media_type="application/octet-stream")
+
+    @app.post("/v1/update")
+    async def update(request: Request):
+        cid = client_of(request)
+        if cid is None or not authorized(tokens, request.headers.get("authorization"), cid):
+            return deny(401, "missing or wrong bearer token (or no client_id)")
+        try:
+            rnd = int(request.query_params["round"])
+        except (KeyError, ValueError):
+            return deny(400, "query parameter round must be an integer")
+        body = await read_body(request)
+        if body is None:
+            return deny(413, f"upload larger than {max_body} bytes")
+        try:
+            tensors, meta = decode(body)
+        except ValueError as e:
+            return deny(400, f"body is not a tensor message: {e}")
+        ok, reason = await run_in_threadpool(coord.submit, cid, rnd, tensors, meta)
+        return JSONResponse({"accepted": ok, "reason": reason}, status_code=200 if ok else 422)
+
+    @app.post("/v1/unmask")
+    async def unmask(request: Request):
+        obj = await read_json(request)
+        cid = obj.get("client_id") if obj else None
+        if not isinstance(cid, int) or not authorized(tokens, request.headers.get("authorization"), cid):
+            return deny(401, "missing or wrong bearer token (or no client_id)")
+        seeds = obj.get("seeds")
+        if not isinstance(seeds, dict) or not isinstance(obj.get("round"), int):
+            return deny(400, "body must hold round (integer) and seeds (object)")
+        ok, reason = coord.submit_unmask(cid, obj["round"], seeds)
+        return JSONResponse({"accepted": ok, "reason": reason}, status_code=200 if ok else 422)
+
+    @app.get("/v1/status")
+    def status(request: Request):
+        if not authorized(tokens, request.headers.get("authorization"), None):
+            return deny(401, "missing or wrong bearer token")
+        with coord.lock:
+            plan = coord.plan
+            return {"round": coord.round, "phase": coord.phase, "selected": plan.clients if plan else [],
+                    "received": sorted(coord.updates) if coord.masked is None else sorted(coord.masked.received),
+                    "alive": coord.alive(coord.fed.heartbeat_timeout_s)}
+
+    return app
+
+
+class HTTPServerThread:
+    """uvicorn serving an app from a background thread (the round loop keeps the main thread)."""
+
+    def __init__(self, app, host: str, port: int, ssl_certfile: str | None = None, ssl_keyfile: str | None = None):
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="plait-fed-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        """Start serving; returns the bound port (useful with port 0)."""
+        self.thread.start()
+        end = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise FederatedError("the HTTP server did not start (is federated.port already in use?)")
+            time.sleep(0.02)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+class FedHTTPClient:
+    """The client's side of the protocol; connection problems are retried, then reported as FederatedError."""
+
+    def __init__(self, server: str, token: str, ca_file: str | None = None, timeout_s: float = 30.0,
+                 lost_after_s: float = 60.0):
+        base = server if "://" in server else f"{'https' if ca_file else 'http'}://{server}"
+        self.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
+                                 verify=ca_file if ca_file else True)
+        self.lost_after_s = lost_after_s
+        self.base = base
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, retry_s: float | None = None, **kw) -> httpx.Response:
+        end = time.monotonic() + (self.lost_after_s if retry_s is None else retry_s)
+        while True:
+            try:
+                r = self.http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                if time.monotonic() > end:
+                    raise FederatedError(f"cannot reach the server at {self.base}: {e}") from None
+                time.sleep(0.25)
+                continue
+            if r.status_code in (401, 409):
+                raise FederatedError(f"server refused {path}: {r.json().get('reason', r.text)}")
+            return r
+
+    def register(self, client_id: int, public_key: int, fingerprint: str, connect_timeout_s: float) -> dict:
+        r = self._call("POST", "/v1/register", retry_s=connect_timeout_s,
+                       json={"client_id": client_id, "public_key": str(public_key), "fingerprint": fingerprint})
+        if r.status_code != 200:
+            raise FederatedError(f"registration refused: {r.text}")
+        return r.json()
+
+    def task(self, client_id: int) -> tuple[dict, Weights | None]:
+        r = self._call("GET", "/v1/task", params={"client_id": client_id})
+        if r.status_code != 200:
+            raise FederatedError(f"task request refused: {r.text}")
+        meta, blob = unframe(r.content)
+        return meta, (decode(blob)[0] if meta.get("status") == "train" else None)
+
+    def upload(self, client_id: int, rnd: int, tensors: Weights, meta: dict) -> tuple[bool, str]:
+        r = self._call("POST", "/v1/update", params={"client_id": client_id, "round": rnd}, content=encode(tensors, meta),
+                       headers={"content-type": "application/octet-stream"})
+        body = r.json()
+        return bool(body.get("accepted")), str(body.get("reason"))
+
+    def unmask(self, client_id: int, rnd: int, seeds: dict[int, int]) -> tuple[bool, str]:
+        r = self._call("POST", "/v1/unmask", json={"client_id": client_id, "round": rnd,
+                                                  "seeds": {str(d): str(s) for d, s in seeds.items()}})
+        body = r.json()
+        return bool(body.get("accepted")), str(body.get("reason"))

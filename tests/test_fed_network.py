@@ -1,0 +1,119 @@
+"""`plait fed server` and three `plait fed client` processes over HTTP on loopback; then one client is killed mid-run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from fed_helpers import fed_config
+from plait.federated.simulate import simulate
+
+TOKEN = "test-token-5c1e"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_FED_TOKEN": TOKEN}
+COMMON = ["federated.clients=3", "federated.min_clients=2", "federated.local_epochs=1", "federated.port=0",
+          "log.report=false"]
+
+
+def _sets(overrides):
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+class Procs:
+    """Every process a test starts; all are killed and reaped at the end, whatever happened."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, log: Path) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "plait", "fed", *args], env=ENV, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.close()
+    assert all(p.poll() is not None for p in ps.procs)  # nothing leaked
+
+
+def start_run(procs, tmp_path, overrides, clients=3):
+    run = tmp_path / "server"
+    server = procs.start("server", "--out", str(run), *_sets(COMMON + overrides), log=tmp_path / "server.log")
+    end = time.monotonic() + 60
+    while not (run / "endpoint.json").exists():
+        assert server.poll() is None, (tmp_path / "server.log").read_text()
+        assert time.monotonic() < end, "server did not start"
+        time.sleep(0.1)
+    port = json.loads((run / "endpoint.json").read_text())["port"]
+    workers = [procs.start("client", "--server", f"127.0.0.1:{port}", "--client-id", str(i), *_sets(COMMON + overrides),
+                           log=tmp_path / f"client{i}.log") for i in range(clients)]
+    return run, server, workers, port
+
+
+@pytest.mark.slow
+def test_server_and_three_clients_as_processes_match_the_simulation(procs, tmp_path):
+    # Prepare: 4 rounds; every client in every round, so the networked run must equal the in-process simulation.
+    overrides = ["federated.rounds=4"]
+    run, server, workers, _ = start_run(procs, tmp_path, overrides)
+    # Execute
+    assert server.wait(timeout=120) == 0, (tmp_path / "server.log").read_text()
+    codes = [w.wait(timeout=60) for w in workers]
+    # Assert
+    assert codes == [0, 0, 0], [(tmp_path / f"client{i}.log").read_text() for i in range(3)]
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == 4 and [r["clients"] for r in records] == [3, 3, 3, 3]
+    assert records[-1]["test_accuracy"] > records[0]["test_accuracy"]
+    sim = simulate(fed_config(*COMMON, *overrides), tmp_path / "sim", log=None)
+    net_w, sim_w = load_file(run / "model.safetensors"), load_file(tmp_path / "sim" / "model.safetensors")
+    assert max(float((net_w[k] - sim_w[k]).abs().max()) for k in sim_w) <= 1e-6
+    assert summary["test_accuracy"] == pytest.approx(sim["test_accuracy"])
+    assert "trained 4 rounds" in (tmp_path / "client0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_client_killed_mid_round_is_waited_for_then_the_quorum_proceeds(procs, tmp_path):
+    # Prepare: 6 rounds of 3 clients; deadline 6 s, quorum 2; a client silent for 3 s is no longer sampled.
+    overrides = ["federated.rounds=6", "federated.round_deadline_s=6", "federated.heartbeat_timeout_s=3"]
+    run, server, workers, port = start_run(procs, tmp_path, overrides)
+    status = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    # Execute: kill client 2 while round 2 waits for its update.
+    end = time.monotonic() + 90
+    while True:
+        s = status.get("/v1/status").json()
+        if s["round"] >= 2 and s["phase"] == "train" and 2 in s["selected"] and 2 not in s["received"]:
+            break
+        assert time.monotonic() < end and server.poll() is None, (tmp_path / "server.log").read_text()
+        time.sleep(0.02)
+    killed_in = s["round"]
+    os.kill(workers[2].pid, signal.SIGKILL)
+    status.close()
+    # Assert: the server never fails, the other clients finish, the run has all its rounds.
+    assert server.wait(timeout=120) == 0, (tmp_path / "server.log").read_text()
+    assert [workers[0].wait(timeout=60), workers[1].wait(timeout=60)] == [0, 0]
+    assert workers[2].wait(timeout=10) == -signal.SIGKILL
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    log = (tmp_path / "server.log").read_text()
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5, 6] and not any(r.get("skipped") for r in records), log
+    hit = [r for r in records if r["dropped"] == [2]]
+    assert hit and hit[0]["round"] in (killed_in, killed_in + 1)
+    assert all(r["clients"] == 2 for r in hit) and all(r["round_time_s"] >= 5.9 for r in hit)  # waited for the deadline
+    later = records[hit[-1]["round"]:]
+    assert later and all(r["selected"] == 2 and r["clients"] == 2 and r["round_time_s"] < 5.9 for r in later)
+    assert records[-1]["test_accuracy"] > records[0]["test_accuracy"]
