@@ -166,7 +166,7 @@ class FederatedConfig:
     min_clients: int = opt(2, "plait fed: quorum; a round with fewer valid updates by its deadline leaves the model as it is")
     local_epochs: int = opt(2, "plait fed: passes over its own data each client makes per round (fedsgd: one full-batch gradient)")
     local_batch_size: int = opt(16, "plait fed: samples per local SGD step")
-    local_lr: float = opt(0.05, "plait fed: clients' SGD learning rate (fedsgd: the server's gradient step)")
+    local_lr: float = opt(0.1, "plait fed: clients' SGD learning rate (fedsgd: the server's gradient step)")
     local_momentum: float = opt(0.0, "plait fed: clients' SGD momentum (reset every round)")
     mu: float = opt(0.01, "plait fed: fedprox proximal weight: clients add mu/2 * |w - w_global|^2 to their loss")
     server_lr: float = opt(0.0, "plait fed: server step on the averaged update; 0 = 1.0 (fedavg/fedprox/fedsgd) or 0.01 (fedadam)")
@@ -178,7 +178,7 @@ class FederatedConfig:
     shards_per_client: int = opt(2, "plait fed: partition = shards: label-sorted shards each client gets")
     aggregator: str = opt("mean", "plait fed: combine updates by weighted mean, coordinate-wise median or trimmed_mean",
                           ("mean", "median", "trimmed_mean"))
-    trim_fraction: float = opt(0.1, "plait fed: trimmed_mean: share of the largest and of the smallest values dropped per coordinate")
+    trim_fraction: float = opt(0.1, "plait fed: trimmed_mean: share of the largest and smallest values dropped per coordinate")
     clip_norm: float = opt(0.0, "plait fed: the server scales every update's L2 norm down to this (0: off)")
     norm_bound: float = opt(5.0, "plait fed: updates above this multiple of the round's median norm are scaled to it (0: off)")
     secure_aggregation: bool = opt(False, "plait fed: pairwise-masked updates; the server learns only their sum (Bonawitz et al.)")
@@ -186,7 +186,7 @@ class FederatedConfig:
     dp_clip_norm: float = opt(1.0, "plait fed: client-level DP: each client's update is clipped to this L2 norm")
     dp_delta: float = opt(1e-5, "plait fed: client-level DP: the delta of the (epsilon, delta) reported per round")
     round_deadline_s: float = opt(60.0, "plait fed server: seconds a round waits for its clients before using the quorum")
-    start_timeout_s: float = opt(300.0, "plait fed server: seconds to wait for min_clients clients to connect")
+    start_timeout_s: float = opt(300.0, "plait fed server: seconds to wait for all clients to connect (then: the quorum suffices)")
     heartbeat_timeout_s: float = opt(10.0, "plait fed server: a client silent this long is not sampled")
     host: str = opt("127.0.0.1", "plait fed server: address to bind (0.0.0.0 to accept other machines)")
     port: int = opt(8470, "plait fed server: TCP port (0: any free port, written to RUN_DIR/endpoint.json)")
@@ -384,8 +384,6 @@ def format_config(cfg: Config) -> str:
 
 # Keys whose non-default values name schemes this version cannot run yet: (key, default, what).
 UNAVAILABLE: list[tuple[str, object, str]] = [
-    ("parallel.tp", 1, "tensor parallelism"),
-    ("parallel.pp", 1, "pipeline parallelism"),
     ("parallel.sync", "allreduce", "parameter-server and gossip synchronisation"),
     ("parallel.compression", "none", "gradient compression"),
 ]
@@ -472,6 +470,17 @@ def validate_config(cfg: Config) -> Config:
             f"parallel.offload = {p.offload!r} moves ZeRO shards to CPU memory and needs parallel.zero = 2 or 3 "
             f"(it is {p.zero}); set parallel.zero=3 or parallel.offload='none'"
         )
+    if p.zero == 1 and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {p.tp}, pp = {p.pp}); "
+            "use parallel.zero=2 or 3 with tp, or zero=0"
+        )
+    if p.zero >= 2 and p.pp > 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with parallel.pp = {p.pp} is not available in this version of plait; "
+            "set parallel.zero=0 (gradients are then averaged over dp by an all-reduce)"
+        )
+    _validate_pipeline(cfg)
     if p.zero and cfg.optim.name not in SHARDABLE_OPTIMIZERS:
         raise ConfigError(
             f"optim.name = {cfg.optim.name!r} cannot be sharded by ZeRO (its update is not elementwise); "
@@ -528,6 +537,46 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
     _validate_federated(cfg)
     return cfg
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
+        raise ConfigError(
+            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp_schedule = 'interleaved-1f1b' "
+            f"(it is {p.pp_schedule!r})"
+        )
+    if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and p.virtual_stages < 2:
+        raise ConfigError("parallel.pp_schedule = 'interleaved-1f1b' needs parallel.virtual_stages >= 2 model "
+                          "chunks per pipeline rank; set --set parallel.virtual_stages=2")
+    if p.microbatches < 0:
+        raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
+    if p.pp > 1:
+        if p.microbatches and t.global_batch_size % (p.dp * p.microbatches):
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
+                f"parallel.microbatches ({p.microbatches}) = {p.dp * p.microbatches}"
+            )
+        m = p.microbatches or cfg.grad_accum
+        if p.pp_schedule == "interleaved-1f1b" and m % p.pp:
+            raise ConfigError(
+                f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
+                f"of parallel.pp ({p.pp}); set parallel.microbatches={p.pp * max(1, m // p.pp)}"
+            )
+        if cfg.model.name == "gpt" and not cfg.model.factory and p.pp * p.virtual_stages > cfg.model.layers:
+            raise ConfigError(
+                f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {p.pp * p.virtual_stages} "
+                f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers"
+            )
+    if p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
+        raise ConfigError(
+            f"parallel.pp_split = {p.pp_split} gives {len(p.pp_split) + 1} stages but the layout has "
+            f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1; set parallel.tp=2 or turn it off")
 
 
 def _validate_federated(cfg: Config) -> None:

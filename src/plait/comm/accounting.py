@@ -110,13 +110,18 @@ _installed: dict[tuple[object, str], object] = {}
 
 
 def _install() -> None:
+    # One wrapper per function, set on both torch.distributed and distributed_c10d: code compares
+    # these functions by identity (P2POp accepts only `isend`/`irecv` themselves).
+    wrappers: dict[int, object] = {}
     for op in RULES:
         for mod in (dist, c10d):
             fn = getattr(mod, op, None)
             if fn is None or hasattr(fn, "__plait_counted__"):
                 continue
             _installed[(mod, op)] = fn
-            setattr(mod, op, _wrap(op, fn))
+            if id(fn) not in wrappers:
+                wrappers[id(fn)] = _wrap(op, fn)
+            setattr(mod, op, wrappers[id(fn)])
 
 
 def _uninstall() -> None:

@@ -68,6 +68,7 @@ class GPT(nn.Module):
                  tie_embeddings: bool = True, dropout: float = 0.0):
         super().__init__()
         self.context = context
+        self.tie_embeddings = tie_embeddings
         self.tok_emb = nn.Embedding(vocab_size, width)
         self.pos_emb = nn.Embedding(context, width)
         self.drop = nn.Dropout(dropout)
@@ -113,6 +114,56 @@ class GPT(nn.Module):
     def pipeline_parts(self) -> dict:
         """How to cut the model into pipeline stages: the repeated blocks, and what goes before and after them."""
         return {"blocks": "blocks", "first": ["tok_emb", "pos_emb", "drop"], "last": ["ln_f", "head"]}
+
+    def tied_parameters(self) -> dict[str, str]:
+        """Parameter names that alias another one: {alias: canonical}. A pipeline keeps both copies in step."""
+        return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
+
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """Megatron-LM's split of each block for torch.distributed.tensor.parallel.parallelize_module.
+
+        Column-parallel q, k, v and MLP-up (each rank keeps whole heads), row-parallel attention
+        output and MLP-down (one all-reduce, or a reduce-scatter with sequence parallel, each);
+        the head is column-parallel over the vocabulary, and so is the token embedding when tied
+        to it (a vocabulary-parallel embedding). With sequence parallel, LayerNorms work on a
+        shard of the sequence and the residual stream between blocks is that shard.
+        Modules a pipeline stage does not hold are left out.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+        sp = sequence_parallel
+        rows_out = Shard(1) if sp else Replicate()
+        plan: dict = {}
+        if self.tok_emb is not None and self.tie_embeddings:
+            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        for name in self.blocks:
+            b = f"blocks.{name}"
+            plan.update({f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(),
+                         f"{b}.attn.v": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=rows_out),
+                         f"{b}.mlp.up": ColwiseParallel(), f"{b}.mlp.down": RowwiseParallel(output_layouts=rows_out)})
+            if sp:
+                gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel(),
+                             f"{b}.attn": gather, f"{b}.mlp": gather})
+        if sp and self.tok_emb is not None and "0" in self.blocks:
+            # The embeddings' output is whole; the first block takes this rank's piece of the sequence.
+            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True)
+        if self.head is not None:
+            if sp:
+                plan["ln_f"] = SequenceParallel()
+            plan["head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+        return plan
+
+    def tp_check(self, tp: int) -> None:
+        """Raise a ConfigError naming the key to change when the shapes do not split over tp ranks."""
+        heads = next(iter(self.blocks.values())).attn.heads if len(self.blocks) else tp
+        vocab = self.head.out_features if self.head is not None else self.tok_emb.num_embeddings
+        for what, value, key in (("model.heads", heads, "model.heads"), ("the vocabulary", vocab, "model.vocab_size")):
+            if value % tp:
+                fix = f"set {key} to a multiple of {tp}" + (f", e.g. {key}={-(-value // tp) * tp}" if key.endswith("size") else "")
+                raise ConfigError(f"{what} ({value}) is not divisible by parallel.tp = {tp}; {fix}")
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

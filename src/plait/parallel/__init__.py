@@ -11,6 +11,10 @@ import torch.nn as nn
 from plait.parallel.base import Precision, Strategy
 from plait.parallel.ddp import DDPStrategy, apply_ddp
 from plait.parallel.fsdp import FSDPStrategy, apply_fsdp
+from plait.parallel.pipeline import PipelineStrategy
+from plait.parallel.split import pipeline_stage, stage_bounds
+from plait.parallel.tensor import TensorParallelStrategy
+from plait.parallel.tp import apply_tp
 from plait.parallel.zero import ZeroOneStrategy
 
 
@@ -40,12 +44,16 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, cfg, rt) -> nn.Module:
-    """Apply the configured schemes to a plain model in the fixed order; returns what forward runs.
+def parallelize(model: nn.Module, cfg, rt, data_parallel: bool = True) -> nn.Module:
+    """Apply the configured schemes to a plain model (or one pipeline stage) in the fixed order.
 
-    Order: activation checkpointing -> compile -> data parallel (DDP, or FSDP2 for ZeRO-2/3;
-    ZeRO-1 shards only the optimizer and is set up by its strategy).
+    Order: tensor parallel -> activation checkpointing -> compile -> data parallel (DDP, or FSDP2
+    for ZeRO-2/3). The pipeline cut happens before this, in build_strategy; ZeRO-1 shards only the
+    optimizer and is set up by its strategy; tensor- and pipeline-parallel layouts average their
+    gradients over dp by hand (DDP does not take DTensors), so `data_parallel` is False for them.
     """
+    if cfg.parallel.tp > 1:
+        model = apply_tp(model, rt.mesh["tp"], cfg.parallel.sequence_parallel)
     if cfg.train.activation_checkpointing:
         model = apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -54,9 +62,14 @@ def parallelize(model: nn.Module, cfg, rt) -> nn.Module:
     if dp > 1 and zero >= 2:
         offload = cfg.parallel.offload != "none" and rt.device.type != "cpu"
         model = apply_fsdp(model, rt.mesh["dp"], zero, param_dtype=cfg.precision.dtype, offload=offload)
-    elif dp > 1 and zero == 0:
+    elif dp > 1 and zero == 0 and data_parallel:
         model = apply_ddp(model, rt.mesh["dp"], rt.device)
     return model
+
+
+def microbatches(cfg) -> int:
+    """Pipeline micro-batches per step: parallel.microbatches, else the accumulation count."""
+    return cfg.parallel.microbatches or cfg.grad_accum
 
 
 def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn: Callable) -> Strategy:
@@ -68,21 +81,33 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
     if cfg.parallel.offload != "none" and rt.device.type == "cpu" and rt.is_main:
         print(f"note: parallel.offload = {cfg.parallel.offload!r} has no effect on a CPU run (the shards already "
               "live in CPU memory)", flush=True)
-    model = parallelize(module, cfg, rt)
     precision = Precision(cfg.precision.dtype, rt.device)
-    dp, zero = rt.axis_size("dp"), cfg.parallel.zero
+    dp, zero, tp, pp = rt.axis_size("dp"), cfg.parallel.zero, rt.axis_size("tp"), rt.axis_size("pp")
     local_batch = cfg.train.global_batch_size // dp
+    if pp > 1:
+        v = cfg.parallel.virtual_stages
+        bounds = stage_bounds(module, pp * v, cfg.parallel.pp_split or None)
+        mine = [rt.axis_rank("pp") + k * pp for k in range(v)]
+        parts = [parallelize(pipeline_stage(module, bounds, s), cfg, rt, data_parallel=False) for s in mine]
+        tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
+        return PipelineStrategy(parts, mine, pp * v, rt, make_optimizer, loss_fn, precision, local_batch,
+                                microbatches(cfg), cfg.parallel.pp_schedule, module.pipeline_parts()["blocks"], tied,
+                                dp_sync=dp > 1)
+    model = parallelize(module, cfg, rt, data_parallel=tp == 1)
     if dp > 1 and zero == 1:
         return ZeroOneStrategy(module, make_optimizer, loss_fn, precision, local_batch, rt.axis_group("dp"))
     optimizer = make_optimizer(module)
     if dp > 1 and zero >= 2:
         # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
-        return FSDPStrategy(model, module, optimizer, loss_fn, Precision("fp32", rt.device) if cfg.precision.dtype == "bf16"
-                            else precision, local_batch, stage=zero, dp_group=rt.axis_group("dp"))
+        fsdp_precision = Precision("fp32", rt.device) if cfg.precision.dtype == "bf16" else precision
+        return FSDPStrategy(model, module, optimizer, loss_fn, fsdp_precision, local_batch, stage=zero,
+                            dp_group=rt.axis_group("dp"), tensor_parallel=tp > 1)
+    if tp > 1:
+        return TensorParallelStrategy(model, module, optimizer, loss_fn, precision, local_batch, rt=rt)
     cls = DDPStrategy if dp > 1 else Strategy
     return cls(model, module, optimizer, loss_fn, precision, local_batch)
 
 
-__all__ = ["Precision", "Strategy", "DDPStrategy", "FSDPStrategy", "ZeroOneStrategy", "parallelize", "build_strategy",
-           "apply_ddp", "apply_fsdp",
+__all__ = ["Precision", "Strategy", "DDPStrategy", "FSDPStrategy", "ZeroOneStrategy", "PipelineStrategy",
+           "TensorParallelStrategy", "parallelize", "build_strategy", "apply_ddp", "apply_fsdp", "apply_tp",
            "apply_activation_checkpointing", "apply_compile"]

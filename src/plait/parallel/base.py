@@ -105,7 +105,20 @@ class Strategy:
                     loss = self.loss_fn(self.model(x), y) * (len(x) / self.local_batch)
                 self.precision.backward(loss)
             total += loss.detach()
+        self.after_backward()
         return total
+
+    def after_backward(self) -> None:
+        """Runs once the step's gradients are complete (layouts that synchronise them by hand do it here)."""
+
+    @torch.no_grad()
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, correct predictions) of one validation batch, as float64 scalars."""
+        with self.precision.autocast():
+            logits = self.model(x)
+        loss = self.loss_fn(logits, y).double()
+        correct = (logits.argmax(-1) == y).sum().double() if logits.dim() == 2 else torch.zeros((), dtype=torch.float64)
+        return loss, correct
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
         self.precision.unscale(self.optimizer)
@@ -125,18 +138,23 @@ class Strategy:
         from the config (the lr from the step), so a resumed run takes its current config,
         and the checkpoint holds only tensors, which DCP reads without unpickling objects.
         """
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.state_module, self.optimizer)
         return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
 
     def load_state_dict(self, state: dict) -> None:
-        current = get_state_dict(self.model, self.optimizer)[1]
+        current = get_state_dict(self.state_module, self.optimizer)[1]
         optim_sd = {"state": state["optim"]["state"], "param_groups": current["param_groups"]}
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.state_module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
+
+    @property
+    def state_module(self) -> nn.Module:
+        """The module whose state_dict names are the plain model's (wrappers such as DDP are seen through)."""
+        return self.model
 
     def full_model_state_dict(self) -> dict:
         """The whole model's weights on every rank, plain names (a collective when parameters are sharded)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        sd = get_model_state_dict(self.state_module, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu().clone() for k, v in sd.items()}

@@ -38,8 +38,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32",
 class FSDPStrategy(Strategy):
     name = "fsdp"
 
-    def __init__(self, *args, stage: int, dp_group, **kwargs):
+    def __init__(self, *args, stage: int, dp_group, tensor_parallel: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tensor_parallel = tensor_parallel
         self.name = f"zero{stage}"
         self.group = dp_group
 
@@ -55,5 +56,9 @@ class FSDPStrategy(Strategy):
         self.precision.unscale(self.optimizer, self.group)
         if max_norm <= 0:
             return None
+        if self.tensor_parallel:  # parameters on two meshes (dp x tp and dp): clip them one by one
+            from plait.parallel.gradsync import clip_grad_norm
+
+            return clip_grad_norm(self.module.parameters(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -82,18 +82,12 @@ def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -
             i = k * dp + r
             if i >= len(batches):
                 # Sharded parameters are gathered collectively: every rank runs as many forwards.
-                x, _ = dataset.fetch(batches[0])
-                with strategy.precision.autocast():
-                    model(x.to(rt.device))
+                x, y = dataset.fetch(batches[0])
+                strategy.eval_batch(x.to(rt.device), y.to(rt.device))
                 continue
-            idx = batches[i]
-            x, y = dataset.fetch(idx)
-            x, y = x.to(rt.device), y.to(rt.device)
-            with strategy.precision.autocast():
-                logits = model(x)
-            losses[i] = strategy.loss_fn(logits, y).double().cpu()
-            if task == "classification":
-                correct[i] = (logits.argmax(-1) == y).sum().double().cpu()
+            x, y = dataset.fetch(batches[i])
+            loss, right = strategy.eval_batch(x.to(rt.device), y.to(rt.device))
+            losses[i], correct[i] = loss.cpu(), right.cpu()
     model.train(was_training)
     if dp > 1:
         both = torch.stack([losses, correct]).to(rt.device)
@@ -106,10 +100,23 @@ def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -
     return out
 
 
-def generate_sample(module: nn.Module, bundle: DataBundle, cfg: Config, device: torch.device) -> str | None:
-    """A short seeded continuation of train.sample_prompt (language models only)."""
-    if bundle.tokenizer is None or cfg.train.sample_tokens <= 0 or not hasattr(module, "generate"):
+def generate_sample(strategy: Strategy, bundle: DataBundle, cfg: Config, rt: Runtime) -> str | None:
+    """A short seeded continuation of train.sample_prompt (language models only), generated on rank 0.
+
+    The weights are gathered into a plain single-process model first (a collective: every rank
+    calls this), whatever the layout that trained them.
+    """
+    if bundle.tokenizer is None or cfg.train.sample_tokens <= 0:
         return None
+    weights = strategy.full_model_state_dict()
+    if not rt.is_main:
+        return None
+    module = build_model(cfg.model, bundle.spec)
+    if not hasattr(module, "generate"):
+        return None
+    module.load_state_dict(weights)
+    device = rt.device
+    module.to(device)
     tok = bundle.tokenizer
     prompt = torch.tensor(tok.encode(cfg.train.sample_prompt).astype("int64"), device=device)[None]
     g = torch.Generator(device=device).manual_seed(cfg.train.seed)
@@ -258,8 +265,8 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
 
     final_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
     writer.write({"step": step, **final_eval})
-    # Every rank generates (the same text): sharded parameters are gathered collectively.
-    sample = generate_sample(module, bundle, cfg, rt.device)
+    sample = generate_sample(strategy, bundle, cfg, rt)
+    pipeline = _gather(strategy.report(), rt) if hasattr(strategy, "report") else None
 
     summary = {
         "steps": step,
@@ -286,10 +293,34 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
         summary["unigram_val_loss"] = bundle.unigram_val_loss
     if sample is not None:
         summary["sample"] = sample
+    if pipeline is not None:
+        summary["pipeline"] = pipeline_summary(pipeline, cfg)
     writer.close()
     if rt.is_main:
+        if pipeline is not None and run_dir is not None:
+            from plait.report.pipeline import plot_timeline
+
+            plot_timeline(pipeline, summary["pipeline"], run_dir / "pipeline.png")
         _finish(run_dir, summary, cfg, rt)
-    return TrainResult(summary, module, strategy, rt)
+    return TrainResult(summary, strategy.module, strategy, rt)
+
+
+def pipeline_summary(per_rank: list[dict], cfg: Config) -> dict:
+    """Measured bubble (mean over the pipeline's ranks) next to the theory, and in-flight micro-batches per stage."""
+    from plait.parallel import microbatches
+    from plait.parallel.pipeline import theoretical_bubble
+
+    p, m, v = cfg.parallel.pp, microbatches(cfg), cfg.parallel.virtual_stages
+    first_group: dict[int, dict] = {}  # one pipeline: the first rank (in rank order) of each pp rank
+    for r in per_rank:
+        first_group.setdefault(r["pp_rank"], r)
+    first_group = [first_group[k] for k in sorted(first_group)]
+    return {
+        "schedule": cfg.parallel.pp_schedule, "stages": p * v, "microbatches": m,
+        "bubble_fraction": sum(r["bubble_fraction"] for r in first_group) / len(first_group),
+        "bubble_fraction_theory": theoretical_bubble(p, m, v),
+        "peak_inflight_per_rank": [r["peak_inflight"] for r in first_group],
+    }
 
 
 def _finish(run_dir: Path | None, summary: dict, cfg: Config, rt: Runtime) -> None:

@@ -1,0 +1,260 @@
+"""Pipeline parallel with torch.distributed.pipelining: the model cut into stages by blocks, a schedule per step.
+
+Each pp rank holds one stage (or `virtual_stages` stages for interleaved 1F1B, assigned in a
+loop: rank r holds stages r, r + pp, ...). The step is the schedule: the rank's local batch is
+split into `microbatches` micro-batches that stream through the stages (GPipe: all forwards,
+then all backwards; 1F1B: one forward, one backward in the steady state, so at most p
+micro-batches are in flight per stage). The schedule averages gradients over micro-batches, so
+the gradient is the local batch's mean as in every other layout.
+
+A weight tied across the first and last stage (GPT's embedding and head) is two copies kept
+equal: their gradients are summed between the two stages before the optimizer runs, and
+checkpoints name both after the canonical parameter, so any layout can resume them.
+
+Every stage records when each micro-batch's forward and backward ran; `report()` turns that
+into the measured bubble fraction, in-flight micro-batches and a timeline to plot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from plait.parallel.base import Strategy
+from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """(p - 1) / (m + p - 1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021), / v interleaved."""
+    return (pp - 1) / (microbatches + pp - 1) / virtual_stages
+
+
+def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
+    """One module holding all of a rank's stages under the plain model's names (for optimizer and checkpoints)."""
+    union = nn.Module()
+    blocks = nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():
+            if name == blocks_attr:
+                for k, b in child.items():
+                    blocks[k] = b
+            elif child is not None:
+                union.add_module(name, child)
+    union.add_module(blocks_attr, blocks)
+    return union
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, rt, make_optimizer, loss_fn,
+                 precision, local_batch: int, microbatches: int, schedule: str, blocks_attr: str,
+                 tied: dict[str, str], dp_sync: bool):
+        self.rt = rt
+        self.pp_group = rt.axis_group("pp")
+        self.pp = rt.axis_size("pp")
+        self.parts, self.stage_ids, self.num_stages = parts, stage_ids, num_stages
+        self.microbatches, self.schedule_name = microbatches, schedule
+        self.virtual = len(parts)
+        union = union_module(parts, blocks_attr)
+        optimizer = make_optimizer(union)
+        super().__init__(nn.ModuleList(parts), union, optimizer, loss_fn, precision, local_batch)
+        self.name = f"pipeline-{schedule}"
+        self.dp_sync = dp_sync
+        self.stages = [PipelineStage(p, s, num_stages, rt.device, group=self.pp_group) for p, s in zip(parts, stage_ids)]
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(self.stages if schedule == "interleaved-1f1b" else self.stages[0], microbatches,
+                            loss_fn=self._loss)
+        self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
+        self._setup_tied(tied)
+        self.events: list[tuple] = []
+        self.step_stats: list[tuple[float, int]] = []  # (bubble fraction, peak in-flight) per step
+        self.last_timeline: list[tuple] = []
+        self._mb_activations: list[int] = []
+        for st in self.stages:
+            self._instrument(st)
+
+    # ---- the step
+    def _loss(self, output, target):
+        return self.loss_fn(output, target)
+
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        x = torch.cat([m[0] for m in micro_batches])
+        y = torch.cat([m[1] for m in micro_batches])
+        losses: list = []
+        self.events = []
+        t0 = time.time()  # wall clock: the timeline lines up ranks of different processes (and machines)
+        with self.precision.autocast():
+            self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+                               losses=losses if self.last else None)
+        span = time.time() - t0
+        self._record_step(t0, span)
+        align_grads(self.module.parameters())
+        self._sync_tied()
+        if self.dp_sync:
+            allreduce_grads(self.module.parameters(), self.rt.axis_group("dp"), self.rt.axis_size("dp"))
+        loss = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+        loss = loss.to(self.rt.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage contributes
+        return loss
+
+    def clip_grad_norm(self, max_norm: float):
+        self.precision.unscale(self.optimizer, self.pp_group)
+        if max_norm <= 0:
+            return None
+        return clip_grad_norm(self.module.parameters(), max_norm, self.pp_group, self._alias_ids)
+
+    # ---- a weight shared by the first and last stage
+    def _setup_tied(self, tied: dict[str, str]) -> None:
+        """Process groups joining, for every (dp, tp) position, the ranks of the first and last stage."""
+        self.tied, self._tied_group, self._alias_ids = {}, None, frozenset()
+        first_rank, last_rank = 0, (self.num_stages - 1) % self.pp
+        if not tied or first_rank == last_rank:
+            return
+        mesh = self.rt.mesh.mesh  # (pp, dp, tp) -> global rank
+        me = dist.get_rank()
+        for d in range(mesh.shape[1]):
+            for t in range(mesh.shape[2]):
+                ranks = [int(mesh[first_rank, d, t]), int(mesh[last_rank, d, t])]
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if me in ranks:
+                    self._tied_group = group
+        names = dict(self.module.named_parameters(remove_duplicate=False))
+        for alias, canonical in tied.items():
+            param = names.get(alias) if self.last else names.get(canonical) if self.first else None
+            if param is not None:
+                self.tied[alias if self.last else canonical] = param
+        if self.last and not self.first:
+            self._alias_ids = frozenset(id(p) for n, p in self.tied.items() if n in tied)
+        self._alias_names = dict(tied)
+
+    def _sync_tied(self) -> None:
+        if self._tied_group is None:
+            return
+        for param in self.tied.values():
+            g = param.grad
+            local = g.to_local() if hasattr(g, "to_local") else g
+            dist.all_reduce(local, group=self._tied_group)
+
+    # ---- checkpoints: the alias copy is saved and loaded under the canonical name
+    @property
+    def state_module(self) -> nn.Module:
+        return self.module  # all of this rank's stages under the plain model's names
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if self._alias_ids:
+            state = sd["optim"]["state"]
+            for alias, canonical in self._alias_names.items():
+                if alias in state:
+                    state[canonical] = state.pop(alias)
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._alias_ids:
+            st = state["optim"]["state"]
+            for alias, canonical in self._alias_names.items():
+                if canonical in st:
+                    st[alias] = st.pop(canonical)
+        super().load_state_dict(state)
+
+    def full_model_state_dict(self) -> dict:
+        sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
+        parts: list = [None] * self.pp
+        dist.all_gather_object(parts, sd, group=self.pp_group)
+        out: dict = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    # ---- evaluation: a plain forward through the stages, activations sent point to point
+    @torch.no_grad()
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor):
+        me = dist.get_rank(self.pp_group)
+        h = x
+        for s in range(self.num_stages):
+            owner = s % self.pp
+            if owner != me:
+                continue
+            prev = (s - 1) % self.pp
+            if s > 0 and prev != me:
+                h = _recv(dist.get_global_rank(self.pp_group, prev), h.device)
+            with self.precision.autocast():
+                h = self.parts[self.stage_ids.index(s)](h)
+            nxt = (s + 1) % self.pp
+            if s < self.num_stages - 1 and nxt != me:
+                _send(h, dist.get_global_rank(self.pp_group, nxt))
+        out = torch.zeros(2, dtype=torch.float64, device=x.device)
+        if self.last:
+            out[0] = self.loss_fn(h, y).double()
+            out[1] = (h.argmax(-1) == y).sum().double() if h.dim() == 2 else 0.0
+        dist.all_reduce(out, group=self.pp_group)
+        return out[0], out[1]
+
+    # ---- timeline
+    def _instrument(self, stage) -> None:
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        sid = stage.stage_index
+
+        def forward_one_chunk(mb, *args, **kwargs):
+            t = time.time()
+            meter = self.activation_meter.measure() if self.activation_meter else None
+            if meter:
+                with meter:
+                    out = fwd(mb, *args, **kwargs)
+            else:
+                out = fwd(mb, *args, **kwargs)
+            self.events.append((sid, "F", mb, t, time.time()))
+            return out
+
+        def backward_one_chunk(mb, *args, **kwargs):
+            t = time.time()
+            out = bwd(mb, *args, **kwargs)
+            self.events.append((sid, "B", mb, t, time.time()))
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+
+    def _record_step(self, t0: float, span: float) -> None:
+        busy = sum(e[4] - e[3] for e in self.events)
+        inflight = peak = 0
+        for _, kind, _, _, _ in sorted(self.events, key=lambda e: e[3]):
+            inflight += 1 if kind == "F" else -1
+            peak = max(peak, inflight)
+        self.step_stats.append((max(0.0, 1.0 - busy / span) if span > 0 else 0.0, peak))
+        self.last_timeline = list(self.events)  # absolute times; the plot lines ranks up
+
+    def report(self) -> dict:
+        """This rank's pipeline figures (steps after the first, which includes setup)."""
+        stats = self.step_stats[1:] or self.step_stats
+        return {
+            "pp_rank": dist.get_rank(self.pp_group),
+            "stages": self.stage_ids,
+            "bubble_fraction": sum(b for b, _ in stats) / max(1, len(stats)),
+            "peak_inflight": max((p for _, p in stats), default=0),
+            "timeline": self.last_timeline,
+        }
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    header = torch.tensor([t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=t.device)
+    dist.send(header, dst)
+    dist.send(t.contiguous().float(), dst)
+
+
+def _recv(src: int, device) -> torch.Tensor:
+    header = torch.empty(9, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    shape = header[1:1 + int(header[0])].tolist()
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    dist.recv(out, src)
+    return out
