@@ -117,3 +117,57 @@ def test_a_client_killed_mid_round_is_waited_for_then_the_quorum_proceeds(procs,
     later = records[hit[-1]["round"]:]
     assert later and all(r["selected"] == 2 and r["clients"] == 2 and r["round_time_s"] < 5.9 for r in later)
     assert records[-1]["test_accuracy"] > records[0]["test_accuracy"]
+
+
+def test_tls_and_tokens_on_a_real_socket(tmp_path):
+    # Prepare: a self-signed certificate for 127.0.0.1 and a server in this process (port 0: any free port).
+    import shutil
+
+    from fed_helpers import coordinator
+    from plait.federated.transport import FederatedError, FedHTTPClient, HTTPServerThread, make_app
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    coord = coordinator("federated.clients=2", "federated.min_clients=1")
+    http = HTTPServerThread(make_app(coord, {"*": TOKEN}, "fp"), "127.0.0.1", 0, str(cert), str(key))
+    port = http.start()
+    try:
+        # Execute / Assert: the right CA and token work; an unverified certificate or a wrong token do not.
+        good = FedHTTPClient(f"127.0.0.1:{port}", TOKEN, ca_file=str(cert))
+        assert good.base.startswith("https://")
+        assert good.register(1, 12345, "fp", connect_timeout_s=5)["rounds"] == coord.fed.rounds
+        coord.open_round([1])
+        task, weights = good.task(1)
+        assert task["status"] == "train" and set(weights) == set(coord.weights)
+        assert good.upload(1, 1, {k: v + 1 for k, v in weights.items()}, {"num_samples": 3}) == (True, "accepted")
+        good.close()
+        untrusted = FedHTTPClient(f"https://127.0.0.1:{port}", TOKEN, lost_after_s=0.5)
+        with pytest.raises(FederatedError, match="cannot reach"):
+            untrusted.register(0, 12345, "fp", connect_timeout_s=0.5)
+        untrusted.close()
+        wrong = FedHTTPClient(f"127.0.0.1:{port}", "not-the-token", ca_file=str(cert))
+        with pytest.raises(FederatedError, match="wrong bearer token"):
+            wrong.register(0, 12345, "fp", connect_timeout_s=5)
+        wrong.close()
+    finally:
+        http.stop()
+    assert not http.thread.is_alive()
+
+
+def test_server_without_clients_and_client_without_token_are_user_errors(tmp_path, capsys, monkeypatch):
+    from plait.cli import main
+
+    monkeypatch.delenv("PLAIT_FED_TOKEN", raising=False)
+    # a server no client reaches gives up after federated.start_timeout_s, with the rule and the fix
+    assert main(["fed", "server", "--out", str(tmp_path / "s"), "--set", "federated.port=0",
+                 "--set", "federated.start_timeout_s=0.3", "--set", "log.report=false"]) == 2
+    out, err = capsys.readouterr()
+    assert "clients must use the token in" in out and len((tmp_path / "s" / "token").read_text().strip()) >= 24
+    assert (tmp_path / "s" / "token").stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert err.startswith("error: only 0 of federated.min_clients = 2 clients connected") and len(err.splitlines()) == 1
+    assert main(["fed", "client", "--server", "127.0.0.1:1", "--client-id", "0"]) == 2
+    assert "a client needs the server's token" in capsys.readouterr().err

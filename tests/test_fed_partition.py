@@ -55,3 +55,8 @@ def test_impossible_partitions_are_user_errors():
         partition(LABELS[:10], 10, "shards", shards_per_client=2)
     with pytest.raises(ConfigError, match="exceeds"):
         partition(LABELS[:5], 10, "iid")
+
+
+def test_a_hundred_clients_on_a_small_set_are_all_served():
+    parts = partition(LABELS, 100, "dirichlet", alpha=0.5, seed=1234)
+    assert min(len(p) for p in parts) >= 1 and sum(len(p) for p in parts) == len(LABELS)

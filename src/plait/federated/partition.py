@@ -28,24 +28,26 @@ def dirichlet(labels: np.ndarray, clients: int, alpha: float, rng: np.random.Gen
     Hsu, Qi and Brown 2019, "Measuring the effects of non-identical data distribution for federated
     visual classification". Small alpha gives each client few labels; alpha -> inf approaches IID.
     The proportions are re-drawn while any client would get fewer than MIN_DIRICHLET_SIZE samples
-    (or fewer than len(labels) // clients // 2 when the set is that small), so no client is empty.
+    (at most half of an even share); when many clients share a small set and that keeps failing,
+    the floor drops to one sample, so no client is ever empty.
     """
     labels = np.asarray(labels)
-    need = min(MIN_DIRICHLET_SIZE, max(1, len(labels) // clients // 2))
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
-    for _ in range(MAX_DIRICHLET_DRAWS):
-        parts: list[list[int]] = [[] for _ in range(clients)]
-        for idx in by_class:
-            idx = rng.permutation(idx)
-            share = rng.dirichlet(np.full(clients, alpha))
-            cuts = (np.cumsum(share)[:-1] * len(idx)).astype(int)
-            for k, piece in enumerate(np.split(idx, cuts)):
-                parts[k].extend(piece.tolist())
-        if min(len(p) for p in parts) >= need:
-            return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
+    floors = sorted({min(MIN_DIRICHLET_SIZE, max(1, len(labels) // clients // 2)), 1}, reverse=True)
+    for need in floors:
+        for _ in range(MAX_DIRICHLET_DRAWS // len(floors)):
+            parts: list[list[int]] = [[] for _ in range(clients)]
+            for idx in by_class:
+                idx = rng.permutation(idx)
+                share = rng.dirichlet(np.full(clients, alpha))
+                cuts = (np.cumsum(share)[:-1] * len(idx)).astype(int)
+                for k, piece in enumerate(np.split(idx, cuts)):
+                    parts[k].extend(piece.tolist())
+            if min(len(p) for p in parts) >= need:
+                return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
     raise ConfigError(
-        f"federated.alpha = {alpha}: {MAX_DIRICHLET_DRAWS} Dirichlet draws all left a client with fewer than {need} "
-        f"samples; raise federated.alpha or lower federated.clients ({clients})"
+        f"federated.alpha = {alpha}: {MAX_DIRICHLET_DRAWS} Dirichlet draws all left a client without samples; "
+        f"raise federated.alpha or lower federated.clients ({clients})"
     )
 
 

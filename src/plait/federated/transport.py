@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import ssl
 import threading
 import time
 
@@ -218,8 +219,8 @@ class FedHTTPClient:
     def __init__(self, server: str, token: str, ca_file: str | None = None, timeout_s: float = 30.0,
                  lost_after_s: float = 60.0):
         base = server if "://" in server else f"{'https' if ca_file else 'http'}://{server}"
-        self.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
-                                 verify=ca_file if ca_file else True)
+        verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, verify=verify)
         self.lost_after_s = lost_after_s
         self.base = base
 
