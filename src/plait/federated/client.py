@@ -44,10 +44,10 @@ def federated_data(cfg) -> FederatedData:
     from plait.federated.partition import partition
 
     bundle = build_data(cfg.data, cfg.model)
-    if bundle.spec.task != "classification":
+    if bundle.spec.task != "classification" or not isinstance(getattr(bundle.train, "y", None), torch.Tensor):
         raise ConfigError(
-            f"plait fed partitions data by label, so it needs a classification source (digits, synthetic, tensors); "
-            f"data.name = {cfg.data.name!r} is a {bundle.spec.task} source"
+            f"plait fed partitions data by label, so it needs a classification source with one label per sample "
+            f"(digits, synthetic, tensors); data.name = {cfg.data.name!r} is not one; change data.name"
         )
     f = cfg.federated
     labels = bundle.train.y.numpy()

@@ -22,6 +22,10 @@ RDP composes additively over T rounds, and (Mironov 2017, Proposition 3)
 
 With q = 1 this is the Gaussian mechanism's alpha / (2 z^2). The accountant assumes Poisson
 sampling, which the server uses whenever dp_noise_multiplier > 0.
+
+Trust: this is central DP. The server adds the noise, so ε bounds what the released models
+reveal to anyone else, not what the server sees; with secure aggregation the server sees only the
+un-noised sum of clipped updates, without it each clipped update.
 """
 
 from __future__ import annotations
