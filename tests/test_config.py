@@ -286,7 +286,7 @@ def test_unknown_key_hint_in_a_one_key_section():
         ("optim.name=lion", "optim.name = 'lion' is not one of: adamw, sgd; set one of those"),
         ("optim.schedule=linear", "optim.schedule = 'linear' is not one of: cosine, constant"),
         ("precision.dtype=fp8", "precision.dtype = 'fp8' is not one of: fp32, bf16, fp16"),
-        ("data.name=csv", "data.name = 'csv' is not one of: stdlib-text, digits, synthetic, text, tensors"),
+        ("data.name=csv", "data.name = 'csv' is not one of: stdlib-text, digits, synthetic, clicks, text, tensors"),
         ("launch.backend=mpi", "launch.backend = 'mpi' is not one of: auto, gloo, nccl"),
         ("launch.device=tpu", "launch.device = 'tpu' is not one of: auto, cpu, cuda"),
         ("launch.rdzv_backend=etcd", "launch.rdzv_backend = 'etcd' is not one of: c10d, static"),
@@ -376,7 +376,7 @@ def test_multi_node_needs_a_rendezvous():
         ("optim.betas=[0.9]", "optim.betas = [0.9] must be two numbers in [0, 1)"),
         ("optim.betas=[0.9, 1.0]", "optim.betas = [0.9, 1.0] must be two numbers in [0, 1)"),
         ("model.layers=0", "model.layers = 0 must be >= 1"),
-        ("model.name=resnet", "model.name = 'resnet' is not a registered model; choose one of: cnn, gpt, mlp"),
+        ("model.name=resnet", "model.name = 'resnet' is not a registered model; choose one of: cnn, deepfm, gpt, mlp"),
         ("model.factory=mymodule.build", "model.factory = 'mymodule.build' must be 'package.module:function'"),
     ],
 )

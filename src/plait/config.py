@@ -49,22 +49,25 @@ class ModelConfig:
     vocab_size: int = opt(0, "gpt: vocabulary size; 0 takes the data's tokenizer size")
     tie_embeddings: bool = opt(True, "gpt: share the token embedding with the output head")
     dropout: float = opt(0.0, "dropout probability (0 keeps trajectories layout-independent)")
-    depth: int = opt(2, "mlp: hidden layers; cnn: convolution blocks")
+    depth: int = opt(2, "mlp and deepfm: hidden layers; cnn: convolution blocks")
+    embedding_dim: int = opt(8, "deepfm: embedding width per categorical field")
 
 
 @dataclass
 class DataConfig:
     name: str = opt(
         "stdlib-text",
-        "data source: stdlib-text, digits, synthetic, text (a file or folder), tensors (.npy/.pt)",
-        ("stdlib-text", "digits", "synthetic", "text", "tensors"),
+        "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt)",
+        ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors"),
     )
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
     min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
-    synthetic_samples: int = opt(4096, "synthetic: number of samples generated")
+    synthetic_samples: int = opt(4096, "synthetic and clicks: number of samples generated")
     synthetic_features: int = opt(64, "synthetic: features per sample")
     synthetic_classes: int = opt(10, "synthetic: number of classes")
+    clicks_cardinalities: list = opt([8, 64, 512, 4096, 32768], "clicks: categories per categorical field")
+    clicks_dense: int = opt(4, "clicks: real-valued features per sample")
     prefetch: int = opt(2, "batches prepared ahead of compute by a background thread (0: none)")
 
 
@@ -123,6 +126,9 @@ class ParallelConfig:
                            ("none", "fp16", "bf16", "powersgd", "topk", "int8"))
     powersgd_rank: int = opt(2, "compression = powersgd: rank of the low-rank approximation")
     topk_ratio: float = opt(0.01, "compression = topk: fraction of gradient entries sent")
+    embedding_sharding: str = opt("none", "deepfm: shard embedding tables over dp ranks: none, table (whole tables) "
+                                          "or row (rows of every table); the dense part stays data parallel",
+                                  ("none", "table", "row"))
 
 
 @dataclass
@@ -427,7 +433,7 @@ def validate_config(cfg: Config) -> Config:
     for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
                 "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep", "launch.nnodes",
                 "log.every", "launch.timeout_s", "data.synthetic_samples", "data.synthetic_features",
-                "data.synthetic_classes", "model.width", "model.depth"):
+                "data.synthetic_classes", "model.width", "model.depth", "model.embedding_dim", "data.clicks_dense"):
         _positive(cfg, key)
     for key in ("train.eval_every", "train.eval_samples", "checkpoint.every", "launch.nproc_per_node",
                 "launch.max_restarts", "launch.node_rank", "optim.warmup_steps", "optim.weight_decay",
@@ -481,6 +487,13 @@ def validate_config(cfg: Config) -> Config:
             "set parallel.zero=0 (gradients are then averaged over dp by an all-reduce)"
         )
     _validate_pipeline(cfg)
+    if p.embedding_sharding != "none":
+        if cfg.model.name != "deepfm" or cfg.model.factory:
+            raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards deepfm's embedding tables; "
+                              f"model.name is {cfg.model.name!r}: set model.name='deepfm' or embedding_sharding='none'")
+        if p.dp == 1 or p.tp > 1 or p.pp > 1 or p.zero:
+            raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards over the dp ranks: it needs "
+                              "parallel.dp >= 2 with tp = pp = 1 and zero = 0")
     if p.zero and cfg.optim.name not in SHARDABLE_OPTIMIZERS:
         raise ConfigError(
             f"optim.name = {cfg.optim.name!r} cannot be sharded by ZeRO (its update is not elementwise); "
@@ -527,12 +540,18 @@ def validate_config(cfg: Config) -> Config:
             )
     if not cfg.model.factory:
         token_data = cfg.data.name in ("stdlib-text", "text")
-        if (cfg.model.name == "gpt") != token_data:
-            wants = "a text source (stdlib-text or text)" if cfg.model.name == "gpt" else "digits, synthetic or tensors"
+        wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
+            cfg.model.name, "digits, synthetic or tensors")
+        fits = {"gpt": token_data, "deepfm": cfg.data.name == "clicks"}.get(
+            cfg.model.name, not token_data and cfg.data.name != "clicks")
+        if not fits:
             raise ConfigError(
                 f"model.name = {cfg.model.name!r} cannot train on data.name = {cfg.data.name!r}: it needs {wants}; "
                 "change model.name or data.name"
             )
+    cards = cfg.data.clicks_cardinalities
+    if not cards or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in cards):
+        raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")
     if cfg.data.name in ("text", "tensors") and not cfg.data.path:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
     _validate_federated(cfg)

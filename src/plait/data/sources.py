@@ -28,6 +28,7 @@ class DataBundle:
     spec: DataSpec
     tokenizer: CharTokenizer | None = None
     unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
+    ground_truth_val_loss: float | None = None  # clicks: the generating model's own loss on val (the best possible)
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -145,6 +146,38 @@ def synthetic(data_cfg, model_cfg) -> DataBundle:
     return _class_bundle("synthetic", x, (x @ teacher).argmax(1), data_cfg.val_fraction, c)
 
 
+def clicks(data_cfg, model_cfg) -> DataBundle:
+    """A synthetic click log with a known ground truth: an FM-style logistic model.
+
+    Each sample has one category per field (Zipf-distributed, so a few ids dominate, as in real
+    logs; the fields' cardinalities differ by orders of magnitude) and a few dense features.
+    The click probability is sigmoid(bias + sum_i w_i[c_i] + sum_{i<j} <v_i[c_i], v_j[c_j]> + u . dense),
+    so the best possible validation loss (the ground truth's own) is known and reported.
+    Rows are the categorical ids (as floats: exact below 2^24) followed by the dense features.
+    """
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    n, cards, d = data_cfg.synthetic_samples, list(data_cfg.clicks_cardinalities), data_cfg.clicks_dense
+    ids, first, latent = [], torch.zeros(n), []
+    for card in cards:
+        zipf = 1.0 / torch.arange(1, card + 1, dtype=torch.float64) ** 1.1
+        c = torch.multinomial(zipf / zipf.sum(), n, replacement=True, generator=g)
+        ids.append(c)
+        first += (torch.randn(card, generator=g) * 0.5)[c]
+        latent.append((torch.randn(card, 4, generator=g) * 0.4)[c])
+    v = torch.stack(latent, 1)  # (n, fields, 4)
+    pairwise = 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(-1)
+    dense = torch.randn(n, d, generator=g)
+    logit = -0.5 + first + pairwise + dense @ (torch.randn(d, generator=g) * 0.5)
+    y = torch.bernoulli(torch.sigmoid(logit), generator=g)
+    x = torch.cat([torch.stack(ids, 1).float(), dense], 1)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, int(n * data_cfg.val_fraction))
+    tr, va = perm[n_val:], perm[:n_val]
+    spec = DataSpec(name="clicks", task="binary", input_shape=[len(cards) + d], cardinalities=cards, dense_features=d)
+    truth = float(torch.nn.functional.binary_cross_entropy_with_logits(logit[va], y[va]))
+    return DataBundle(Tensors(x[tr], y[tr]), Tensors(x[va], y[va]), spec, ground_truth_val_loss=truth)
+
+
 def user_tensors(data_cfg, model_cfg) -> DataBundle:
     """A .pt or .npz file holding 'x' and 'y', or a 2-D .npy array whose last column is the label."""
     path = Path(data_cfg.path)
@@ -171,7 +204,8 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
     return _class_bundle("tensors", torch.as_tensor(x), torch.as_tensor(y), data_cfg.val_fraction)
 
 
-SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "tensors": user_tensors}
+SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "clicks": clicks,
+           "tensors": user_tensors}
 
 
 def build_data(data_cfg, model_cfg) -> DataBundle:

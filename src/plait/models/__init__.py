@@ -16,10 +16,11 @@ import torch.nn as nn
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.cnn import build_cnn
+from plait.models.deepfm import build_deepfm
 from plait.models.gpt import build_gpt
 from plait.models.mlp import build_mlp
 
-MODELS: dict[str, Callable] = {"gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn}
+MODELS: dict[str, Callable] = {"gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "deepfm": build_deepfm}
 
 
 def load_factory(path: str) -> Callable:

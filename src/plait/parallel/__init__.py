@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from plait.parallel.base import Precision, Strategy
 from plait.parallel.ddp import DDPStrategy, apply_ddp
+from plait.parallel.embedding import EmbeddingShardStrategy, apply_embedding_sharding
 from plait.parallel.fsdp import FSDPStrategy, apply_fsdp
 from plait.parallel.pipeline import PipelineStrategy
 from plait.parallel.split import pipeline_stage, stage_bounds
@@ -54,6 +55,9 @@ def parallelize(model: nn.Module, cfg, rt, data_parallel: bool = True) -> nn.Mod
     """
     if cfg.parallel.tp > 1:
         model = apply_tp(model, rt.mesh["tp"], cfg.parallel.sequence_parallel)
+    if cfg.parallel.embedding_sharding != "none":
+        model = apply_embedding_sharding(model, cfg.parallel.embedding_sharding, rt.mesh["dp"])
+        data_parallel = False  # the dense part's gradients are averaged by the strategy
     if cfg.train.activation_checkpointing:
         model = apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -94,6 +98,9 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
                                 microbatches(cfg), cfg.parallel.pp_schedule, module.pipeline_parts()["blocks"], tied,
                                 dp_sync=dp > 1)
     model = parallelize(module, cfg, rt, data_parallel=tp == 1)
+    if cfg.parallel.embedding_sharding != "none":
+        return EmbeddingShardStrategy(model, module, make_optimizer(module), loss_fn, precision, local_batch, rt=rt,
+                                      mode=cfg.parallel.embedding_sharding)
     if dp > 1 and zero == 1:
         return ZeroOneStrategy(module, make_optimizer, loss_fn, precision, local_batch, rt.axis_group("dp"))
     optimizer = make_optimizer(module)

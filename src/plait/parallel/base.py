@@ -117,7 +117,12 @@ class Strategy:
         with self.precision.autocast():
             logits = self.model(x)
         loss = self.loss_fn(logits, y).double()
-        correct = (logits.argmax(-1) == y).sum().double() if logits.dim() == 2 else torch.zeros((), dtype=torch.float64)
+        if logits.dim() == 2:
+            correct = (logits.argmax(-1) == y).sum().double()
+        elif logits.dim() == 1:  # one logit per sample: a binary label
+            correct = ((logits > 0).long() == y.long()).sum().double()
+        else:
+            correct = torch.zeros((), dtype=torch.float64, device=logits.device)
         return loss, correct
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:

@@ -18,5 +18,9 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float(), targets)
 
 
+def binary_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits.reshape(-1).float(), targets.reshape(-1).float())
+
+
 def loss_for(spec: DataSpec) -> Callable:
-    return {"lm": lm_loss, "classification": classification_loss}[spec.task]
+    return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss}[spec.task]

@@ -95,7 +95,7 @@ def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -
         losses, correct = both.cpu()
     sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
     out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
-    if task == "classification":
+    if task in ("classification", "binary"):
         out["val_accuracy"] = float(correct.sum() / sizes.sum())
     return out
 
@@ -291,6 +291,8 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     summary["comm"] = {"bytes_per_step_per_rank": [c for _, c in per_rank]}
     if lm:
         summary["unigram_val_loss"] = bundle.unigram_val_loss
+    if bundle.ground_truth_val_loss is not None:
+        summary["ground_truth_val_loss"] = bundle.ground_truth_val_loss
     if sample is not None:
         summary["sample"] = sample
     if pipeline is not None:
@@ -337,6 +339,8 @@ def _finish(run_dir: Path | None, summary: dict, cfg: Config, rt: Runtime) -> No
     line = f"val loss {summary['val_loss']:.4f}"
     if summary.get("unigram_val_loss") is not None:
         line += f" (unigram baseline {summary['unigram_val_loss']:.4f})"
+    if summary.get("ground_truth_val_loss") is not None:
+        line += f" (the generating model's own: {summary['ground_truth_val_loss']:.4f})"
     if "val_accuracy" in summary:
         line += f", val accuracy {summary['val_accuracy']:.3f}"
     lines.append(line)
