@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from plait.federated.secagg import MaskingClient
 from plait.federated.strategies.base import ClientUpdate
 from plait.federated.tensors import Weights, flatten, get_weights, set_weights
 from plait.runtime import mix_seed
+
+if TYPE_CHECKING:
+    from plait.config import Config
 
 FULL_BATCH_CHUNK = 1024  # samples per forward pass when a client computes a full-batch gradient
 
@@ -38,7 +42,7 @@ class FederatedData:
     labels: np.ndarray
 
 
-def federated_data(cfg) -> FederatedData:
+def federated_data(cfg: Config) -> FederatedData:
     """Load the configured data and partition its training set over federated.clients clients."""
     from plait.data import build_data
     from plait.federated.partition import partition
@@ -139,7 +143,7 @@ class Client:
         return self.masking.masked(vec, rnd, peers)
 
 
-def build_client(cfg, data: FederatedData, client_id: int) -> Client:
+def build_client(cfg: Config, data: FederatedData, client_id: int) -> Client:
     """The client `client_id` of the configured run (model initialised like the server's; weights come from it)."""
     from plait.models import build_model
     from plait.runtime import pick_device
@@ -152,7 +156,7 @@ def build_client(cfg, data: FederatedData, client_id: int) -> Client:
     return Client(client_id, model, data.bundle.train, data.parts[client_id], loss_for(data.bundle.spec), cfg.train.seed)
 
 
-def run_client(cfg, server: str, client_id: int, token: str, ca_file: str | None = None, poll_s: float = 0.2,
+def run_client(cfg: Config, server: str, client_id: int, token: str, ca_file: str | None = None, poll_s: float = 0.2,
                connect_timeout_s: float = 60.0) -> int:
     """The `plait fed client` process: register, then train whenever the server has a task, until it says done."""
     from plait.federated.transport import FedHTTPClient
@@ -191,7 +195,7 @@ def run_client(cfg, server: str, client_id: int, token: str, ca_file: str | None
         http.close()
 
 
-def fingerprint(cfg) -> str:
+def fingerprint(cfg: Config) -> str:
     """What server and clients must agree on (model, data, partition, seed), as a short hash."""
     import dataclasses
     import hashlib

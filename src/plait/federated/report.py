@@ -13,6 +13,7 @@ import html
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -21,6 +22,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plait.train.metrics import MetricsWriter, read_metrics  # noqa: E402
+
+if TYPE_CHECKING:
+    from plait.config import Config
+    from plait.federated.client import FederatedData
 
 TARGET = 0.9  # rounds_to_90 is the first round whose test accuracy reaches this
 
@@ -33,7 +38,7 @@ def rounds_to(records: list[dict], target: float = TARGET) -> int | None:
 class RunRecorder:
     """Writes a federated run directory as the rounds go."""
 
-    def __init__(self, run_dir: str | Path | None, cfg, data):
+    def __init__(self, run_dir: str | Path | None, cfg: Config, data: FederatedData):
         from plait.config import dump_config
         from plait.federated.partition import label_histograms
         from plait.federated.transport import FederatedError

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,12 @@ from plait.federated.robust import bound_norms, check_update
 from plait.federated.secagg import MaskedSum
 from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, sample_count
 from plait.federated.tensors import Weights, encode, unflatten
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from plait.config import Config, FederatedConfig
+    from plait.federated.client import FederatedData
 
 Evaluate = Callable[[Weights], tuple[float, float]]
 
@@ -54,7 +61,7 @@ def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 5
 class Coordinator:
     """One federated run's server state: the global weights and the round in progress (thread-safe)."""
 
-    def __init__(self, fed, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int,
+    def __init__(self, fed: FederatedConfig, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int,
                  privacy: PrivacyPolicy | None = None):
         self.fed, self.weights, self.strategy, self.evaluate, self.privacy = fed, weights, strategy, evaluate, privacy
         self.secure = bool(fed.secure_aggregation)
@@ -260,12 +267,12 @@ class Coordinator:
             self.phase = "done"
 
 
-def sample_rate(fed) -> float:
+def sample_rate(fed: FederatedConfig) -> float:
     """The per-round sampling probability the DP accountant uses: clients per round / clients."""
     return sample_count(fed.clients_per_round, fed.clients) / fed.clients
 
 
-def build_coordinator(cfg, data, generator: torch.Generator | None = None) -> Coordinator:
+def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generator | None = None) -> Coordinator:
     """The coordinator of a configured run: initial model (seeded by train.seed), strategy, evaluator, DP policy."""
     from plait.federated.strategies import build_strategy
     from plait.federated.tensors import get_weights
@@ -293,7 +300,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 
     return True
 
 
-def serve(cfg, run_dir, tokens: dict, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+def serve(cfg: Config, run_dir: str | Path, tokens: dict, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
           log: Callable[[str], None] = print) -> dict:
     """The `plait fed server` process: HTTP on federated.host:port, rounds until federated.rounds; returns the summary."""
     from plait.federated.client import federated_data, fingerprint

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,11 @@ from plait.federated.client import Client, FederatedData, build_client, federate
 from plait.federated.report import RunRecorder, write_compare_report
 from plait.federated.server import Coordinator, build_coordinator, round_line
 from plait.runtime import mix_seed
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from plait.config import Config
 
 SIM_DEFAULTS = ["model.name='mlp'", "data.name='digits'"]  # what `plait fed simulate` runs with no config
 
@@ -54,7 +60,7 @@ def run_round(coord: Coordinator, clients: dict[int, Client], available: list[in
     return coord.close_round()
 
 
-def simulate(cfg, run_dir: str | Path | None, data: FederatedData | None = None, log=print) -> dict:
+def simulate(cfg: Config, run_dir: str | Path | None, data: FederatedData | None = None, log: Callable | None = print) -> dict:
     """Run federated.rounds rounds of the configured strategy over federated.clients simulated clients."""
     fed = cfg.federated
     data = data or federated_data(cfg)
@@ -85,7 +91,7 @@ def simulate(cfg, run_dir: str | Path | None, data: FederatedData | None = None,
     return summary
 
 
-def compare(cfg, out_dir: str | Path, strategies: list[str], log=print) -> dict:
+def compare(cfg: Config, out_dir: str | Path, strategies: list[str], log: Callable | None = print) -> dict:
     """The same data, partition, model and seed under each strategy; writes out_dir/<strategy>/ and a combined report."""
     from plait.config import validate_config
 

@@ -23,6 +23,7 @@ import json
 import ssl
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -31,6 +32,9 @@ from starlette.concurrency import run_in_threadpool
 
 from plait.errors import PlaitError
 from plait.federated.tensors import Weights, decode, encode
+
+if TYPE_CHECKING:
+    from plait.federated.server import Coordinator
 
 
 class FederatedError(PlaitError):
@@ -79,7 +83,7 @@ def authorized(tokens: dict, header: str | None, client_id: int | None) -> bool:
     return any(hmac.compare_digest(given, w.encode()) for w in want)
 
 
-def make_app(coord, tokens: dict, fingerprint: str):
+def make_app(coord: Coordinator, tokens: dict, fingerprint: str) -> FastAPI:
     """The FastAPI app serving one Coordinator (handlers' annotations must resolve at module level)."""
     app = FastAPI(title="plait federated server", docs_url=None, redoc_url=None, openapi_url=None)
     max_body = (coord.length + 1) * 8 * 2 + (1 << 20)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from plait.federated.strategies.base import ClientUpdate, Combine, RoundPlan, Strategy, sample_count, select_clients
 from plait.federated.strategies.fedadam import FedAdam
 from plait.federated.strategies.fedavg import FedAvg
 from plait.federated.strategies.fedprox import FedProx
 from plait.federated.strategies.fedsgd import FedSGD
 
+if TYPE_CHECKING:
+    from plait.config import FederatedConfig
+
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedProx, FedAdam, FedSGD)}
 
 
-def build_strategy(fed, combine: Combine | None = None) -> Strategy:
+def build_strategy(fed: FederatedConfig, combine: Combine | None = None) -> Strategy:
     """The strategy named by federated.strategy, combining updates with `combine` (default: the configured aggregator)."""
     from plait.federated.robust import make_combine
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from plait.federated.tensors import Weights
+
+if TYPE_CHECKING:
+    from plait.config import FederatedConfig
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Strategy:
     name = "base"
     default_server_lr = 1.0
 
-    def __init__(self, fed, combine: Combine):
+    def __init__(self, fed: FederatedConfig, combine: Combine):
         self.fed = fed
         self.combine = combine
         self.server_lr = fed.server_lr or self.default_server_lr
