@@ -89,6 +89,7 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits(gpt_run):  # noqa: F81
     try:
         accuracy = proc.stdout.readline()
         assert re.match(r"int8: validation loss [\d.]+ -> [\d.]+ \([-+][\d.]+\) on \d+ validation samples$", accuracy)
+        assert proc.stdout.readline() == "in-process: starting\n"
         banner = proc.stdout.readline()
         assert "serving 'gpt' (gpt, lm, checkpoint step_0000002)" in banner, banner
         url = re.search(r"at (http://127\.0\.0\.1:\d+)", banner).group(1)

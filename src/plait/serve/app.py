@@ -24,7 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.serve.metrics import access_logger, access_record
-from plait.serve.protocol import HEADER_LENGTH, RequestError, check_inputs, decode_infer_request, encode_infer_response
+from plait.serve.protocol import (
+    HEADER_LENGTH,
+    RequestError,
+    check_inputs,
+    decode_infer_request,
+    encode_infer_response,
+    error_body,
+)
 from plait.serve.service import Service
 
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes work without the token
@@ -83,14 +90,68 @@ def endpoint_of(path: str) -> str:
     return path.strip("/").split("/")[0] or "root"
 
 
+async def infer_body(service: Service, body: bytes, header_length: str | None, arrived: float) -> tuple[bytes, dict]:
+    """Decode, check, batch, run and encode one infer request: the answer's body and headers."""
+    req = decode_infer_request(body, header_length)
+    s = service.served
+    check_inputs(req, service.name, s.inputs, service.opts.max_batch_size)
+    x = req.inputs[s.inputs[0].name]
+    if s.is_lm:
+        if x.shape[1] > s.context:
+            raise RequestError(400, f"input 'input_ids' has {x.shape[1]} tokens; the model's context is {s.context}")
+        if x.min() < 0 or x.max() >= s.vocab_size:
+            raise RequestError(400, f"input 'input_ids' holds ids outside [0, {s.vocab_size}) (the vocabulary)")
+    outputs = await service.infer(x, arrived)
+    return encode_infer_response(service.name, req, outputs, s.outputs)
+
+
 class Observe:
-    """Pure ASGI middleware: bearer-token check, request metrics and one JSON access-log line per request."""
+    """Pure ASGI middleware: bearer-token check, request metrics and one JSON access-log line per request.
+
+    It also answers `POST /v2/models/{name}/infer` itself, without the framework's routing and
+    middleware stack: on a small model that stack costs more CPU than the model, and batching
+    only pays off when the per-request overhead is small next to the compute it shares.
+    """
 
     def __init__(self, app, service: Service):
         self.app, self.service = app, service
         self.log = access_logger()
         token = service.opts.token
         self.expected = f"Bearer {token}".encode() if token else None
+        self.infer_path = f"/v2/models/{service.name}/infer"
+        self.limit = int(service.opts.max_body_mb * 1024 * 1024)
+
+    async def _infer(self, scope, receive, send) -> None:
+        headers = dict(scope["headers"])
+        try:
+            declared = headers.get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > self.limit:
+                raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {self.limit} (--max-body-mb)")
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    raise RequestError(413, f"request body is over the limit of {self.limit} bytes (--max-body-mb)")
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            length = headers.get(HEADER_LENGTH.lower().encode())
+            content, out_headers = await infer_body(self.service, b"".join(chunks),
+                                                    None if length is None else length.decode("latin-1"),
+                                                    scope["state"]["arrived"])
+            status = 200
+        except RequestError as e:
+            status, content = e.status, error_body(str(e))
+            out_headers = {"content-type": "application/json"} | ({"retry-after": "1"} if e.status == 503 else {})
+        except Exception as e:
+            status, content = 500, error_body(f"internal error: {type(e).__name__}: {e}")
+            out_headers = {"content-type": "application/json"}
+        raw = [(k.encode(), v.encode()) for k, v in out_headers.items()] + [(b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": content})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -114,7 +175,10 @@ class Observe:
                     resp = error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                                  {"WWW-Authenticate": "Bearer"})
                     return await resp(scope, receive, send_wrapper)
-            await self.app(scope, receive, send_wrapper)
+            if scope["method"] == "POST" and path == self.infer_path:
+                await self._infer(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
             label = endpoint_of(path)
             m = self.service.metrics
@@ -236,19 +300,11 @@ def create_app(service: Service) -> FastAPI:
                 "instance_group": [{"count": o.replicas if o.pp == 1 else 1, "kind": "KIND_CPU"}]}
 
     async def infer(request: Request, model: str, version: str | None = None) -> Response:
+        """Unknown models and versioned paths (the served model's own path is answered by Observe)."""
         model_or_404(model, version)
         body = await read_body(request, limit)
-        req = decode_infer_request(body, request.headers.get(HEADER_LENGTH))
-        s = service.served
-        check_inputs(req, name, s.inputs, service.opts.max_batch_size)
-        x = req.inputs[s.inputs[0].name]
-        if s.is_lm:
-            if x.shape[1] > s.context:
-                raise RequestError(400, f"input 'input_ids' has {x.shape[1]} tokens; the model's context is {s.context}")
-            if x.min() < 0 or x.max() >= s.vocab_size:
-                raise RequestError(400, f"input 'input_ids' holds ids outside [0, {s.vocab_size}) (the vocabulary)")
-        outputs = await service.infer(x, request.scope["state"]["arrived"])
-        content, headers = encode_infer_response(name, req, outputs, s.outputs)
+        content, headers = await infer_body(service, body, request.headers.get(HEADER_LENGTH),
+                                            request.scope["state"]["arrived"])
         return Response(content, headers=headers)
 
     infer_doc = _body(INFER_SCHEMA, "KServe v2 inference request; binary tensors follow the JSON header, whose "

@@ -191,15 +191,15 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def request_body(served) -> bytes:
-    """One row of the model's input, as a JSON infer request asking for binary outputs (cheap to encode)."""
+def request_body(served, binary_outputs: bool = True) -> bytes:
+    """One row of the model's input as a JSON infer request; binary outputs are the cheaper answer to encode."""
     from plait.serve.model import example_input
 
     x = example_input(served, 1).numpy()
     spec = served.inputs[0]
     return json.dumps({"inputs": [{"name": spec.name, "shape": list(x.shape), "datatype": spec.datatype,
                                    "data": x.reshape(-1).tolist()}],
-                       "parameters": {"binary_data_output": True}}).encode()
+                       "parameters": {"binary_data_output": binary_outputs}}).encode()
 
 
 def batch_compute_ms(served, rows: int, repeats: int = 30) -> float:

@@ -13,7 +13,7 @@ def cmd_serve(a) -> int:
     opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
                         max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
                         timeout_ms=a.timeout_ms, token=a.token, quantize=a.quantize, max_body_mb=a.max_body_mb,
-                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching)
+                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads)
     return run(str(a.model), opts.validate())
 
 
@@ -53,6 +53,8 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of linear layers (CPU)")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
+    s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: cores - 1 in-process, "
+                                                          "cores / N for N replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",
                    help="do not pad classifier batches to --max-batch-size rows (faster when lightly loaded; answers "
                         "may then differ from a lone request's in the last bit)")

@@ -112,7 +112,7 @@ class PipelineExecutor:
 
     restarts = 0
 
-    def __init__(self, ref: ModelRef, served: ServedModel, stages: int, start_timeout_s: float = 180.0):
+    def __init__(self, ref: ModelRef, served: ServedModel, stages: int, threads: int = 1, start_timeout_s: float = 180.0):
         module = served.module
         if not hasattr(module, "pipeline_parts"):
             raise ServeError(f"--pp {stages}: a {served.registry_name} model cannot be cut into pipeline stages "
@@ -120,7 +120,7 @@ class PipelineExecutor:
         n_blocks = len(getattr(module, module.pipeline_parts()["blocks"]))
         if not 1 <= stages <= n_blocks:
             raise ServeError(f"--pp {stages}: the model has {n_blocks} blocks; use --pp between 1 and {n_blocks}")
-        self.ref, self.served, self.k = ref, served, stages
+        self.ref, self.served, self.k, self.threads = ref, served, stages, threads
         self.capacity = stages
         self._timeout = start_timeout_s
         self._ids = itertools.count()
@@ -139,14 +139,13 @@ class PipelineExecutor:
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="plait-pp-")
         self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        threads = max(1, (os.cpu_count() or 1) // self.k)
         saved = {k: os.environ.get(k) for k in STAGE_ENV}
         os.environ.update(STAGE_ENV)  # the children read these before importing torch
         try:
             self._procs = [ctx.Process(target=stage_main, daemon=True, name=f"plait-stage-{r}",
                                        args=(r, self.k, os.path.join(self._dir, "store"), self.ref,
                                              self._inbox if r == 0 else None, self._outbox if r == self.k - 1 else None,
-                                             self._status, threads))
+                                             self._status, self.threads))
                            for r in range(self.k)]
             for p in self._procs:
                 p.start()

@@ -82,8 +82,9 @@ class _Replica:
 class ReplicaPool:
     """The executor for `--replicas N` (see plait.serve.service for the interface)."""
 
-    def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, start_timeout_s: float = 180.0):
-        self.ref, self.n, self.pad_to = ref, n, pad_to
+    def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
+                 start_timeout_s: float = 180.0):
+        self.ref, self.n, self.pad_to, self.threads = ref, n, pad_to, threads
         self.capacity = n
         self.restarts = 0
         self._counter = restart_counter
@@ -102,11 +103,10 @@ class ReplicaPool:
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        threads = max(1, (os.cpu_count() or 1) // self.n)
         saved = {k: os.environ.get(k) for k in WORKER_ENV}
         os.environ.update(WORKER_ENV)  # read by the child's OpenMP before torch is imported
         try:
-            proc = ctx.Process(target=replica_main, args=(child, self.ref, self.pad_to, threads), daemon=True,
+            proc = ctx.Process(target=replica_main, args=(child, self.ref, self.pad_to, self.threads), daemon=True,
                                name=f"plait-replica-{index}")
             proc.start()
         finally:

@@ -67,8 +67,10 @@ def uvicorn_server(service: Service) -> uvicorn.Server:
     return _Server(config)
 
 
-async def serve_async(service: Service, server: uvicorn.Server, sock: socket.socket) -> None:
+async def serve_async(service: Service, server: uvicorn.Server, sock: socket.socket, on_started=None) -> None:
     await service.start()
+    if on_started is not None:
+        on_started()
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -79,6 +81,10 @@ def run(path: str, opts: ServeOptions) -> int:
     """`plait serve`: load, print what is served, answer until SIGINT/SIGTERM."""
     sock = bind(opts.host, opts.port)
     try:
+        if opts.replicas == 1 and opts.pp == 1:
+            import torch
+
+            torch.set_num_threads(opts.threads_per(1, in_process=True))
         service = Service(path, opts)
         s = service.served
         if opts.quantize:
@@ -89,13 +95,17 @@ def run(path: str, opts: ServeOptions) -> int:
             print(accuracy_change(fp32, s.module, s, path), flush=True)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        print(f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
-              f"{service.layout} · batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue "
-              f"{opts.max_queue}, timeout {opts.timeout_ms:g} ms" + (" · bearer token required" if opts.token else ""),
-              flush=True)
-        print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
-              + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)
-        asyncio.run(serve_async(service, uvicorn_server(service), sock))
+        print(f"{service.layout}: starting", flush=True)
+
+        def banner() -> None:  # once the workers are up: whoever reads it may send requests
+            print(f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
+                  f"{service.layout} · batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue "
+                  f"{opts.max_queue}, timeout {opts.timeout_ms:g} ms" + (" · bearer token required" if opts.token else ""),
+                  flush=True)
+            print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
+                  + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)
+
+        asyncio.run(serve_async(service, uvicorn_server(service), sock, banner))
     finally:
         sock.close()
     print("plait serve: stopped", file=sys.stderr, flush=True)

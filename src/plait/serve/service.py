@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -46,11 +47,20 @@ class ServeOptions:
     max_body_mb: float = 16.0
     max_new_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
     exact_batching: bool = True  # pad classifier batches to max_batch_size rows (bitwise batch invariance)
+    threads: int = 0  # torch threads per model process; 0: the cores left after the HTTP loop (in-process), cores / N
+
+    def threads_per(self, processes: int, in_process: bool = False) -> int:
+        """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
+        in-process: oversubscribed OpenMP threads spin and stall each other)."""
+        if self.threads:
+            return self.threads
+        cores = os.cpu_count() or 1
+        return max(1, cores - 1) if in_process else max(1, cores // processes)
 
     def validate(self) -> ServeOptions:
         from plait.serve.quantize import QUANTIZE_CHOICES
 
-        for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1),
+        for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1), ("--threads", self.threads, 0),
                                  ("--max-batch-size", self.max_batch_size, 1), ("--max-queue", self.max_queue, 1),
                                  ("--max-new-tokens", self.max_new_tokens, 1)):
             if value < low:
@@ -94,11 +104,12 @@ class Service:
         if self.opts.pp > 1:
             from plait.serve.pipeline import PipelineExecutor
 
-            return PipelineExecutor(self.ref, self.served, self.opts.pp)
+            return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp))
         if self.opts.replicas > 1:
             from plait.serve.replicas import ReplicaPool
 
-            return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts)
+            return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts,
+                               self.opts.threads_per(self.opts.replicas))
         from plait.serve.runner import LocalExecutor, Runner
 
         return LocalExecutor(Runner(self.served, pad_to))
