@@ -8,8 +8,10 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from plait.serve.batcher import Batcher, BatchPolicy, Decision, QueueFull
+from plait.serve.model import ModelRef, load_model
 from plait.serve.runner import Runner
 from plait.serve.server import ServerThread
 from plait.serve.service import ServeOptions, Service
@@ -174,6 +176,21 @@ def test_backpressure_503_and_timeout_504_drop_the_work(mlp_run):  # noqa: F811
     assert gated.seen == [1.0, 5.0]  # the queued requests that timed out never ran
     assert 'plait_rejected_total{reason="queue_full"} 1.0' in metrics
     assert 'plait_rejected_total{reason="timeout"} 3.0' in metrics
+
+
+def test_exact_sizes_hold_at_any_offset(mlp_run):  # noqa: F811
+    """Every size the probe accepts gives rows the bits of the full batch, at any place in the batch."""
+    runner = Runner(load_model(ModelRef(str(mlp_run))), pad_to=16)
+    runner.prepare()
+    assert runner.sizes[-1] == 16 and runner.padded(16) == 16
+    assert all(runner.padded(n) >= n and runner.padded(n) in runner.sizes for n in range(1, 17))
+    model = runner.served.module
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        full = model(x)
+        for m in runner.sizes:
+            for at in (0, (16 - m) // 2, 16 - m):
+                assert torch.equal(model(x[at:at + m]), full[at:at + m]), (m, at)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])

@@ -208,8 +208,9 @@ def batch_compute_ms(served, rows: int, repeats: int = 30) -> float:
 
     from plait.serve.model import example_input
     from plait.serve.runner import Runner
+    from plait.serve.service import ServeOptions
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(ServeOptions().threads_per(1, in_process=True))  # as `plait serve` runs it
     runner = Runner(served, rows)
     x = example_input(served, rows).numpy()
     runner.infer(x)

@@ -35,6 +35,7 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
         from plait.serve.runner import Runner
 
         runner = Runner(load_model(ref), pad_to)
+        runner.prepare()
         conn.send(("ready", os.getpid()))
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
