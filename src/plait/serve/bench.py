@@ -70,7 +70,12 @@ class Conn:
         header = await self.reader.readuntil(b"\r\n\r\n")
         status = int(header[9:12])
         m = re.search(rb"(?im)^content-length:\s*(\d+)", header)
-        await self.reader.readexactly(int(m.group(1)) if m else 0)
+        if m:
+            await self.reader.readexactly(int(m.group(1)))
+        elif re.search(rb"(?im)^transfer-encoding:\s*chunked", header):  # e.g. Ray Serve's proxy
+            while size := int((await self.reader.readline()).split(b";")[0], 16):
+                await self.reader.readexactly(size + 2)
+            await self.reader.readline()
         return status
 
     def close(self) -> None:
