@@ -43,7 +43,7 @@ def test_bad_config_exits_2_before_any_worker_starts(tmp_path, args, message):
 
 
 def test_config_show_prints_every_key_with_its_doc(tmp_path):
-    from plait.config import SECTIONS
+    from plait.config import SECTIONS, toml_key
 
     cfg = tmp_path / "c.toml"
     cfg.write_text("[train]\nsteps = 7\n[parallel]\ndp = 1\n")
@@ -54,7 +54,7 @@ def test_config_show_prints_every_key_with_its_doc(tmp_path):
     for section, section_type in SECTIONS.items():
         assert f"[{section}]" in r.stdout
         for f in dataclasses.fields(section_type):
-            assert any(line.startswith(f"{f.name} = ") and f.metadata["doc"] in line for line in r.stdout.splitlines())
+            assert any(line.startswith(f"{toml_key(f.name)} = ") and f.metadata["doc"] in line for line in r.stdout.splitlines())
     assert "steps = 7 " in r.stdout and "lr = 0.5 " in r.stdout and "dp = 1 " in r.stdout
 
 

@@ -16,6 +16,7 @@ from plait.config import (
     load_config,
     parse_override,
     set_value,
+    toml_key,
     validate_config,
 )
 from plait.errors import ConfigError, PlaitError
@@ -263,7 +264,7 @@ def test_unknown_key_suggests_the_close_one():
     assert msg.startswith("unknown key 'train.step' in --set train.step=5; keys of [train]: steps, stop_after, ")
     assert msg.endswith(" (did you mean train.steps?)")
     for f in dataclasses.fields(SECTIONS["train"]):
-        assert f.name in msg
+        assert toml_key(f.name) in msg
 
 
 def test_unknown_key_without_a_close_one_has_no_hint():
@@ -474,7 +475,7 @@ def test_format_config_lists_every_field_with_its_doc():
         assert len(lines) == len(fields)
         for line, f in zip(lines, fields):
             assignment, _, doc = line.partition(" # ")
-            assert assignment.split(" = ")[0] == f.name
+            assert assignment.split(" = ")[0] == toml_key(f.name)
             assert doc == f.metadata["doc"] and doc
     model = dict(line.partition(" # ")[0].rstrip().split(" = ", 1) for line in blocks["[model]"])
     assert model["options"] == "{in_features = 4}"

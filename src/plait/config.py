@@ -26,9 +26,12 @@ from plait.errors import ConfigError
 # --------------------------------------------------------------------------- helpers
 
 
-def opt(default: Any, doc: str, choices: tuple | None = None) -> Any:
-    """A config field with its one-line description (and allowed values, if a fixed set)."""
-    meta = {"doc": doc, "choices": choices}
+def opt(default: Any, doc: str, choices: tuple | None = None, accepts: tuple = ()) -> Any:
+    """A config field with its one-line description (and allowed values, if a fixed set).
+
+    accepts: further types taken and converted to the field's type (launch.nnodes takes 2 or "1:2").
+    """
+    meta = {"doc": doc, "choices": choices, "accepts": accepts}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -140,19 +143,24 @@ class PrecisionConfig:
 class CheckpointConfig:
     every: int = opt(100, "write a checkpoint every N steps (0: only the final one)")
     keep: int = opt(2, "checkpoints to keep (the newest); at least 1")
+    async_: bool = opt(False, "write checkpoints in the background (DCP async_save); training waits only for "
+                              "the copy to memory")
 
 
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = opt(0, "worker processes on this machine; 0 = what the layout needs")
-    nnodes: int = opt(1, "machines in the job")
+    nnodes: str = opt("1", "machines in the job: N, or MIN:MAX for an elastic job that goes on with MIN to MAX",
+                      accepts=(int,))
     node_rank: int = opt(0, "this machine's index in the job (0 hosts the rendezvous)")
     rdzv_endpoint: str = opt("", "host:port of the rendezvous (node 0); empty for a single machine")
     rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
     max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
     backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
-    timeout_s: int = opt(300, "seconds a collective may wait before it is an error")
+    timeout_s: int = opt(300, "seconds a collective may wait before it is an error naming the ranks that did not join")
+    check_collectives: bool = opt(False, "fingerprint every collective and compare across ranks (slower; finds the "
+                                         "mismatch behind a hang)")
 
 
 @dataclass
@@ -220,11 +228,34 @@ class Config:
         return self.parallel.dp * self.parallel.tp * self.parallel.pp + extra
 
     @property
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) machines: launch.nnodes = "N" gives (N, N), "MIN:MAX" an elastic range."""
+        text = str(self.launch.nnodes).strip()
+        try:
+            lo, _, hi = text.partition(":")
+            lo_n, hi_n = int(lo), int(hi or lo)
+        except ValueError:
+            raise ConfigError(f"launch.nnodes = {text!r} must be N or MIN:MAX, e.g. 2 or '1:2'") from None
+        if not 1 <= lo_n <= hi_n:
+            raise ConfigError(f"launch.nnodes = {text!r}: need 1 <= MIN <= MAX")
+        return lo_n, hi_n
+
+    @property
+    def max_nodes(self) -> int:
+        return self.node_range[1]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the world may change size while the job runs (fewer nodes, or restarts after failures)."""
+        lo, hi = self.node_range
+        return lo < hi or self.launch.max_restarts > 0
+
+    @property
     def nproc_per_node(self) -> int:
         """Worker processes per machine, resolved from the layout when launch.nproc_per_node is 0."""
         if self.launch.nproc_per_node > 0:
             return self.launch.nproc_per_node
-        return max(1, self.world_size // max(1, self.launch.nnodes))
+        return max(1, self.world_size // self.max_nodes)
 
     @property
     def grad_accum(self) -> int:
@@ -285,16 +316,19 @@ def set_value(cfg: Config, dotted: str, value: Any, source: str = "--set") -> No
     if len(parts) != 2:
         raise ConfigError(f"'{dotted}' from {source} is not of the form section.key (e.g. train.steps)")
     section, key = parts
+    key = KEYWORD_FIELDS.get(key, key)
     if section not in SECTIONS:
         raise ConfigError(f"unknown section '{section}' in '{dotted}' from {source}; valid sections: {', '.join(SECTIONS)}")
     fields = _fields(SECTIONS[section])
     if key not in fields:
         close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
         raise ConfigError(
-            f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(fields)}"
+            f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(map(toml_key, fields))}"
             + (f" (did you mean {section}.{close[0]}?)" if close else "")
         )
     tp = typing.get_type_hints(SECTIONS[section])[key]
+    if isinstance(value, fields[key].metadata.get("accepts") or ()) and not isinstance(value, bool):
+        value = tp(value)
     value = _coerce(dotted, value, tp)
     setattr(getattr(cfg, section), key, value)
 
@@ -353,8 +387,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+# TOML keys that are Python keywords live in fields with a trailing underscore.
+KEYWORD_FIELDS = {"async": "async_"}
+
+
+def toml_key(field_name: str) -> str:
+    return field_name[:-1] if field_name.endswith("_") else field_name
+
+
 def config_to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as nested dicts with the TOML spelling of every key."""
+    return {section: {toml_key(k): v for k, v in values.items()} for section, values in dataclasses.asdict(cfg).items()}
 
 
 def dump_config(cfg: Config) -> str:
@@ -380,7 +423,7 @@ def format_config(cfg: Config) -> str:
         lines.append(f"[{section}]")
         obj = getattr(cfg, section)
         for f in dataclasses.fields(section_type):
-            assignment = f"{f.name} = {literal(getattr(obj, f.name))}"
+            assignment = f"{toml_key(f.name)} = {literal(getattr(obj, f.name))}"
             lines.append(f"{assignment:<36} # {f.metadata.get('doc', '')}")
         lines.append("")
     return "\n".join(lines)
@@ -431,7 +474,7 @@ def validate_config(cfg: Config) -> Config:
         for f in dataclasses.fields(section_type):
             _check_choice(cfg, f"{section}.{f.name}")
     for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
-                "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep", "launch.nnodes",
+                "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "log.every", "launch.timeout_s", "data.synthetic_samples", "data.synthetic_features",
                 "data.synthetic_classes", "model.width", "model.depth", "model.embedding_dim", "data.clicks_dense"):
         _positive(cfg, key)
@@ -454,16 +497,17 @@ def validate_config(cfg: Config) -> Config:
 
     p, t = cfg.parallel, cfg.train
     _refuse_unavailable(cfg)
-    if cfg.launch.nproc_per_node == 0 and cfg.world_size % cfg.launch.nnodes:
+    nodes = cfg.max_nodes
+    if cfg.launch.nproc_per_node == 0 and cfg.world_size % nodes:
         raise ConfigError(
             f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
             "change parallel.dp or launch.nnodes (or set launch.nproc_per_node)"
         )
-    procs = cfg.nproc_per_node * cfg.launch.nnodes
+    procs = cfg.nproc_per_node * nodes
     if cfg.world_size != procs:
         raise ConfigError(
             f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp}) = {cfg.world_size} processes but the launch "
-            f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({cfg.launch.nnodes}) = {procs}; "
+            f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({nodes}) = {procs}; "
             "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
         )
     if p.zero and p.dp == 1:
@@ -506,12 +550,12 @@ def validate_config(cfg: Config) -> Config:
             f"({t.micro_batch_size}) * parallel.dp ({p.dp}) = {per_step}; "
             f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size"
         )
-    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+    if cfg.max_nodes > 1 and not cfg.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes = {cfg.launch.nnodes} needs launch.rdzv_endpoint = 'host:port' of node 0 "
             "(e.g. --set launch.rdzv_endpoint=10.0.0.1:29500)"
         )
-    if cfg.launch.node_rank >= cfg.launch.nnodes:
+    if cfg.launch.node_rank >= cfg.max_nodes:
         raise ConfigError(
             f"launch.node_rank = {cfg.launch.node_rank} must be < launch.nnodes = {cfg.launch.nnodes}"
         )

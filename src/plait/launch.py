@@ -17,6 +17,8 @@ from pathlib import Path
 from plait.config import Config
 
 USER_ERROR_EXIT = 2
+DISTRIBUTED_FAILURE_EXIT = 3  # a hang or mismatched collectives, explained by the worker (plait.train.watchdog)
+SHUTDOWN_TIMEOUT_S = 120  # after SIGTERM, workers finish their step and checkpoint within this, then are killed
 
 
 def _quiet_agent() -> None:
@@ -29,7 +31,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = {}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
-    if cfg.launch.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if cfg.max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
     return env
 
@@ -39,14 +41,19 @@ def launch_config(cfg: Config, run_dir: Path):
     from torch.distributed.launcher.api import LaunchConfig
 
     lc = cfg.launch
-    if lc.nnodes == 1 and not lc.rdzv_endpoint:
+    min_nodes, max_nodes = cfg.node_range
+    if max_nodes == 1 and not lc.rdzv_endpoint:
         endpoint, backend, rdzv_configs = "localhost:0", "c10d", {"is_host": True}
     else:
         endpoint, backend = lc.rdzv_endpoint, lc.rdzv_backend
         rdzv_configs = {"rank": lc.node_rank} if backend == "static" else {"is_host": lc.node_rank == 0}
+    if backend == "c10d":
+        # Once MIN nodes are there, wait this long for the rest (torch's default is 30 s; a restart
+        # after a lost node should not idle that long).
+        rdzv_configs["last_call_timeout"] = 5
     return LaunchConfig(
-        min_nodes=lc.nnodes,
-        max_nodes=lc.nnodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         nproc_per_node=cfg.nproc_per_node,
         run_id=f"plait-{run_dir.resolve().name}",
         rdzv_endpoint=endpoint,
@@ -56,6 +63,7 @@ def launch_config(cfg: Config, run_dir: Path):
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
 
 
@@ -67,23 +75,46 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     _quiet_agent()
     os.environ.update(worker_env(cfg))
     args = ["-m", "plait.worker", str(run_dir)] + (["--resume"] if resume else [])
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(launch_config(cfg, run_dir), sys.executable)(*args)
     except ChildFailedError as e:
         return report_failure(e)
+    except SignalException as e:
+        return report_preemption(run_dir, e)
     return 0
+
+
+def report_preemption(run_dir: Path, e) -> int:
+    """SIGTERM to the job: the workers checkpointed and stopped; say so and exit 0 (or 1 if nothing was saved)."""
+    import json
+
+    from plait.train.checkpoint import latest_checkpoint
+
+    summary = run_dir / "summary.json"
+    preempted = summary.is_file() and json.loads(summary.read_text()).get("preempted")
+    ckpt = latest_checkpoint(run_dir)
+    if preempted and ckpt is not None:
+        print(f"preempted ({e.sigval.name}): stopped cleanly at {ckpt.name}; continue with "
+              f"plait train --resume {run_dir}", flush=True)
+        return 0
+    print(f"error: stopped by {e.sigval.name} before a checkpoint was written"
+          + (f"; the latest is {ckpt.name}" if ckpt else ""), file=sys.stderr)
+    return 1
 
 
 def report_failure(e) -> int:
     """One short message for the CLI: user errors were already printed by the worker."""
     failures = e.failures
     codes = {f.exitcode for f in failures.values()}
-    if USER_ERROR_EXIT in codes:
-        return USER_ERROR_EXIT
+    for code in (USER_ERROR_EXIT, DISTRIBUTED_FAILURE_EXIT):  # the worker has printed what went wrong
+        if code in codes:
+            return code
     rank, failure = min(failures.items())
     msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
     print(f"error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-    if msg:
+    if msg and not msg.startswith("To enable traceback"):
         print(msg.strip()[-4000:], file=sys.stderr)
     if failure.error_file and os.path.exists(failure.error_file):
         print(f"(full error: {failure.error_file})", file=sys.stderr)

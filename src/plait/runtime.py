@@ -83,15 +83,23 @@ def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
     elif env_world > 1:
         device = pick_device(launch_cfg.device, local_rank)
         backend = pick_backend(launch_cfg.backend, device)
+        timeout = datetime.timedelta(seconds=launch_cfg.timeout_s)
+        store = _attempt_store(env_world, timeout) if "TORCHELASTIC_RESTART_COUNT" in os.environ else None
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=launch_cfg.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **({"store": store, "rank": int(os.environ["RANK"]), "world_size": env_world} if store else {}),
         )
     else:
         device = pick_device(launch_cfg.device, local_rank)
         backend = None
     world = dist.get_world_size() if backend else 1
+    if getattr(launch_cfg, "check_collectives", False) and world > 1:
+        from plait.comm import accounting
+        from plait.comm.fingerprint import Fingerprinter
+
+        accounting.fingerprinter = Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
     rank = dist.get_rank() if backend else 0
     need = parallel_cfg.dp * parallel_cfg.tp * parallel_cfg.pp
     if world != need:
@@ -109,6 +117,23 @@ def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
             mesh_dim_names=("pp", "dp", "tp"),
         )
     return Runtime(rank, world, local_rank, device, backend, mesh)
+
+
+def _attempt_store(world: int, timeout):
+    """The job's key-value store under a prefix of its own for each restart of the workers.
+
+    After torchrun's agent restarts the workers, keys from the previous attempt (gloo's peer
+    addresses, plait's heartbeats) may still be in the store; a fresh prefix keeps the new
+    workers from reading them.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank = int(os.environ["RANK"])
+    if agent_hosts_it:
+        base = dist.TCPStore(host, port, world_size=world, is_master=False, timeout=timeout)
+    else:
+        base = dist.TCPStore(host, port, world_size=world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"plait/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 def seed_all(seed: int) -> None:

@@ -18,11 +18,47 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait.errors import PlaitError
 
 
+def fit_to_world(cfg, world: int):
+    """An elastic job that lost (or gained) nodes: keep tp, pp and the global batch; dp and accumulation adapt.
+
+    The checkpoint is layout-free, so the run continues on the same trajectory at the new size.
+    """
+    import copy
+
+    from plait.config import validate_config
+    from plait.errors import ConfigError
+
+    p, t = cfg.parallel, cfg.train
+    if world % (p.tp * p.pp):
+        raise ConfigError(f"the job now has {world} processes, which tensor ({p.tp}) x pipeline ({p.pp}) parallel "
+                          "cannot divide; it cannot continue at this size")
+    new = copy.deepcopy(cfg)
+    new.parallel.dp = world // (p.tp * p.pp)
+    if new.parallel.dp == 1:
+        new.parallel.zero, new.parallel.offload, new.parallel.embedding_sharding = 0, "none", "none"
+    new.launch.nnodes, new.launch.nproc_per_node, new.launch.node_rank = "1", world, 0
+    if t.global_batch_size % (t.micro_batch_size * new.parallel.dp):
+        raise ConfigError(
+            f"the job now has {world} processes (dp = {new.parallel.dp}), but train.global_batch_size "
+            f"({t.global_batch_size}) is not divisible by micro_batch_size ({t.micro_batch_size}) * dp; it cannot "
+            "continue at this size (choose a micro batch size that divides the batch at every size)")
+    validate_config(new)
+    return new
+
+
 def run_worker(run_dir: Path, resume: bool) -> None:
     from plait.config import load_config
     from plait.train.trainer import train
 
     cfg = load_config(run_dir / "config.toml")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.world_size and cfg.elastic:
+        before = cfg
+        cfg = fit_to_world(cfg, world)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"world size is {world} (the config asks for {before.world_size}): data parallel "
+                  f"{before.parallel.dp} -> {cfg.parallel.dp}, accumulation {before.grad_accum} -> {cfg.grad_accum}, "
+                  f"global batch {cfg.train.global_batch_size} unchanged", flush=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     train(cfg, run_dir, resume=resume or restarted)
 
@@ -39,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ.get("RANK", "0"))
         prefix = f"[rank {rank}] " if rank else ""
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return getattr(e, "exit_code", 2)
     finally:
         import torch.distributed as dist
 

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 from collections import Counter, defaultdict
 
 import torch
@@ -66,17 +67,42 @@ RULES: dict[str, tuple[str, object]] = {
 
 
 class CommCounter:
-    """Bytes sent and calls made by this rank, in total and per operation."""
+    """Bytes sent, calls made and seconds spent waiting in collectives by this rank."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0.0
         self.by_op: dict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
+        self.wait_s = 0.0  # from each call until its result is ready (async calls: until completion)
+        self._lock = threading.Lock()
 
     def add(self, op: str, nbytes: float) -> None:
         self.bytes_sent += nbytes
         self.by_op[op] += nbytes
         self.calls[op] += 1
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:  # async completions arrive on the backend's threads
+            self.wait_s += seconds
+
+
+# What the latest collective on this process was, for error messages (a hang, a mismatch).
+last_call: dict = {}
+fingerprinter = None  # launch.check_collectives: a plait.comm.fingerprint.Fingerprinter comparing every collective
+
+
+def _call_site() -> str:
+    """The innermost frame outside torch and this module: where the collective was asked for."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/torch/" not in name and not name.endswith(("accounting.py", "contextlib.py", "functools.py")):
+            return f"{name.rsplit('/', 2)[-1] if '/plait/' not in name else name.split('/plait/')[-1]}:{f.f_lineno} " \
+                   f"in {f.f_code.co_name}"
+        f = f.f_back
+    return "?"
 
 
 _active: list[CommCounter] = []
@@ -90,17 +116,38 @@ def _wrap(op: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         depth = getattr(_local, "depth", 0)
-        if depth == 0 and _active:
+        outer = depth == 0 and bool(_active)
+        if outer:
             bound = sig.bind_partial(*args, **kwargs).arguments
             n = _group_size(bound.get("group"))
-            sent = factor(n) * _nbytes(bound.get(tensor_name)) if n > 1 or op in ("send", "isend") else 0.0
+            tensor = bound.get(tensor_name)
+            sent = factor(n) * _nbytes(tensor) if n > 1 or op in ("send", "isend") else 0.0
             for c in _active:
                 c.add(op, sent)
+            last_call.clear()
+            site = _call_site() if fingerprinter is not None else None
+            last_call.update(op=op, shape=list(tensor.shape) if isinstance(tensor, torch.Tensor) else None,
+                             group_size=n, site=site)
+            if fingerprinter is not None and op not in ("send", "isend"):
+                fingerprinter.check(op, tensor, bound.get("group"), site)
         _local.depth = depth + 1
+        t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         finally:
             _local.depth = depth
+        if outer:
+            counters = list(_active)
+            if result is not None and hasattr(result, "get_future"):  # async: count until it completes
+                try:
+                    result.get_future().add_done_callback(lambda fut: [c.add_wait(time.perf_counter() - t0)
+                                                                       for c in counters])
+                except (AttributeError, RuntimeError):
+                    pass
+            else:
+                for c in counters:
+                    c.add_wait(time.perf_counter() - t0)
+        return result
 
     wrapper.__plait_counted__ = fn
     return wrapper

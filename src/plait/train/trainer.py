@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from plait import faults
 from plait.comm import CommCounter, counting
 from plait.config import Config, dump_config
 from plait.data import DataBundle, build_data
@@ -28,12 +29,13 @@ from plait.data.sampler import GlobalBatchSampler
 from plait.models import build_model
 from plait.parallel import Strategy, build_strategy
 from plait.runtime import Runtime, init_runtime, mix_seed, seed_all
-from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.loss import loss_for
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.progress import Progress
+from plait.train.watchdog import STRAGGLER_FACTOR, Watchdog, stragglers
 
 
 @dataclass
@@ -51,6 +53,27 @@ def _gather(obj, rt: Runtime) -> list:
     out = [None] * rt.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def _gather_floats(value: float, rt: Runtime) -> list[float]:
+    """One float from every rank, in rank order."""
+    if not rt.distributed:
+        return [value]
+    t = torch.tensor([value], dtype=torch.float64, device=rt.device)
+    out = [torch.zeros_like(t) for _ in range(rt.world_size)]
+    dist.all_gather(out, t)
+    return [float(x) for x in out]
+
+
+def _agreed_checkpoint(run_dir: Path, rt: Runtime) -> Path | None:
+    """Rank 0 picks the newest checkpoint that verifies (falling back past damaged ones); every rank loads it."""
+    choice = [None]
+    if rt.is_main:
+        found = find_resumable(run_dir)
+        choice = [str(found) if found is not None else None]
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
 
 
 def _dp_mean(value: torch.Tensor, rt: Runtime) -> float:
@@ -129,7 +152,8 @@ def generate_sample(strategy: Strategy, bundle: DataBundle, cfg: Config, rt: Run
 
 def write_run_files(run_dir: Path, cfg: Config, bundle: DataBundle) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_config(cfg))
+    if not (run_dir / "config.toml").exists():  # the CLI writes it (an elastic worker may run a resized copy)
+        (run_dir / "config.toml").write_text(dump_config(cfg))
     (run_dir / "spec.json").write_text(json.dumps(asdict(bundle.spec), indent=1))
     if bundle.tokenizer is not None:
         (run_dir / "tokenizer.json").write_text(bundle.tokenizer.to_json())
@@ -148,7 +172,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
 
     start = 0
     if resume and run_dir is not None:
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = _agreed_checkpoint(run_dir, rt)
         if ckpt is not None:
             state = load_checkpoint(strategy, ckpt)
             strategy.precision.load_state_dict(state.get("precision", {}))
@@ -192,70 +216,115 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     meter = ActivationMeter()
     grads_seen = 0
     measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
-    window_comm = 0.0
+    window_comm = window_wait = 0.0
+    flagged: dict[int, int] = {}
+    faults.GROUPS["dp"] = rt.axis_group("dp")
+    watchdog = Watchdog(rt, cfg.launch.timeout_s)
+    watchdog.install_sigterm()
+    checkpointer = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if run_dir is not None else None
+    saved_at = start
+    preempted = False
+    phase = "data"
     batches = iter(loader)
     try:
-        for _ in range(start, stop):
-            with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
-                micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
-                         for x, y in next(batches)]
-            set_lr(strategy.optimizer, lr_at(step, cfg.optim, steps))
-            if cfg.model.dropout > 0:
-                # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
-                torch.manual_seed(mix_seed(cfg.train.seed, step, rt.rank))
-            measuring = step + 1 in measure_at
-            strategy.activation_meter = meter if measuring else None
-            sent_before = comm.bytes_sent
-            with counting(comm):
+        with counting(comm):
+            for _ in range(start, stop):
+                phase = "data"
+                watchdog.beat(step + 1, phase)
+                faults.maybe_fire("step", rt.rank, step + 1)
+                with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
+                    micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                             for x, y in next(batches)]
+                set_lr(strategy.optimizer, lr_at(step, cfg.optim, steps))
+                if cfg.model.dropout > 0:
+                    # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
+                    torch.manual_seed(mix_seed(cfg.train.seed, step, rt.rank))
+                measuring = step + 1 in measure_at
+                strategy.activation_meter = meter if measuring else None
+                sent_before, wait_before = comm.bytes_sent, comm.wait_s
+                phase = "forward_backward"
+                watchdog.beat(step + 1, phase)
                 with timer.phase("forward_backward"):
                     loss = strategy.forward_backward(micro)
                 if measuring:
                     grads_seen = max(grads_seen, grads_bytes(strategy.module))
+                phase = "optimizer"
+                watchdog.beat(step + 1, phase)
                 with timer.phase("optimizer"):
                     grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
                     strategy.optimizer_step()
-            window_comm += comm.bytes_sent - sent_before
-            timer.steps += 1
-            window_loss += loss
-            window_steps += 1
-            loop_steps += 1
-            step += 1
+                window_comm += comm.bytes_sent - sent_before
+                window_wait += comm.wait_s - wait_before
+                timer.steps += 1
+                window_loss += loss
+                window_steps += 1
+                loop_steps += 1
+                step += 1
+                phase = "sync"
+                watchdog.beat(step, phase)
+                stopping = watchdog.should_stop()
 
-            if step % cfg.log.every == 0 or step == stop or step == start + 1:
-                mean_loss = _dp_mean(window_loss / window_steps, rt)
-                now = time.perf_counter()
-                step_time = (now - window_t0) / window_steps
-                if initial_loss is None and step == start + 1:
-                    initial_loss = mean_loss
-                final_loss = mean_loss
-                record = {
-                    "step": step, "loss": mean_loss, "lr": strategy.optimizer.param_groups[0]["lr"],
-                    rate_key: cfg.train.global_batch_size * per_sample / step_time, "step_time_s": step_time,
-                    "time": timer.window(), "comm_bytes": window_comm / window_steps,
-                }
-                if grad_norm is not None:
-                    record["grad_norm"] = float(grad_norm)
-                writer.write(record)
-                progress.update(step, mean_loss, record[rate_key], force_line=True)
-                window_loss.zero_()
-                window_steps, window_t0, window_comm = 0, time.perf_counter(), 0.0
-            else:
-                progress.update(step, None, None)
+                if step % cfg.log.every == 0 or step == stop or step == start + 1 or stopping:
+                    mean_loss = _dp_mean(window_loss / window_steps, rt)
+                    step_time = (time.perf_counter() - window_t0) / window_steps
+                    if initial_loss is None and step == start + 1:
+                        initial_loss = mean_loss
+                    final_loss = mean_loss
+                    compute = _gather_floats(step_time - window_wait / window_steps, rt)
+                    slow = stragglers(compute)
+                    for r in slow:
+                        flagged[r] = flagged.get(r, 0) + 1
+                    record = {
+                        "step": step, "loss": mean_loss, "lr": strategy.optimizer.param_groups[0]["lr"],
+                        rate_key: cfg.train.global_batch_size * per_sample / step_time, "step_time_s": step_time,
+                        "time": timer.window(), "comm_bytes": window_comm / window_steps, "rank_compute_s": compute,
+                    }
+                    if slow:
+                        record["stragglers"] = slow
+                    if grad_norm is not None:
+                        record["grad_norm"] = float(grad_norm)
+                    writer.write(record)
+                    progress.update(step, mean_loss, record[rate_key], force_line=True)
+                    window_loss.zero_()
+                    window_steps, window_t0, window_comm, window_wait = 0, time.perf_counter(), 0.0, 0.0
+                else:
+                    progress.update(step, None, None)
 
-            ckpt_due = run_dir is not None and (
-                step == stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
-            if ckpt_due:
-                t0 = time.perf_counter()
-                save_checkpoint(strategy, run_dir, step, {"precision": strategy.precision.state_dict()}, rt,
-                                cfg.checkpoint.keep)
-                writer.write({"step": step, "checkpoint_s": time.perf_counter() - t0})
-                window_t0 += time.perf_counter() - t0  # a checkpoint's stall is not step time
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != stop:
-                last_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
-                writer.write({"step": step, **last_eval})
+                ckpt_due = checkpointer is not None and (
+                    step == stop or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0))
+                if ckpt_due:
+                    phase = "checkpoint"
+                    watchdog.beat(step, phase)
+                    stall = checkpointer.save(strategy, step, {"precision": strategy.precision.state_dict()})
+                    saved_at = step
+                    writer.write({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": cfg.checkpoint.async_})
+                    window_t0 += stall  # a checkpoint's stall is not step time
+                if stopping:
+                    preempted = True
+                    break
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != stop:
+                    phase = "eval"
+                    last_eval = evaluate(strategy, bundle.val, cfg, rt, spec.task)
+                    writer.write({"step": step, **last_eval})
+            if checkpointer is not None:
+                checkpointer.finish()
+    except Exception as e:
+        explained = watchdog.explain(e, step if phase in ("sync", "checkpoint", "eval") else step + 1, phase)
+        if explained is e:
+            raise
+        raise explained from None
     finally:
         batches.close()
         progress.close()
+        watchdog.restore_sigterm()
+    if preempted:
+        writer.close()
+        rt.print(f"stopped by SIGTERM after step {step}: checkpoint {saved_at} written; continue with "
+                 f"plait train --resume {run_dir}")
+        summary = {"steps": step, "preempted": True, "resumed_from_step": start if start else None}
+        if rt.is_main and run_dir is not None:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return TrainResult(summary, strategy.module, strategy, rt)
     loop_time = time.perf_counter() - loop_t0
 
     strategy.activation_meter = None
@@ -288,6 +357,8 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
         rate_key: (loop_steps * cfg.train.global_batch_size * per_sample / loop_time) if loop_steps else None,
     }
     summary["memory"] = {"per_rank": [m for m, _ in per_rank]}
+    summary["stragglers"] = {"flagged_windows_per_rank": {str(r): n for r, n in sorted(flagged.items())},
+                             "factor": STRAGGLER_FACTOR}
     summary["comm"] = {"bytes_per_step_per_rank": [c for _, c in per_rank]}
     if lm:
         summary["unigram_val_loss"] = bundle.unigram_val_loss

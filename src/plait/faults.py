@@ -1,0 +1,63 @@
+"""Failure injection for tests and the chaos benchmark: fail a chosen rank at a chosen step.
+
+    PLAIT_FAULTS="kill:rank=1:step=7"                      SIGKILL rank 1 as step 7 begins
+    PLAIT_FAULTS="kill:rank=0:step=10:at=publish"          ... while checkpoint 10 is being published
+    PLAIT_FAULTS="stall:rank=1:step=3:seconds=30"          rank 1 sleeps (a hang, for timeout tests)
+    PLAIT_FAULTS="slow:rank=1:seconds=0.05"                rank 1 sleeps every step (a straggler)
+    PLAIT_FAULTS="mismatch:rank=1:step=3"                  rank 1 issues a broadcast on the dp group the others do not
+    PLAIT_FAULTS="sigterm:rank=0:step=5"                   the job is asked to stop (as on preemption)
+
+Several faults are separated by ';'. A fault fires in the first incarnation of the workers only
+(TORCHELASTIC_RESTART_COUNT = 0) unless it says `always=1`, so a restarted job can succeed.
+Nothing happens when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+GROUPS: dict = {}  # named process groups the trainer registers ("dp"), for faults that issue collectives
+
+
+def parse(text: str) -> list[dict]:
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, *fields = part.split(":")
+        f = {"kind": kind, "at": "step"}
+        for item in fields:
+            key, _, value = item.partition("=")
+            f[key] = value
+        faults.append(f)
+    return faults
+
+
+def _active() -> list[dict]:
+    text = os.environ.get("PLAIT_FAULTS", "")
+    if not text:
+        return []
+    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    return [f for f in parse(text) if first or f.get("always") == "1"]
+
+
+def maybe_fire(point: str, rank: int, step: int) -> None:
+    """Called by the trainer at `point` ("step": a step begins; "publish": a checkpoint is being published)."""
+    for f in _active():
+        if f["at"] != point or int(f.get("rank", rank)) != rank:
+            continue
+        if "step" in f and int(f["step"]) != step:
+            continue
+        kind = f["kind"]
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind in ("stall", "slow"):
+            time.sleep(float(f.get("seconds", 3600)))
+        elif kind == "sigterm":
+            os.kill(os.getppid() if f.get("target") == "agent" else os.getpid(), signal.SIGTERM)
+        elif kind == "mismatch":
+            import torch
+            import torch.distributed as dist
+
+            group = GROUPS.get(f.get("group", "dp"))
+            dist.broadcast(torch.zeros(3), dist.get_global_rank(group, 0) if group is not None else 0, group=group)

@@ -1,0 +1,251 @@
+"""Fault tolerance, torchft style: inject a failure at a chosen (rank, step), then compare with an uninterrupted run."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_GPT
+from plait.errors import CheckpointError
+from plait.train.checkpoint import find_resumable, verify
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+ENV.pop("PLAIT_FAULTS", None)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_text) -> Path:
+    """A tiny 2-process GPT job with a checkpoint every 3 steps."""
+    from plait.config import dump_config, load_config
+
+    cfg = load_config(None, TINY_GPT + ["data.name='text'", f"data.path='{tiny_text}'", "train.steps=10",
+                                        "checkpoint.every=3", "checkpoint.keep=3", "log.every=1",
+                                        "optim.schedule='constant'", "launch.timeout_s=60"])
+    path = tmp_path_factory.mktemp("job") / "job.toml"
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    env = {**ENV, "PLAIT_FAULTS": faults} if faults else ENV
+    return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, **popen)
+
+
+def weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = run / "model.safetensors"
+    r = plait("export", run, "-o", out, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return load_file(str(out))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(job, tmp_path_factory) -> dict:
+    run = tmp_path_factory.mktemp("straight") / "run"
+    r = plait("train", job, "--out", run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return weights(run)
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_from_the_last_checkpoint(job, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    r = plait("train", job, "--out", run, "--set", "launch.max_restarts=1", faults="kill:rank=1:step=8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming from" in r.stdout and "step_0000006" in r.stdout  # steps 7 and 8 are lost, no more
+    assert max_diff(uninterrupted, weights(run)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_kill_while_publishing_a_checkpoint_never_corrupts_latest(job, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    r = plait("train", job, "--out", run, "--set", "launch.max_restarts=1", faults="kill:rank=0:step=6:at=publish")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step_0000003 at step 3" in r.stdout  # step 6 was never published; 3 was the latest good one
+    assert max_diff(uninterrupted, weights(run)) <= 1e-6
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        verify(ckpt)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.4"}  # every rank, every step: time to send the signal
+    p = subprocess.Popen([sys.executable, "-m", "plait", "train", str(job), "--out", str(run)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line) >= 2:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err
+    assert "preempted (SIGTERM): stopped cleanly at step_" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] and 2 <= summary["steps"] < 10
+    assert os.readlink(run / "checkpoints" / "latest") == f"step_{summary['steps']:07d}"
+    r = plait("train", "--resume", run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert max_diff(uninterrupted, weights(run)) <= 1e-6
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_checkpoints_are_named_and_skipped(pool2, tiny_text, tmp_path):
+    from helpers import rank0_params, tiny_gpt_config
+
+    pool2.run(rank0_params, tiny_gpt_config(tiny_text, "train.steps=9", "checkpoint.every=3", "checkpoint.keep=3"),
+              tmp_path)
+    root = tmp_path / "checkpoints"
+    s3, s6, s9 = (root / f"step_{n:07d}" for n in (3, 6, 9))
+    shard = sorted(s9.glob("*.distcp"))[0]
+    _corrupt(shard)
+    with pytest.raises(CheckpointError, match=f"{shard.name} does not match its checksum"):
+        verify(s9)
+    shard6 = sorted(s6.glob("*.distcp"))[0]
+    shard6.write_bytes(shard6.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=rf"{shard6.name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
+        verify(s6)
+    said = []
+    assert find_resumable(tmp_path, log=said.append) == s3
+    assert len(said) == 2 and "step_0000009" in said[0] and "step_0000006" in said[1]
+    (s3 / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=".metadata is missing"):
+        verify(s3)
+    with pytest.raises(CheckpointError, match="no checkpoint under .* verifies"):
+        find_resumable(tmp_path, log=said.append)
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_corrupt_checkpoint(job, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    assert plait("train", job, "--out", run, "--set", "train.steps=9").returncode == 0
+    _corrupt(sorted((run / "checkpoints" / "step_0000009").glob("*.distcp"))[0])
+    r = plait("train", "--resume", run, "--set", "train.steps=10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step_0000009 is damaged" in r.stdout and "resuming from" in r.stdout and "at step 6" in r.stdout
+    assert max_diff(uninterrupted, weights(run)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_becomes_an_error_naming_it(job, tmp_path):
+    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.timeout_s=4",
+              faults="stall:rank=1:step=3:seconds=10", timeout=120)
+    assert r.returncode == 3
+    assert ("error: rank 0, step 3 (forward_backward): all_reduce did not finish within launch.timeout_s = 4 s; "
+            "did not join: rank 1 (last seen: step 3 (data)") in r.stderr
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_name_ranks_ops_and_call_sites(job, tmp_path):
+    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.check_collectives=true",
+              faults="mismatch:rank=1:step=3", timeout=120)
+    assert r.returncode == 3
+    # whichever rank notices first reports; the agent then stops the other
+    line = next(x for x in r.stderr.splitlines() if "ranks issued different collectives" in x)
+    assert "step 3 (" in line
+    assert "rank 0 runs all_reduce of float32 shape [" in line and "(called at parallel/base.py:" in line
+    assert "rank 1 runs broadcast of float32 shape [3] (called at faults.py:" in line
+
+
+def test_a_slow_rank_is_flagged_as_a_straggler(tiny_text, tmp_path):
+    from helpers import rank0_params, tiny_gpt_config
+    from plait.testing import run_distributed
+
+    os.environ["PLAIT_FAULTS"] = "slow:rank=1:seconds=0.3"
+    try:
+        run_distributed(rank0_params, 2, tiny_gpt_config(tiny_text, "train.steps=6", "log.every=2"), tmp_path)
+    finally:
+        del os.environ["PLAIT_FAULTS"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    # (step 2 is DDP's bucket rebuild, whose waiting happens in C++ collectives that are not timed)
+    steady = [r for r in rows if r["step"] >= 4]
+    assert len(steady) == 2 and all(r.get("stragglers") == [1] for r in steady)
+    assert all(r["rank_compute_s"][1] > 0.25 > r["rank_compute_s"][0] for r in steady)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stragglers"]["flagged_windows_per_rank"]["1"] >= 2
+    assert "0" not in summary["stragglers"]["flagged_windows_per_rank"]
+
+
+def _process_tree(pid: int) -> list[int]:
+    children = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return [pid] + [p for c in children for p in _process_tree(c)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_losing_a_node_shrinks_the_job_and_keeps_the_trajectory(job, uninterrupted, tmp_path):
+    """Two 1-process 'nodes' (launchers on loopback), nnodes = 1:2; node 1 dies, node 0 finishes alone."""
+    run, port = tmp_path / "run", _free_port()
+    common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
+              "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
+              "--set", "launch.timeout_s=20"]
+    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.5"}
+    node0 = subprocess.Popen(common + ["--set", "launch.node_rank=0"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    node1 = subprocess.Popen(common + ["--set", "launch.node_rank=1"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "checkpoints" / "step_0000003").is_dir():
+            time.sleep(0.2)
+        for pid in _process_tree(node1.pid):  # the whole node: its agent and its worker (in a session of its own)
+            os.kill(pid, signal.SIGKILL)
+        out, _ = node0.communicate(timeout=240)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert node0.returncode == 0, out
+    assert "world size is 1 (the config asks for 2): data parallel 2 -> 1, accumulation 1 -> 2" in out
+    assert "resuming from" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 10
+    assert max_diff(uninterrupted, weights(run)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_async_checkpoints_publish_and_resume(job, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    r = plait("train", job, "--out", run, "--set", "checkpoint.async=true", "--set", "launch.max_restarts=1",
+              faults="kill:rank=1:step=8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    stalls = [x for x in rows if "checkpoint_stall_s" in x]
+    assert stalls and all(x["checkpoint_async"] for x in stalls)
+    assert max_diff(uninterrupted, weights(run)) <= 1e-6
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        verify(ckpt)
+    assert torch.load  # the checkpoint format stays DCP (no pickles of ours)
