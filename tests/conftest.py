@@ -45,3 +45,28 @@ def tiny_text(tmp_path_factory) -> Path:
                  "shlex.py", "glob.py", "copy.py"):
         (out / name).write_text((root / name).read_text())
     return out
+
+
+@pytest.fixture(scope="session")
+def job(tmp_path_factory, tiny_text) -> Path:
+    """A tiny 2-process GPT job (TOML file) with a checkpoint every 3 steps, for fault-injection tests."""
+    from helpers import TINY_GPT
+    from plait.config import dump_config, load_config
+
+    cfg = load_config(None, TINY_GPT + ["data.name='text'", f"data.path='{tiny_text}'", "train.steps=10",
+                                        "checkpoint.every=3", "checkpoint.keep=3", "log.every=1",
+                                        "optim.schedule='constant'", "launch.timeout_s=60"])
+    path = tmp_path_factory.mktemp("job") / "job.toml"
+    path.write_text(dump_config(cfg))
+    return path
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(job, tmp_path_factory) -> dict:
+    """The exported weights of `job` run straight through."""
+    from helpers import plait, weights
+
+    run = tmp_path_factory.mktemp("straight") / "run"
+    r = plait("train", job, "--out", run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return weights(run)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -43,3 +46,39 @@ def rank0_params(cfg, run_dir, resume: bool = False):
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---- end-to-end runs through the command line (fault-tolerance and netns tests)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+ENV.pop("PLAIT_FAULTS", None)
+
+
+def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    """Run the plait CLI in a subprocess (optionally with PLAIT_FAULTS injected)."""
+    env = {**ENV, "PLAIT_FAULTS": faults} if faults else ENV
+    return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, **popen)
+
+
+def weights(run: Path) -> dict:
+    """Export a run and load its weights."""
+    from safetensors.torch import load_file
+
+    out = run / "model.safetensors"
+    r = plait("export", run, "-o", out, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return load_file(str(out))
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (torchrun's workers run in sessions of their own)."""
+    children = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return [pid] + [p for c in children for p in process_tree(c)]

@@ -12,53 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_GPT
+from helpers import ENV, max_diff, plait, process_tree, weights
 from plait.errors import CheckpointError
 from plait.train.checkpoint import find_resumable, verify
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-ENV.pop("PLAIT_FAULTS", None)
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory, tiny_text) -> Path:
-    """A tiny 2-process GPT job with a checkpoint every 3 steps."""
-    from plait.config import dump_config, load_config
-
-    cfg = load_config(None, TINY_GPT + ["data.name='text'", f"data.path='{tiny_text}'", "train.steps=10",
-                                        "checkpoint.every=3", "checkpoint.keep=3", "log.every=1",
-                                        "optim.schedule='constant'", "launch.timeout_s=60"])
-    path = tmp_path_factory.mktemp("job") / "job.toml"
-    path.write_text(dump_config(cfg))
-    return path
-
-
-def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    env = {**ENV, "PLAIT_FAULTS": faults} if faults else ENV
-    return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout, **popen)
-
-
-def weights(run: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = run / "model.safetensors"
-    r = plait("export", run, "-o", out, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return load_file(str(out))
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(job, tmp_path_factory) -> dict:
-    run = tmp_path_factory.mktemp("straight") / "run"
-    r = plait("train", job, "--out", run)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return weights(run)
 
 
 @pytest.mark.slow
@@ -187,18 +143,6 @@ def test_a_slow_rank_is_flagged_as_a_straggler(tiny_text, tmp_path):
     assert "0" not in summary["stragglers"]["flagged_windows_per_rank"]
 
 
-def _process_tree(pid: int) -> list[int]:
-    children = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return [pid] + [p for c in children for p in _process_tree(c)]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -221,7 +165,7 @@ def test_losing_a_node_shrinks_the_job_and_keeps_the_trajectory(job, uninterrupt
         deadline = time.time() + 120
         while time.time() < deadline and not (run / "checkpoints" / "step_0000003").is_dir():
             time.sleep(0.2)
-        for pid in _process_tree(node1.pid):  # the whole node: its agent and its worker (in a session of its own)
+        for pid in process_tree(node1.pid):  # the whole node: its agent and its worker (in a session of its own)
             os.kill(pid, signal.SIGKILL)
         out, _ = node0.communicate(timeout=240)
     finally:

@@ -154,6 +154,8 @@ class LaunchConfig:
                       accepts=(int,))
     node_rank: int = opt(0, "this machine's index in the job (0 hosts the rendezvous)")
     rdzv_endpoint: str = opt("", "host:port of the rendezvous (node 0); empty for a single machine")
+    local_addr: str = opt("", "this machine's address as the others reach it (default: node 0 takes the host of "
+                              "rdzv_endpoint, other nodes their hostname)")
     rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
     max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
     backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))

@@ -64,7 +64,18 @@ def launch_config(cfg: Config, run_dir: Path):
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        local_addr=local_addr(cfg),
     )
+
+
+def local_addr(cfg: Config) -> str | None:
+    """The address workers of other nodes use to reach this one's store: node 0 is the rendezvous host."""
+    lc = cfg.launch
+    if lc.local_addr:
+        return lc.local_addr
+    if cfg.max_nodes > 1 and lc.node_rank == 0 and lc.rdzv_endpoint:
+        return lc.rdzv_endpoint.rsplit(":", 1)[0]
+    return None
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
