@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 def job_file(out: Path, steps: int, every: int) -> Path:
     sys.path.insert(0, str(HERE.parent / "tests"))
     from helpers import TINY_GPT
-
     from plait.config import dump_config, load_config
 
     corpus = out / "corpus"
