@@ -1,0 +1,238 @@
+"""Collective algorithms from the textbooks, written on point-to-point sends and receives.
+
+    ring_all_reduce(t)                     # reduce-scatter + all-gather around a ring
+    tree_all_reduce(t)                     # recursive halving (reduce-scatter) + doubling (all-gather)
+    hierarchical_all_reduce(t, local_size) # within each node, across node leaders, back within the node
+
+Each sums `t` in place over the ranks of `group` (or over an explicit list of global `ranks`),
+the same result as `dist.all_reduce(t)` up to the order of floating-point additions, for any
+number of ranks and any tensor size (chunks may be uneven or empty).
+
+* Ring (Patarasuk & Yuan 2009; the ring of Thakur, Rabenseifner & Gropp 2005): the tensor is cut
+  into n chunks; n-1 steps of reduce-scatter leave rank r with chunk r summed, n-1 steps of
+  all-gather spread the sums. Each rank sends 2 (n-1)/n of the tensor: bandwidth-optimal, but
+  2 (n-1) latency terms.
+* Recursive halving-doubling (Rabenseifner 2004; Thakur et al. 2005): log2 p exchange steps with
+  partners at distance p/2, p/4, ..., 1 halve the segment each rank is responsible for, then the
+  reverse doubles it back: the same 2 (n-1)/n volume in 2 log2 p latency terms. With n not a power
+  of two, the first 2 (n - p) ranks pair up first (even ranks hand their vector to the odd one and
+  get the result back at the end), as in MPICH.
+* Hierarchical (the two-level scheme of NCCL and Horovod): ranks are grouped into nodes of
+  `local_size` consecutive ranks; members send their vectors to the node's first rank, the leaders
+  run a ring all-reduce among themselves, then each leader sends the result back to its members,
+  so only one rank per node touches the slow network.
+
+Also here: ring reduce-scatter and all-gather (the two halves of the ring), and a binomial-tree
+broadcast. Sends go through torch.distributed's Python isend/irecv, so plait.comm.accounting
+counts them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_ranks(group=None) -> list[int]:
+    """Global ranks of `group` (the default group when None), in group-rank order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+
+
+def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
+    """Send `send` to global rank dst while receiving `recv` from src (either may be None or empty)."""
+    reqs = []
+    if recv is not None and recv.numel():
+        reqs.append(dist.irecv(recv, src))
+    if send is not None and send.numel():
+        reqs.append(dist.isend(send, dst))
+    for req in reqs:
+        req.wait()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+
+
+def _writeback(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view_as(tensor))
+
+
+def _me(ranks: list[int]) -> int:
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not among the ranks of this collective {ranks}")
+    return ranks.index(me)
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def ring_reduce_scatter_chunks(chunks: list[torch.Tensor], ranks: list[int]) -> None:
+    """Sum chunk i over the ring into position i on ranks[i] (other chunks are left partial)."""
+    n, i = len(ranks), _me(ranks)
+    right, left = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    for s in range(n - 1):
+        send, recv = chunks[(i - s - 1) % n], chunks[(i - s - 2) % n]
+        buf = torch.empty_like(recv)
+        _exchange(send, right, buf, left)
+        recv.add_(buf)
+
+
+def ring_all_gather_chunks(chunks: list[torch.Tensor], ranks: list[int]) -> None:
+    """ranks[i] holds chunk i; afterwards every rank holds every chunk."""
+    n, i = len(ranks), _me(ranks)
+    right, left = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    for s in range(n - 1):
+        _exchange(chunks[(i - s) % n], right, chunks[(i - s - 1) % n], left)
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = None) -> torch.Tensor:
+    """Sum `tensor` in place over the ranks: ring reduce-scatter then ring all-gather."""
+    ranks = ranks if ranks is not None else group_ranks(group)
+    if len(ranks) == 1:
+        return tensor
+    flat = _flat(tensor)
+    chunks = list(torch.tensor_split(flat, len(ranks)))
+    ring_reduce_scatter_chunks(chunks, ranks)
+    ring_all_gather_chunks(chunks, ranks)
+    _writeback(tensor, flat)
+    return tensor
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """Like dist.reduce_scatter_single: `output` gets this rank's 1/n of the sum of `input` over the ranks."""
+    ranks = group_ranks(group)
+    n, i = len(ranks), _me(ranks)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"input has {input.numel()} elements, expected {n} x output ({output.numel()})")
+    work = input.reshape(-1).clone()
+    chunks = list(work.chunk(n))
+    ring_reduce_scatter_chunks(chunks, ranks)
+    output.view(-1).copy_(chunks[i])
+    return output
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """Like dist.all_gather_single: `output` is every rank's `input`, concatenated in rank order."""
+    ranks = group_ranks(group)
+    n, i = len(ranks), _me(ranks)
+    if output.numel() != n * input.numel():
+        raise ValueError(f"output has {output.numel()} elements, expected {n} x input ({input.numel()})")
+    flat = output.view(-1)
+    chunks = list(flat.chunk(n))
+    chunks[i].copy_(input.reshape(-1))
+    ring_all_gather_chunks(chunks, ranks)
+    return output
+
+
+# ----------------------------------------------------------------------------- halving-doubling
+
+
+def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = None) -> torch.Tensor:
+    """Sum `tensor` in place: recursive halving reduce-scatter, then recursive doubling all-gather."""
+    ranks = ranks if ranks is not None else group_ranks(group)
+    n, i = len(ranks), _me(ranks)
+    if n == 1:
+        return tensor
+    flat = _flat(tensor)
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    rem = n - p
+    # Fold: among the first 2*rem ranks, even ones give their vector to their odd neighbour.
+    if i < 2 * rem:
+        if i % 2 == 0:
+            _exchange(flat, ranks[i + 1], None, -1)
+            _exchange(None, -1, flat, ranks[i + 1])  # the result comes back at the end
+            _writeback(tensor, flat)
+            return tensor
+        buf = torch.empty_like(flat)
+        _exchange(None, -1, buf, ranks[i - 1])
+        flat.add_(buf)
+        new = i // 2
+    else:
+        new = i - rem
+
+    def actual(newrank: int) -> int:
+        return ranks[2 * newrank + 1] if newrank < rem else ranks[newrank + rem]
+
+    base, extra = divmod(flat.numel(), p)  # chunk c has base + (c < extra) elements, as tensor_split cuts
+    bounds = [c * base + min(c, extra) for c in range(p + 1)]
+    lo, hi = 0, p  # the chunk range this rank is responsible for
+    steps = []
+    mask = p >> 1
+    while mask:
+        partner = actual(new ^ mask)
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if not new & mask else ((mid, hi), (lo, mid))
+        kept = flat[bounds[keep[0]]:bounds[keep[1]]]
+        buf = torch.empty_like(kept)
+        _exchange(flat[bounds[give[0]]:bounds[give[1]]], partner, buf, partner)
+        kept.add_(buf)
+        steps.append((partner, keep, give))
+        lo, hi = keep
+        mask >>= 1
+    for partner, keep, give in reversed(steps):  # doubling: swap the summed halves back
+        _exchange(flat[bounds[keep[0]]:bounds[keep[1]]], partner, flat[bounds[give[0]]:bounds[give[1]]], partner)
+    if i < 2 * rem:  # an odd rank of the fold returns the result to its even neighbour
+        _exchange(flat, ranks[i - 1], None, -1)
+    _writeback(tensor, flat)
+    return tensor
+
+
+def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Binomial-tree broadcast from global rank src: log2 n rounds, each holder sends to one new rank."""
+    ranks = group_ranks(group)
+    n, i = len(ranks), _me(ranks)
+    root = ranks.index(src)
+    rel = (i - root) % n
+    flat = _flat(tensor)
+    mask = 1
+    while mask < n:  # receive from the rank that is `mask` below in relative order
+        if rel & mask:
+            _exchange(None, -1, flat, ranks[(rel - mask + root) % n])
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if rel + mask < n:
+            _exchange(flat, ranks[(rel + mask + root) % n], None, -1)
+        mask >>= 1
+    _writeback(tensor, flat)
+    return tensor
+
+
+# ----------------------------------------------------------------------------- hierarchical
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, local_size: int, group=None) -> torch.Tensor:
+    """Sum in place in two levels: into each node's first rank, a ring among those leaders, back out.
+
+    local_size: ranks per node (consecutive ranks share a node; the last node may have fewer).
+    """
+    ranks = group_ranks(group)
+    n, i = len(ranks), _me(ranks)
+    if local_size < 1:
+        raise ValueError(f"local_size = {local_size} must be >= 1")
+    node, local = divmod(i, local_size)
+    members = ranks[node * local_size:min(n, (node + 1) * local_size)]
+    leaders = ranks[::local_size]
+    flat = _flat(tensor)
+    if local:
+        _exchange(flat, members[0], None, -1)
+        _exchange(None, -1, flat, members[0])
+        _writeback(tensor, flat)
+        return tensor
+    buf = torch.empty_like(flat)
+    for m in members[1:]:
+        _exchange(None, -1, buf, m)
+        flat.add_(buf)
+    ring_all_reduce(flat, ranks=leaders)
+    for m in members[1:]:
+        _exchange(flat, m, None, -1)
+    _writeback(tensor, flat)
+    return tensor
+
+
+ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce}

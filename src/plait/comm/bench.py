@@ -1,0 +1,231 @@
+"""`plait bench collectives`: an nccl-tests-style sweep of collectives over message sizes and algorithms.
+
+    rows = run_collectives(BenchOptions(ops=["allreduce"], algos=["native", "ring"], ranks=2))
+
+For every (op, size, algorithm) the ranks time `iters` calls after `warmup` (the slowest rank's
+mean is the time), check the result once against torch's own collective, and report, as
+nccl-tests does (its doc/PERFORMANCE.md):
+
+    algbw = size / time
+    busbw = algbw * 2 (n-1)/n   all-reduce
+            algbw * (n-1)/n     all-gather, reduce-scatter (size = the whole gathered buffer)
+            algbw * 1           broadcast
+
+busbw is the figure comparable across rank counts and with the link's bandwidth. The table is
+printed, and written as collectives.csv with a plot of busbw against size, collectives.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+# op -> algorithms available for it
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "allreduce": ("native", "ring", "tree", "hierarchical"),
+    "allgather": ("native", "ring"),
+    "reduce_scatter": ("native", "ring"),
+    "broadcast": ("native", "tree"),
+}
+ELEMENT_BYTES = 4  # float32
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth correction for op on n ranks."""
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0}[op]
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864 bytes (K, M, G are powers of 1024)."""
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ConfigError(f"size {text!r} is not a number of bytes such as 1K, 64M or 4096") from None
+    if value < 1:
+        raise ConfigError(f"size {text!r} must be at least 1 byte")
+    return value
+
+
+def parse_sizes(text: str, factor: int = 2) -> list[int]:
+    """'1K:64M' -> 1K, 2K, 4K, ... 64M (times `factor` each step); '1K,1M' -> exactly those."""
+    if ":" in text:
+        lo, _, hi = text.partition(":")
+        a, b = parse_size(lo), parse_size(hi)
+        if a > b:
+            raise ConfigError(f"--sizes {text}: the first size must not exceed the last")
+        if factor < 2:
+            raise ConfigError(f"--factor {factor} must be >= 2")
+        out = [a]
+        while out[-1] * factor <= b:
+            out.append(out[-1] * factor)
+        return out
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}"
+
+
+@dataclass
+class BenchOptions:
+    ops: list[str] = field(default_factory=lambda: ["allreduce"])
+    algos: list[str] = field(default_factory=lambda: ["native", "ring", "tree"])
+    sizes: list[int] = field(default_factory=lambda: parse_sizes("1K:64M"))
+    ranks: int = 2
+    iters: int = 20
+    warmup: int = 3
+    max_seconds: float = 1.0  # per point: fewer iterations when one call is slow (at least 2)
+    local_size: int = 0  # hierarchical: ranks per node (0: half the ranks)
+    out: Path | None = None
+
+    def validate(self) -> BenchOptions:
+        for op in self.ops:
+            if op not in ALGORITHMS:
+                raise ConfigError(f"unknown collective {op!r}; choose from {', '.join(ALGORITHMS)}")
+        known = sorted({a for algos in ALGORITHMS.values() for a in algos})
+        for algo in self.algos:
+            if algo not in known:
+                raise ConfigError(f"unknown algorithm {algo!r}; choose from {', '.join(known)}")
+        if not 2 <= self.ranks <= 8:
+            raise ConfigError(f"--ranks {self.ranks}: the benchmark runs 2 to 8 local ranks")
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError("--iters must be >= 1 and --warmup >= 0")
+        return self
+
+
+def _call(op: str, algo: str, buf, out, local_size: int):
+    import torch.distributed as dist
+
+    from plait.comm import algorithms as alg
+
+    if op == "allreduce":
+        if algo == "native":
+            return dist.all_reduce(buf)
+        if algo == "hierarchical":
+            return alg.hierarchical_all_reduce(buf, local_size)
+        return alg.ALL_REDUCE[algo](buf)
+    if op == "allgather":
+        return dist.all_gather_single(out, buf) if algo == "native" else alg.ring_all_gather(out, buf)
+    if op == "reduce_scatter":
+        return dist.reduce_scatter_single(out, buf) if algo == "native" else alg.ring_reduce_scatter(out, buf)
+    return dist.broadcast(buf, 0) if algo == "native" else alg.tree_broadcast(buf, 0)
+
+
+def _buffers(op: str, nbytes: int, n: int, seed: int):
+    """(input, output) for one call of op whose nccl-tests size is nbytes (whole gathered / scattered buffer)."""
+    import torch
+
+    count = max(n, nbytes // ELEMENT_BYTES)
+    count -= count % n if op in ("allgather", "reduce_scatter") else 0
+    g = torch.Generator().manual_seed(seed)
+    if op == "allgather":
+        return torch.randint(-8, 8, (count // n,), generator=g).float(), torch.empty(count)
+    if op == "reduce_scatter":
+        return torch.randint(-8, 8, (count,), generator=g).float(), torch.empty(count // n)
+    return torch.randint(-8, 8, (count,), generator=g).float(), None
+
+
+def bench_rank(opts: BenchOptions) -> list[dict]:
+    """Pool task: the sweep on this rank; rank 0 returns the rows."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    local_size = opts.local_size or max(1, n // 2)
+    rows = []
+    for op in opts.ops:
+        algos = [a for a in opts.algos if a in ALGORITHMS[op]]
+        for nbytes in opts.sizes:
+            for algo in algos:
+                buf, out = _buffers(op, nbytes, n, seed=rank + 17)
+                ref_in, ref_out = buf.clone(), (out.clone() if out is not None else None)
+                _call(op, "native", ref_in, ref_out, local_size)
+                _call(op, algo, buf, out, local_size)
+                got, want = (out, ref_out) if out is not None else (buf, ref_in)
+                correct = torch.tensor([float(torch.equal(got, want))])
+                dist.all_reduce(correct, op=dist.ReduceOp.MIN)
+                buf.zero_()  # sums of zeros: timing without overflow
+                for _ in range(opts.warmup):
+                    _call(op, algo, buf, out, local_size)
+                dist.barrier()
+                t0, done = time.perf_counter(), 0
+                while done < opts.iters and (done < 2 or time.perf_counter() - t0 < opts.max_seconds):
+                    _call(op, algo, buf, out, local_size)
+                    done += 1
+                elapsed = torch.tensor([(time.perf_counter() - t0) / done])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                size = (out if op == "allgather" else buf).numel() * ELEMENT_BYTES
+                seconds = float(elapsed)
+                algbw = size / seconds / 1e9
+                rows.append({"op": op, "algo": algo, "ranks": n, "size_bytes": size, "count": size // ELEMENT_BYTES,
+                             "iters": done, "time_us": seconds * 1e6, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * busbw_factor(op, n), "correct": bool(correct.item())})
+    return rows if rank == 0 else []
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'op':<15}{'size':>9}{'count':>12}  {'algo':<13}{'time(us)':>12}{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}"
+             f"  {'check':<5}"]
+    for r in rows:
+        lines.append(f"{r['op']:<15}{human(r['size_bytes']):>9}{r['count']:>12}  {r['algo']:<13}{r['time_us']:>12.1f}"
+                     f"{r['algbw_GBps']:>13.3f}{r['busbw_GBps']:>13.3f}  {'ok' if r['correct'] else 'WRONG':<5}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for algo in dict.fromkeys(r["algo"] for r in rows if r["op"] == op):
+            pts = [(r["size_bytes"], r["busbw_GBps"]) for r in rows if r["op"] == op and r["algo"] == algo]
+            ax.plot(*zip(*pts), marker="o", ms=3, label=algo)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{op}, {rows[0]['ranks']} ranks")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_collectives(opts: BenchOptions, echo=print) -> list[dict]:
+    """Run the sweep on opts.ranks local gloo processes; print the table and write CSV + PNG to opts.out."""
+    from plait.testing import RankPool
+
+    opts.validate()
+    with RankPool(opts.ranks, timeout_s=600) as pool:
+        rows = pool.run(bench_rank, opts)[0]
+    echo(format_table(rows))
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        echo(f"wrote {write_csv(rows, opts.out / 'collectives.csv')} and {plot(rows, opts.out / 'collectives.png')}")
+    wrong = [r for r in rows if not r["correct"]]
+    if wrong:
+        echo(f"warning: {len(wrong)} result(s) differ from torch's own collective")
+    return rows

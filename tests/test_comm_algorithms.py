@@ -1,0 +1,86 @@
+"""Ring, halving-doubling and hierarchical all-reduce (and the ring's halves, tree broadcast) against torch's own."""
+
+import pytest
+
+from plait.testing import RankPool
+
+SIZES = [1, 2, 5, 7, 64, 1001]  # incl. fewer elements than ranks and sizes no world size divides
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def pool(request):
+    with RankPool(request.param, timeout_s=60) as p:
+        yield p
+
+
+def compare_all_reduce(sizes):
+    """Pool task: each algorithm's sum against dist.all_reduce's on the same random tensors; max abs difference."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm import algorithms as alg
+
+    n = dist.get_world_size()
+    worst = {}
+    for size in sizes:
+        g = torch.Generator().manual_seed(1000 * size + dist.get_rank())
+        x = torch.randn(size, generator=g)
+        ints = torch.randint(-50, 50, (size,), generator=g).double()  # exact in any order of addition
+        for data in (x, ints, x.reshape(1, -1)[:, ::2]):  # the last one is not contiguous
+            want = data.clone()
+            dist.all_reduce(want)
+            for name, fn in (("ring", alg.ring_all_reduce), ("tree", alg.tree_all_reduce),
+                             *((f"hier{k}", lambda t, k=k: alg.hierarchical_all_reduce(t, k)) for k in (1, 2, 3))):
+                got = data.clone()
+                fn(got)
+                diff = float((got - want).abs().max()) if size else 0.0
+                if data.dtype == torch.float64:
+                    assert diff == 0.0, (name, size, n)
+                worst[name] = max(worst.get(name, 0.0), diff)
+    return worst
+
+
+def test_all_reduce_algorithms_equal_dist_all_reduce(pool):
+    for worst in pool.run(compare_all_reduce, SIZES):
+        assert set(worst) == {"ring", "tree", "hier1", "hier2", "hier3"}
+        assert max(worst.values()) <= 1e-5, worst
+
+
+def compare_halves_and_broadcast(per_rank):
+    """Pool task: ring reduce-scatter / all-gather and tree broadcast against torch's, on a subgroup too."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm import algorithms as alg
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(r)
+    x = torch.randint(-9, 9, (n * per_rank,), generator=g).double()
+    want, got = torch.empty(per_rank, dtype=torch.float64), torch.empty(per_rank, dtype=torch.float64)
+    dist.reduce_scatter_single(want, x.clone())
+    alg.ring_reduce_scatter(got, x)
+    assert torch.equal(want, got)
+    mine = x[:per_rank]
+    want, got = torch.empty(n * per_rank, dtype=torch.float64), torch.empty(n * per_rank, dtype=torch.float64)
+    dist.all_gather_single(want, mine)
+    alg.ring_all_gather(got, mine)
+    assert torch.equal(want, got)
+    for src in range(n):
+        want, got = x.clone(), x.clone()
+        dist.broadcast(want, src)
+        alg.tree_broadcast(got, src)
+        assert torch.equal(want, got)
+    sub = dist.new_group(list(range(1, n)))  # ranks 1..n-1: global ranks differ from group ranks
+    if r >= 1:
+        want, got = x.clone(), x.clone()
+        dist.all_reduce(want, group=sub)
+        alg.ring_all_reduce(got, group=sub)
+        assert torch.equal(want, got)
+        alg.tree_all_reduce(x, group=sub)
+        assert torch.equal(want, x)
+    dist.destroy_process_group(sub)
+    return True
+
+
+def test_ring_halves_tree_broadcast_and_subgroups(pool):
+    assert all(pool.run(compare_halves_and_broadcast, 3))
