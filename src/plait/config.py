@@ -436,7 +436,6 @@ def format_config(cfg: Config) -> str:
 # Keys whose non-default values name schemes this version cannot run yet: (key, default, what).
 UNAVAILABLE: list[tuple[str, object, str]] = [
     ("parallel.sync", "allreduce", "parameter-server and gossip synchronisation"),
-    ("parallel.compression", "none", "gradient compression"),
 ]
 
 
@@ -600,8 +599,31 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")
     if cfg.data.name in ("text", "tensors") and not cfg.data.path:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
+    _validate_sync(cfg)
     _validate_federated(cfg)
     return cfg
+
+
+def _validate_sync(cfg: Config) -> None:
+    """How data-parallel replicas agree (parallel.sync) and what their all-reduce sends (parallel.compression)."""
+    p = cfg.parallel
+    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
+    if p.compression != "none":
+        if p.sync != "allreduce":
+            raise ConfigError(
+                f"parallel.compression = {p.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
+                f"{p.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
+        if p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+            raise ConfigError(
+                f"parallel.compression = {p.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
+                f"with tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.compression='none' "
+                "or change the layout")
+    if p.powersgd_rank < 1:
+        raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
+                          "approximation, e.g. 2); set --set parallel.powersgd_rank=2")
+    if not (0.0 < p.topk_ratio <= 1.0):
+        raise ConfigError(f"parallel.topk_ratio = {p.topk_ratio} must be in (0, 1] (the share of gradient entries sent, "
+                          "e.g. 0.01); set --set parallel.topk_ratio=0.01")
 
 
 def _validate_pipeline(cfg: Config) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from plait.comm.compression import Compression
 from plait.parallel.base import Precision, Strategy
 from plait.parallel.ddp import DDPStrategy, apply_ddp
 from plait.parallel.embedding import EmbeddingShardStrategy, apply_embedding_sharding
@@ -67,7 +68,7 @@ def parallelize(model: nn.Module, cfg, rt, data_parallel: bool = True) -> nn.Mod
         offload = cfg.parallel.offload != "none" and rt.device.type != "cpu"
         model = apply_fsdp(model, rt.mesh["dp"], zero, param_dtype=cfg.precision.dtype, offload=offload)
     elif dp > 1 and zero == 0 and data_parallel:
-        model = apply_ddp(model, rt.mesh["dp"], rt.device)
+        model = apply_ddp(model, rt.mesh["dp"], rt.device, Compression.from_config(cfg.parallel))
     return model
 
 

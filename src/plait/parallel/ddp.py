@@ -6,14 +6,16 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from plait.comm.compression import Compression, register_compression
 from plait.parallel.base import Strategy
 
 
-def apply_ddp(model: nn.Module, dp_mesh, device) -> DDP:
+def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None = None) -> DDP:
     """Wrap the model in DDP on the dp axis's process group (gradients averaged across replicas).
 
     The all-reduce goes through torch's Python default hook (the same average as DDP's built-in
-    one) so that plait.comm.accounting sees, and counts, every bucket.
+    one) so that plait.comm.accounting sees, and counts, every bucket. With `compression` the hook
+    is plait.comm.compression's instead; its state is kept as `ddp.plait_compression`.
     """
     group = dp_mesh.get_group()
     ddp = DDP(
@@ -22,7 +24,10 @@ def apply_ddp(model: nn.Module, dp_mesh, device) -> DDP:
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
-    ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+    if compression is not None and compression.kind != "none":
+        ddp.plait_compression = register_compression(ddp, group, compression)
+    else:
+        ddp.register_comm_hook(group, default_hooks.allreduce_hook)
     return ddp
 
 
@@ -31,3 +36,13 @@ class DDPStrategy(Strategy):
 
     def no_sync(self):
         return self.model.no_sync()
+
+    def step_metrics(self, record: dict) -> dict:
+        """With compression: the uncompressed all-reduce bytes per step and their ratio to the bytes sent."""
+        state = getattr(self.model, "plait_compression", None)
+        if state is None:
+            return {}
+        raw, steps = state.take()
+        raw /= max(1, steps)
+        sent = record.get("comm_bytes") or 0.0
+        return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
