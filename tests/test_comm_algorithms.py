@@ -84,3 +84,42 @@ def compare_halves_and_broadcast(per_rank):
 
 def test_ring_halves_tree_broadcast_and_subgroups(pool):
     assert all(pool.run(compare_halves_and_broadcast, 3))
+
+
+def gossip_mixing(topology, rounds):
+    """Pool task: random vectors per rank; the consensus distance after each gossip round, and how far the mean moved."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.parallel.gossip import consensus_distance, gossip_average, neighbour_offsets
+
+    x = [torch.randn(50, 3, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)]
+    mean0 = x[0].clone()
+    dist.all_reduce(mean0)
+    dists = [consensus_distance(x, None)]
+    for _ in range(rounds):
+        gossip_average(x, None, neighbour_offsets(dist.get_world_size(), topology))
+        dists.append(consensus_distance(x, None))
+    mean1 = x[0].clone()
+    dist.all_reduce(mean1)
+    return dists, float((mean0 - mean1).abs().max())
+
+
+@pytest.mark.parametrize("topology", ["ring", "exponential"])
+def test_gossip_mixing_shrinks_the_spread_by_lambda2_and_keeps_the_mean(pool, topology):
+    """Gossip's averaging step (plait.parallel.gossip) on the same pools of 2, 3 and 4 ranks."""
+    import cmath
+
+    from plait.parallel.gossip import neighbour_offsets
+
+    n = pool.world_size
+    offsets = neighbour_offsets(n, topology)
+    # The mixing matrix is circulant: eigenvalues (1 + sum_d e^(2 pi i d k / n)) / (|offsets| + 1).
+    lam2 = max(abs(1 + sum(cmath.exp(2j * cmath.pi * d * k / n) for d in offsets)) / (len(offsets) + 1)
+               for k in range(1, n))
+    assert lam2 == pytest.approx({(2, "ring"): 0, (3, "ring"): 0, (4, "ring"): 1 / 3}.get((n, topology), 0), abs=1e-12)
+    dists, drift = pool.run(gossip_mixing, topology, 4)[0]
+    assert drift < 1e-12  # doubly stochastic: the average over ranks does not move
+    for before, after in zip(dists, dists[1:]):
+        assert after <= lam2 * before + 1e-12
+    assert dists[0] > 1.0

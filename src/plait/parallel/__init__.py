@@ -13,6 +13,7 @@ from plait.parallel.base import Precision, Strategy
 from plait.parallel.ddp import DDPStrategy, apply_ddp
 from plait.parallel.embedding import EmbeddingShardStrategy, apply_embedding_sharding
 from plait.parallel.fsdp import FSDPStrategy, apply_fsdp
+from plait.parallel.gossip import GossipStrategy
 from plait.parallel.pipeline import PipelineStrategy
 from plait.parallel.split import pipeline_stage, stage_bounds
 from plait.parallel.tensor import TensorParallelStrategy
@@ -98,6 +99,10 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
         return PipelineStrategy(parts, mine, pp * v, rt, make_optimizer, loss_fn, precision, local_batch,
                                 microbatches(cfg), cfg.parallel.pp_schedule, module.pipeline_parts()["blocks"], tied,
                                 dp_sync=dp > 1)
+    if cfg.parallel.sync == "gossip":
+        model = parallelize(module, cfg, rt, data_parallel=False)
+        return GossipStrategy(model, module, make_optimizer(module), loss_fn, precision, local_batch, rt.axis_group("dp"),
+                              cfg.parallel.gossip_every, cfg.parallel.gossip_topology)
     model = parallelize(module, cfg, rt, data_parallel=tp == 1)
     if cfg.parallel.embedding_sharding != "none":
         return EmbeddingShardStrategy(model, module, make_optimizer(module), loss_fn, precision, local_batch, rt=rt,
