@@ -94,8 +94,13 @@ def cmd_bench_memory(a) -> int:
 
 
 def cmd_report(a) -> int:
+    from plait.errors import CheckpointError
     from plait.report import write_report
+    from plait.report.bottleneck import breakdown, format_report
 
+    if not (a.run_dir / "metrics.jsonl").is_file():
+        raise CheckpointError(f"{a.run_dir} has no metrics.jsonl; pass the --out directory of a training run")
+    print(format_report(breakdown(a.run_dir)))
     print(f"wrote {write_report(a.run_dir)}")
     return 0
 
@@ -124,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
     e.set_defaults(fn=cmd_export)
 
-    r = sub.add_parser("report", help="(re)write RUN_DIR/report.html from its metrics")
+    r = sub.add_parser("report", help="where a run's time went, with a verdict; (re)writes RUN_DIR/report.html")
     r.add_argument("run_dir", type=Path)
     r.set_defaults(fn=cmd_report)
 
@@ -143,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
-VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli")
+VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli")
 
 
 def _load_verbs(name: str):

@@ -4,6 +4,8 @@
     PLAIT_FAULTS="kill:rank=0:step=10:at=publish"          ... while checkpoint 10 is being published
     PLAIT_FAULTS="stall:rank=1:step=3:seconds=30"          rank 1 sleeps (a hang, for timeout tests)
     PLAIT_FAULTS="slow:rank=1:seconds=0.05"                rank 1 sleeps every step (a straggler)
+    PLAIT_FAULTS="slow:seconds=0.1:at=data"                every rank waits 0.1 s for each batch (input-bound)
+    PLAIT_FAULTS="slow:seconds=0.02:at=comm"               every collective takes 20 ms longer (a slow link)
     PLAIT_FAULTS="mismatch:rank=1:step=3"                  rank 1 issues a broadcast on the dp group the others do not
     PLAIT_FAULTS="sigterm:rank=0:step=5"                   the job is asked to stop (as on preemption)
 
@@ -42,7 +44,8 @@ def _active() -> list[dict]:
 
 
 def maybe_fire(point: str, rank: int, step: int) -> None:
-    """Called by the trainer at `point` ("step": a step begins; "publish": a checkpoint is being published)."""
+    """Called at `point`: "step" (a step begins), "data" (its batch is fetched), "publish" (a checkpoint is
+    being published) or "comm" (a collective is entered; step -1, so only faults without a step fire)."""
     for f in _active():
         if f["at"] != point or int(f.get("rank", rank)) != rank:
             continue

@@ -109,6 +109,12 @@ _active: list[CommCounter] = []
 _local = threading.local()
 
 
+def _faults_active() -> bool:
+    import os
+
+    return "at=comm" in os.environ.get("PLAIT_FAULTS", "")
+
+
 def _wrap(op: str, fn):
     tensor_name, factor = RULES[op]
     sig = inspect.signature(fn)
@@ -133,6 +139,10 @@ def _wrap(op: str, fn):
         _local.depth = depth + 1
         t0 = time.perf_counter()
         try:
+            if outer and _faults_active():  # a slow link, for tests of the bottleneck report
+                from plait import faults
+
+                faults.maybe_fire("comm", dist.get_rank(), -1)
             result = fn(*args, **kwargs)
         finally:
             _local.depth = depth
@@ -189,3 +199,9 @@ def counting(counter: CommCounter):
         _active.remove(counter)
         if not _active:
             _uninstall()
+
+
+def record(op: str, nbytes: float) -> None:
+    """Count bytes this rank sends by another transport than torch.distributed (the parameter server's RPC)."""
+    for c in _active:
+        c.add(op, nbytes)

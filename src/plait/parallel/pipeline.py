@@ -77,12 +77,15 @@ class PipelineStrategy(Strategy):
         self.events: list[tuple] = []
         self.step_stats: list[tuple[float, int]] = []  # (bubble fraction, peak in-flight) per step
         self.last_timeline: list[tuple] = []
-        self._mb_activations: list[int] = []
+        self._last_forward = None
         for st in self.stages:
             self._instrument(st)
 
     # ---- the step
     def _loss(self, output, target):
+        if self.activation_meter is not None:  # the loss's saved tensors belong to the micro-batch just run
+            with self.activation_meter.measure(self._last_forward):
+                return self.loss_fn(output, target)
         return self.loss_fn(output, target)
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
@@ -206,7 +209,8 @@ class PipelineStrategy(Strategy):
 
         def forward_one_chunk(mb, *args, **kwargs):
             t = time.time()
-            meter = self.activation_meter.measure() if self.activation_meter else None
+            self._last_forward = (sid, mb, len(self.step_stats))
+            meter = self.activation_meter.measure(self._last_forward) if self.activation_meter else None
             if meter:
                 with meter:
                     out = fwd(mb, *args, **kwargs)

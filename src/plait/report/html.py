@@ -31,7 +31,12 @@ def write_report(run_dir: str | Path) -> Path:
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
         for k, v in summary.items() if k != "sample"
     )
+    plots += [run_dir / name for name in ("pipeline.png",) if (run_dir / name).is_file()]
     imgs = "\n".join(f'<img src="{p.name}" alt="{p.stem}">' for p in plots if p is not None)
+    from plait.report.bottleneck import breakdown
+    from plait.report.bottleneck import html as bottleneck_html
+
+    where = bottleneck_html(breakdown(run_dir))
     sample = f"<h2>sample</h2><pre>{html.escape(summary['sample'])}</pre>" if summary.get("sample") else ""
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>plait run {html.escape(run_dir.name)}</title>
@@ -39,6 +44,7 @@ def write_report(run_dir: str | Path) -> Path:
 img{{max-width:48%;margin:0.5%}} pre{{background:#f4f4f4;padding:1em;white-space:pre-wrap}}</style></head>
 <body><h1>plait run {html.escape(run_dir.name)}</h1>
 <table>{rows}</table>
+{where}
 <h2>plots</h2>{imgs}
 {sample}
 </body></html>

@@ -48,27 +48,46 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class ActivationMeter:
-    """Counts the bytes autograd saves for backward inside `measure()` (distinct storages)."""
+    """Counts the bytes autograd saves for backward inside `measure()` (distinct storages).
 
-    def __init__(self) -> None:
+    Weights saved for backward (or views of them, like a transposed matrix) are model state,
+    not activations: storages of `module`'s parameters are left out.
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
         self.peak = 0
+        self.module = module
+        self.totals: dict = {}
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, key=None):
+        """Count what is saved inside; calls with the same `key` (one micro-batch's pieces) add up."""
         seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor):
-            if not isinstance(t, torch.nn.Parameter) and t.numel():
+        params = set()
+        if self.module is not None:
+            for p in self.module.parameters():
                 try:
-                    st = _local(t).untyped_storage()
-                    seen[st.data_ptr()] = st.nbytes()
+                    params.add(_local(p).untyped_storage().data_ptr())
                 except (RuntimeError, NotImplementedError):
                     pass
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or not t.numel():
+                return t
+            try:
+                st = _local(t).untyped_storage()
+                if st.data_ptr() not in params:
+                    seen[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):
+                pass
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        self.peak = max(self.peak, sum(seen.values()))
+        total = sum(seen.values())
+        if key is not None:
+            total = self.totals[key] = self.totals.get(key, 0) + total
+        self.peak = max(self.peak, total)
 
 
 def peak_rss_bytes() -> int:

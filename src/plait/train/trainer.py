@@ -213,7 +213,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     strategy.model.train()
     step = start
     comm = CommCounter()
-    meter = ActivationMeter()
+    meter = ActivationMeter(strategy.module)
     grads_seen = 0
     measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
     window_comm = window_wait = 0.0
@@ -233,6 +233,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
                 watchdog.beat(step + 1, phase)
                 faults.maybe_fire("step", rt.rank, step + 1)
                 with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
+                    faults.maybe_fire("data", rt.rank, step + 1)
                     micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
                              for x, y in next(batches)]
                 set_lr(strategy.optimizer, lr_at(step, cfg.optim, steps))
@@ -277,12 +278,15 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
                     record = {
                         "step": step, "loss": mean_loss, "lr": strategy.optimizer.param_groups[0]["lr"],
                         rate_key: cfg.train.global_batch_size * per_sample / step_time, "step_time_s": step_time,
-                        "time": timer.window(), "comm_bytes": window_comm / window_steps, "rank_compute_s": compute,
+                        "time": timer.window(), "comm_bytes": window_comm / window_steps,
+                        "comm_wait_s": window_wait / window_steps, "rank_compute_s": compute,
                     }
                     if slow:
                         record["stragglers"] = slow
                     if grad_norm is not None:
                         record["grad_norm"] = float(grad_norm)
+                    if hasattr(strategy, "step_metrics"):  # compression ratio, staleness, consensus distance
+                        record.update(strategy.step_metrics(record))
                     writer.write(record)
                     progress.update(step, mean_loss, record[rate_key], force_line=True)
                     window_loss.zero_()

@@ -1,0 +1,133 @@
+"""Step time of a layout: compute from FLOPs at a measured efficiency, communication per collective from
+bytes, latency and link bandwidth (inside a node or across nodes), and the pipeline bubble.
+
+FLOPs per step (Narayanan et al., 2021, with this model's shapes): forward 2 * (matmul params)
+per token plus 4 s h per token and layer for attention; backward twice the forward; activation
+checkpointing one more forward. Collectives follow the ring algorithm (plait.comm.accounting):
+all-reduce 2 (n-1)/n B, all-gather and reduce-scatter (n-1)/n B, each step adding the latency.
+Per step and device:
+
+    data parallel    gradients all-reduced (ZeRO 1/2: reduce-scatter + all-gather, same volume;
+                     ZeRO 3: one more all-gather); overlapped with backward by the profile's factor
+    tensor parallel  4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward)
+    pipeline         2 sends of b s h per micro-batch and stage boundary; bubble (p-1)/(m+p-1) [/ v]
+    optimizer        parameters the device updates x the profile's seconds per parameter
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from plait.plan.memory import Layout, Shape, predict_memory
+
+PROFILE_PATH = Path.home() / ".cache" / "plait" / "device_profile.json"
+
+
+@dataclass
+class Hardware:
+    """A device and its links; datasheet numbers unless a calibrated profile replaces them."""
+
+    name: str = "datasheet"
+    memory_bytes: float = 80e9
+    flops: float = 989e12  # peak dense FLOP/s in the training dtype
+    efficiency: float = 0.45  # achieved / peak on this model's matmuls
+    intra_bw: float = 400e9 / 8  # bytes/s per direction inside a node
+    inter_bw: float = 25e9 / 8  # bytes/s across nodes
+    latency_s: float = 10e-6  # per collective step
+    devices_per_node: int = 8
+    overlap: float = 0.7  # share of data-parallel communication hidden behind backward
+    optimizer_s_per_param: float = 2e-11  # AdamW update time per parameter (memory bound)
+    microbatch_overhead_s: float = 2e-4  # fixed cost of one forward + backward of the whole model (launches, Python)
+    comm: dict = field(default_factory=dict)  # measured: "op/n" -> {"latency_s", "bw"} for n local ranks
+
+    def save(self, path: Path = PROFILE_PATH) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path = PROFILE_PATH) -> Hardware:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(latency, bandwidth) for a group whose ranks span `span` consecutive devices."""
+        bw = self.intra_bw if span <= self.devices_per_node else self.inter_bw
+        return self.latency_s, bw
+
+    def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
+        """Seconds for one collective of `nbytes` over `n` ranks spanning `span` devices."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        measured = self.comm.get(f"{op}/{n}")
+        if measured and span <= self.devices_per_node:
+            return measured["latency_s"] + nbytes / measured["bw"]
+        lat, bw = self.link(span)
+        if op == "all_reduce":
+            return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+        if op in ("all_gather", "reduce_scatter"):
+            return (n - 1) * lat + (n - 1) / n * nbytes / bw
+        return lat + nbytes / bw  # send
+
+
+def flops_per_step(shape: Shape, global_batch: int, ac: bool = False) -> float:
+    """Model FLOPs of one training step (recomputation under activation checkpointing included when ac)."""
+    tokens = global_batch * shape.context
+    forward = tokens * (2 * shape.matmul_params + 4 * shape.context * shape.width * shape.layers)
+    return forward * (4 if ac else 3)
+
+
+def model_flops(shape: Shape, global_batch: int) -> float:
+    """The FLOPs MFU counts: forward + backward, no recomputation."""
+    return flops_per_step(shape, global_batch, ac=False)
+
+
+def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, elem: int = 4) -> dict:
+    """Seconds per step split into compute, exposed data-parallel communication, tensor- and
+    pipeline-parallel communication, bubble and optimizer; plus MFU. `elem`: bytes per element of
+    the gradients and activations that travel (4 in fp32, 2 in 16-bit mixed precision)."""
+    d, t, p, v = layout.dp, layout.tp, layout.pp, layout.virtual
+    m = global_batch // (d * layout.micro)
+    per_rank = shape.device_params(layout)
+    busiest = max(per_rank)
+    imbalance = busiest / (sum(per_rank) / p)  # the slowest stage sets the pace
+    compute = flops_per_step(shape, global_batch, layout.ac) / layout.devices / (hw.flops * hw.efficiency) * imbalance
+    compute += hw.microbatch_overhead_s * m * v * (1 / p) * imbalance  # every micro-batch pays it, per stage
+    backward = compute * (2 / 3 if not layout.ac else 2 / 4)
+    act = elem * layout.micro * shape.context * shape.width  # one micro-batch's hidden states
+    tp_span, dp_span = t, d * t
+    tp_comm = 0.0
+    if t > 1:
+        per = hw.collective("all_reduce", act, t, tp_span)
+        tp_comm = 4 * (shape.layers / p) * m * per
+    grad_bytes = elem * busiest
+    z = layout.zero
+    if d > 1:
+        if z == 0:
+            dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span)
+        else:
+            dp_comm = hw.collective("reduce_scatter", grad_bytes, d, dp_span) + hw.collective("all_gather", grad_bytes, d,
+                                                                                                  dp_span)
+            if z == 3:
+                dp_comm += hw.collective("all_gather", grad_bytes, d, dp_span) * (m if m > 1 else 1)
+    else:
+        dp_comm = 0.0
+    exposed_dp = max(0.0, dp_comm - hw.overlap * backward)
+    pp_comm = 2 * m * v * hw.collective("send", act / (t if layout.sp else 1), 2, d * t * 2) if p > 1 else 0.0
+    bubble = 0.0
+    if p > 1:
+        bubble = (compute + tp_comm) * (p - 1) / m / v
+    optimizer = hw.optimizer_s_per_param * busiest / (d if z >= 1 else 1)
+    step = compute + tp_comm + pp_comm + bubble + exposed_dp + optimizer
+    return {
+        "step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "bubble_s": bubble,
+        "dp_comm_s": dp_comm, "dp_exposed_s": exposed_dp, "optimizer_s": optimizer,
+        "mfu": model_flops(shape, global_batch) / (step * layout.devices * hw.flops) if step > 0 else 0.0,
+    }
+
+
+def predict(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, optimizer_k: int = 8) -> dict:
+    mem = predict_memory(shape, layout, global_batch, optimizer_k)
+    return {"layout": layout, "memory": mem, "time": predict_time(shape, layout, global_batch, hw),
+            "fits": mem["total"] <= hw.memory_bytes}

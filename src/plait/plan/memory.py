@@ -1,0 +1,178 @@
+"""Per-device memory of a layout, from the model's real shapes: the ZeRO paper's model states and
+Korthikanti et al. (2022)'s activation accounting, itemised for plait's GPT block.
+
+Model states (fp32 parameters and gradients, K bytes of optimizer state per parameter):
+the parameters a device holds are counted exactly from the model built on the meta device,
+cut into pipeline stages by the same code training uses and split by the tensor-parallel plan;
+ZeRO then divides optimizer states (stage >= 1), gradients (>= 2) and parameters (3, and at
+rest 2, as FSDP2 does) by dp.
+
+Activations of one micro-batch (b sequences of s tokens, width h, a heads, element size e),
+the tensors autograd saves in forward (flash attention, so no s x s scores):
+
+    per block   e s b (16 h + 4 + a)          LN inputs 2, LN outputs 2, q k v 3, attention out 1,
+                                               MLP up out 4, GELU out 4; LN statistics 4, logsumexp a
+    tensor par. e s b (4 h + 12 h / t + 4 + a / t)          inside the column/row-parallel regions / t
+    + seq. par. e s b (2 h + 14 h / t + (4 + a) / t)        LN inputs sharded; the gathered LN outputs not
+    act. ckpt.  e s b h per block (its input), plus one block recomputed at a time in backward
+    head        e s b (2 h + 2 + V) + 8 b s               ln_f in and out, log-softmax over V, token ids
+
+A pipeline stage holds the micro-batches in flight: m under GPipe, at most p - stage under 1F1B.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+TP_SPLIT = re.compile(r"blocks\.\d+\.(attn\.(q|k|v)\.(weight|bias)|attn\.proj\.weight|mlp\.up\.(weight|bias)|mlp\.down\.weight)$")
+
+
+@dataclass
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro: int = 1  # samples per micro-batch
+    schedule: str = "1f1b"
+    virtual: int = 1
+    ac: bool = False
+    sp: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def sets(self) -> str:
+        """The layout as ready --set arguments."""
+        parts = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                 f"parallel.zero={self.zero}", f"train.micro_batch_size={self.micro}"]
+        if self.pp > 1:
+            parts.append(f"parallel.pp_schedule='{self.schedule}'")
+            if self.virtual > 1:
+                parts.append(f"parallel.virtual_stages={self.virtual}")
+        if self.sp:
+            parts.append("parallel.sequence_parallel=true")
+        if self.ac:
+            parts.append("train.activation_checkpointing=true")
+        return " ".join(f"--set {p}" for p in parts)
+
+    def label(self) -> str:
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "")
+        return s + (" sp" if self.sp else "") + (" ac" if self.ac else "")
+
+
+@dataclass
+class Shape:
+    """What the cost model needs to know about a GPT."""
+
+    layers: int
+    width: int
+    heads: int
+    context: int
+    vocab: int
+    tied: bool
+    params: int  # distinct parameters
+    matmul_params: int  # parameters used in matrix multiplies (the head counts even when tied)
+    stage_params: dict  # (pp, virtual, tp) -> [parameters per device of each pipeline rank]
+
+    @classmethod
+    def from_config(cls, model_cfg, vocab: int) -> Shape:
+        from plait.data.spec import DataSpec
+        from plait.models import build_model
+
+        spec = DataSpec(name="plan", task="lm", vocab_size=vocab, tokens_per_sample=model_cfg.context)
+        with torch.device("meta"):
+            model = build_model(model_cfg, spec)
+        h, L = model_cfg.width, model_cfg.layers
+        params = sum(p.numel() for p in model.parameters())
+        matmul = 12 * h * h * L + h * model.head.out_features
+        return cls(L, h, model_cfg.heads, model_cfg.context, model.head.out_features, model_cfg.tie_embeddings,
+                   params, matmul, {"model": model})
+
+    def device_params(self, layout: Layout) -> list[int]:
+        """Parameters each pipeline rank holds (one tensor-parallel shard), from the real module."""
+        key = (layout.pp, layout.virtual, layout.tp)
+        if key not in self.stage_params:
+            from plait.parallel.split import pipeline_stage, stage_bounds
+
+            model = self.stage_params["model"]
+            stages = layout.pp * layout.virtual
+            bounds = stage_bounds(model, stages) if stages > 1 else [(0, self.layers)]
+            per_rank = [0] * layout.pp
+            for s in range(stages):
+                part = pipeline_stage(model, bounds, s) if stages > 1 else model
+                n = 0
+                seen = set()
+                for name, p in part.named_parameters(remove_duplicate=False):
+                    if id(p) in seen and not (stages > 1 and name == "head.weight"):
+                        continue
+                    seen.add(id(p))
+                    split = TP_SPLIT.search(name) or (name == "head.weight") or (name == "tok_emb.weight" and self.tied)
+                    n += p.numel() // layout.tp if split else p.numel()
+                per_rank[s % layout.pp] += n
+            self.stage_params[key] = per_rank
+        return self.stage_params[key]
+
+
+def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[int]:
+    """Activations one micro-batch leaves saved on each pipeline rank (bytes)."""
+    s, b, h, a, t = shape.context, layout.micro, shape.width, shape.heads, layout.tp
+    if layout.ac:
+        block = elem * s * b * h
+    elif t == 1:
+        block = elem * s * b * (16 * h + 4 + a)
+    elif not layout.sp:
+        block = elem * s * b * (4 * h + 12 * h / t + 4 + a / t)
+    else:
+        block = elem * s * b * (2 * h + 14 * h / t + (4 + a) / t)
+    head = elem * s * b * (2 * h + 2 + shape.vocab) + 8 * b * s
+    stages = layout.pp * layout.virtual
+    per_stage_layers = _layers_per_stage(shape, layout)
+    out = [0] * layout.pp
+    for st in range(stages):
+        out[st % layout.pp] += int(per_stage_layers[st] * block + (head if st == stages - 1 else 0))
+    return out
+
+
+def _layers_per_stage(shape: Shape, layout: Layout) -> list[int]:
+    stages = layout.pp * layout.virtual
+    if stages == 1:
+        return [shape.layers]
+    from plait.parallel.split import stage_bounds
+
+    return [b - a for a, b in stage_bounds(shape.stage_params["model"], stages)]
+
+
+def inflight(layout: Layout, microbatches: int, pp_rank: int) -> int:
+    """Micro-batches whose activations a pipeline rank holds at once."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return microbatches
+    return min(microbatches, layout.pp - pp_rank) * (layout.virtual if layout.virtual > 1 else 1)
+
+
+def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k: int = 8, elem: int = 4) -> dict:
+    """Per-device bytes of the busiest pipeline rank: params, grads, optimizer, activations, total."""
+    m = global_batch // (layout.dp * layout.micro)
+    ranks = []
+    per_rank_params = shape.device_params(layout)
+    per_mb = activation_bytes(shape, layout, elem)
+    for r in range(layout.pp):
+        n = per_rank_params[r]
+        z, d = layout.zero, layout.dp
+        params = 4 * n / (d if z >= 2 else 1)
+        grads = 4 * n / (d if z >= 2 else 1)
+        optim = optimizer_k * n / (d if z >= 1 else 1)
+        act = per_mb[r] * inflight(layout, m, r)
+        if layout.ac:  # one block's full activations while it is recomputed in backward
+            act += elem * shape.context * layout.micro * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)
+        ranks.append({"params": params, "grads": grads, "optimizer": optim, "activations": act,
+                      "activations_per_microbatch": per_mb[r], "total": params + grads + optim + act})
+    return max(ranks, key=lambda x: x["total"]) | {"per_pp_rank": ranks}

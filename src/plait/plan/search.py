@@ -1,0 +1,112 @@
+"""Every layout plait can run on N devices, predicted, filtered by memory and ranked by step time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from plait.errors import ConfigError
+from plait.plan.cost import Hardware, predict
+from plait.plan.memory import Layout, Shape
+
+GB = 1e9
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
+    """The layouts plait's strategies support for this model, device count and global batch."""
+    out = []
+    for tp in _divisors(devices):
+        if shape.heads % tp or shape.vocab % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > shape.layers:
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            local = global_batch // dp
+            for micro in [m for m in _divisors(local) if m <= 64]:
+                mbs = local // micro
+                zeros = [0] if dp == 1 else [z for z in (0, 1, 2, 3) if not (z == 1 and (tp > 1 or pp > 1))
+                                              and not (z >= 2 and pp > 1)]
+                schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + (
+                    [("interleaved-1f1b", 2)] if mbs % pp == 0 and pp * 2 <= shape.layers else [])
+                for zero in zeros:
+                    for schedule, virtual in schedules:
+                        for ac in (False, True):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                out.append(Layout(dp, tp, pp, zero, micro, schedule, virtual, ac, sp))
+    return out
+
+
+def plan(shape: Shape, devices: int, global_batch: int, hw: Hardware, optimizer_k: int = 8) -> list[dict]:
+    """Predictions for every layout, fitting ones first, fastest first."""
+    preds = [predict(shape, lay, global_batch, hw, optimizer_k) for lay in layouts(shape, devices, global_batch)]
+    if not preds:
+        raise ConfigError(f"no layout of {devices} devices divides the global batch ({global_batch}) and the model; "
+                          "change --devices or train.global_batch_size")
+    preds.sort(key=lambda p: (not p["fits"], p["time"]["step_s"], p["memory"]["total"]))
+    return preds
+
+
+def smallest_fit(shape: Shape, devices: int, global_batch: int, hw: Hardware, limit: int = 1 << 16) -> int | None:
+    """The smallest device count, doubling from `devices`, on which some layout fits."""
+    n = devices
+    while n < limit:
+        n *= 2
+        try:
+            if any(p["fits"] for p in plan(shape, n, global_batch, hw)):
+                return n
+        except ConfigError:
+            continue
+    return None
+
+
+def explain_no_fit(shape: Shape, devices: int, global_batch: int, hw: Hardware, preds: list[dict]) -> str:
+    best = min(preds, key=lambda p: p["memory"]["total"])
+    need = best["memory"]["total"]
+    n = smallest_fit(shape, devices, global_batch, hw)
+    where = f"the smallest device count that fits: {n}" if n else "no device count up to 65536 fits"
+    return (f"the model does not fit on {devices} devices of {hw.memory_bytes / GB:.1f} GB: the leanest layout "
+            f"({best['layout'].label()}) needs {need / GB:.2f} GB per device, {(need - hw.memory_bytes) / GB:.2f} GB "
+            f"too much; {where}")
+
+
+def table(preds: list[dict], top: int = 10) -> list[list[str]]:
+    rows = []
+    for p in preds[:top]:
+        t, m = p["time"], p["memory"]
+        rows.append([p["layout"].label(), f"{m['total'] / GB:.3f}", f"{t['step_s'] * 1000:.1f}",
+                     f"{t['compute_s'] * 1000:.1f}", f"{(t['dp_exposed_s'] + t['tp_comm_s'] + t['pp_comm_s']) * 1000:.1f}",
+                     f"{t['bubble_s'] * 1000:.1f}", f"{t['mfu'] * 100:.1f}", "yes" if p["fits"] else "NO"])
+    return rows
+
+
+def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
+    from plait.report.plots import plt
+
+    chosen = preds[:top]
+    labels = [p["layout"].label() for p in chosen]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(chosen) + 1.5), sharey=True)
+    left = [0.0] * len(chosen)
+    for key, name in (("compute_s", "compute"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "pipeline comm"),
+                      ("bubble_s", "bubble"), ("dp_exposed_s", "exposed dp comm"), ("optimizer_s", "optimizer")):
+        vals = [p["time"][key] * 1000 for p in chosen]
+        ax.barh(labels, vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted ms per step")
+    ax.legend(fontsize=7)
+    ax2.barh(labels, [p["memory"]["total"] / GB for p in chosen], color="tab:gray")
+    ax2.set_xlabel("GB per device")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+__all__ = ["layouts", "plan", "explain_no_fit", "table", "plot", "replace", "smallest_fit"]
