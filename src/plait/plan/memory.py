@@ -17,7 +17,9 @@ the tensors autograd saves in forward (flash attention, so no s x s scores):
     act. ckpt.  e s b h per block (its input), plus one block recomputed at a time in backward
     head        e s b (2 h + 2 + V) + 8 b s               ln_f in and out, log-softmax over V, token ids
 
-A pipeline stage holds the micro-batches in flight: m under GPipe, at most p - stage under 1F1B.
+A pipeline stage holds the micro-batches in flight: m under GPipe, at most p - stage under 1F1B
+(per model chunk; an interleaved rank holds v chunks). `activations_per_microbatch` is one chunk's
+share of one micro-batch, what plait's accounting reports as activations_peak_bytes.
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ class Shape:
         return self.stage_params[key]
 
 
-def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[int]:
-    """Activations one micro-batch leaves saved on each pipeline rank (bytes)."""
+def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[int]]:
+    """Activations one micro-batch leaves saved in each model chunk a pipeline rank holds (bytes)."""
     s, b, h, a, t = shape.context, layout.micro, shape.width, shape.heads, layout.tp
     if layout.ac:
         block = elem * s * b * h
@@ -134,9 +136,9 @@ def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[int]:
     head = elem * s * b * (2 * h + 2 + shape.vocab) + 8 * b * s
     stages = layout.pp * layout.virtual
     per_stage_layers = _layers_per_stage(shape, layout)
-    out = [0] * layout.pp
+    out: list[list[int]] = [[] for _ in range(layout.pp)]
     for st in range(stages):
-        out[st % layout.pp] += int(per_stage_layers[st] * block + (head if st == stages - 1 else 0))
+        out[st % layout.pp].append(int(per_stage_layers[st] * block + (head if st == stages - 1 else 0)))
     return out
 
 
@@ -150,12 +152,12 @@ def _layers_per_stage(shape: Shape, layout: Layout) -> list[int]:
 
 
 def inflight(layout: Layout, microbatches: int, pp_rank: int) -> int:
-    """Micro-batches whose activations a pipeline rank holds at once."""
+    """Micro-batches whose activations one model chunk of a pipeline rank holds at once."""
     if layout.pp == 1:
         return 1
     if layout.schedule == "gpipe":
         return microbatches
-    return min(microbatches, layout.pp - pp_rank) * (layout.virtual if layout.virtual > 1 else 1)
+    return min(microbatches, layout.pp - pp_rank)
 
 
 def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k: int = 8, elem: int = 4) -> dict:
@@ -170,9 +172,9 @@ def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k:
         params = 4 * n / (d if z >= 2 else 1)
         grads = 4 * n / (d if z >= 2 else 1)
         optim = optimizer_k * n / (d if z >= 1 else 1)
-        act = per_mb[r] * inflight(layout, m, r)
+        act = sum(per_mb[r]) * inflight(layout, m, r)
         if layout.ac:  # one block's full activations while it is recomputed in backward
             act += elem * shape.context * layout.micro * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)
         ranks.append({"params": params, "grads": grads, "optimizer": optim, "activations": act,
-                      "activations_per_microbatch": per_mb[r], "total": params + grads + optim + act})
+                      "activations_per_microbatch": max(per_mb[r]), "total": params + grads + optim + act})
     return max(ranks, key=lambda x: x["total"]) | {"per_pp_rank": ranks}
