@@ -26,6 +26,7 @@ class Runtime:
     device: torch.device
     backend: str | None
     mesh: object | None  # DeviceMesh with axes ("pp", "dp", "tp"), None for a single process
+    role: str = "trainer"  # see ps_role: "trainer", or a parameter server's "worker" / "server"
 
     @property
     def is_main(self) -> bool:
@@ -33,7 +34,8 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """In a process group with others (a parameter server's ranks talk by RPC only)."""
+        return self.world_size > 1 and self.mesh is not None
 
     def axis_group(self, axis: str):
         """The process group of one mesh axis (None when single-process)."""
@@ -72,8 +74,38 @@ def pick_backend(choice: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def ps_role(rank: int, parallel_cfg) -> str:
+    """What a rank does: "trainer" runs plait's trainer loop (every rank, except with parallel.sync = 'ps').
+
+    With a parameter server, ranks [0, dp) are workers and [dp, dp + ps_servers) servers; worker 0, the
+    chief, runs the trainer ("trainer"), the others are "worker" and "server" (plait.ps).
+    """
+    if getattr(parallel_cfg, "sync", "allreduce") != "ps" or rank == 0:
+        return "trainer"
+    return "worker" if rank < parallel_cfg.dp else "server"
+
+
+def _init_ps(launch_cfg, parallel_cfg) -> Runtime:
+    """A parameter-server rank: no process group, an RPC agent (plait.ps.rpc) and its role."""
+    from plait.ps.rpc import join
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    need = parallel_cfg.dp + parallel_cfg.ps_servers
+    if world != need:
+        raise ConfigError(
+            f"parallel.sync = 'ps' needs dp({parallel_cfg.dp}) + ps_servers({parallel_cfg.ps_servers}) = {need} processes "
+            f"but this job has WORLD_SIZE = {world}; change parallel.dp, parallel.ps_servers or the number of processes")
+    role = ps_role(rank, parallel_cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu") if role == "server" else pick_device(launch_cfg.device, local_rank)
+    join(rank, world, parallel_cfg.dp, launch_cfg.timeout_s)
+    return Runtime(rank, world, local_rank, device, "rpc", None, role)
+
+
 def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
     """Join (or reuse) the default process group and build the named mesh for the layout."""
+    if getattr(parallel_cfg, "sync", "allreduce") == "ps":
+        return _init_ps(launch_cfg, parallel_cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():

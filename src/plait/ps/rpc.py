@@ -1,0 +1,78 @@
+"""Joining the parameter-server job: roles, names and torch.distributed.rpc (TensorPipe) over the job's store.
+
+With `parallel.sync = 'ps'` the world is dp workers (ranks 0..dp-1) plus K servers (ranks dp..dp+K-1).
+Nobody joins a collective process group: workers talk only to servers, by RPC, so a worker that
+dies cannot leave the others stuck in a collective (Li et al. 2014's design). RPC meets through
+the job's key-value store: torchrun's agent store under a launcher (a prefix per restart), else a
+TCPStore at MASTER_ADDR:MASTER_PORT hosted by rank 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from plait.errors import ConfigError
+
+_RENDEZVOUS: dict = {}
+SCHEME = "plaitps"
+
+
+def worker_name(i: int) -> str:
+    return f"worker{i}"
+
+
+def server_name(k: int) -> str:
+    return f"ps{k}"
+
+
+def rank_name(rank: int, dp: int) -> str:
+    return worker_name(rank) if rank < dp else server_name(rank - dp)
+
+
+def _handler(url: str, **kwargs):
+    yield _RENDEZVOUS["store"], _RENDEZVOUS["rank"], _RENDEZVOUS["world"]
+
+
+def _store(rank: int, world: int, timeout: datetime.timedelta):
+    from plait.runtime import _attempt_store
+
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return _attempt_store(world, timeout)
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError("parallel.sync = 'ps' needs MASTER_ADDR and MASTER_PORT (set by plait train and torchrun)")
+    return dist.TCPStore(host, int(port), world_size=world, is_master=rank == 0, timeout=timeout)
+
+
+def join(rank: int, world: int, dp: int, timeout_s: float) -> None:
+    """Start this rank's RPC agent and meet the others; registers a non-graceful shutdown at exit."""
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError("parallel.sync = 'ps' starts its own processes (dp workers + ps_servers servers) and does not "
+                          "run inside an existing process group; launch it with `plait train` or torchrun")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore("plait/ps", _store(rank, world, timeout))
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    if SCHEME not in _RENDEZVOUS.get("registered", ()):
+        register_rendezvous_handler(SCHEME, _handler)
+        _RENDEZVOUS["registered"] = (SCHEME,)
+    _RENDEZVOUS.update(store=store, rank=rank, world=world)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{SCHEME}://", rpc_timeout=timeout_s, num_worker_threads=max(16, 4 * world),
+                                           _transports=["uv"], _channels=["basic"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RPC's internal gloo group triggers a deprecation warning
+        rpc.init_rpc(rank_name(rank, dp), rank=rank, world_size=world, rpc_backend_options=opts)
+    _RENDEZVOUS["joined"] = True
+    atexit.register(leave)
+
+
+def leave() -> None:
+    """Stop this rank's RPC agent without waiting for the others (some may be gone)."""
+    if _RENDEZVOUS.pop("joined", False):
+        rpc.shutdown(graceful=False)

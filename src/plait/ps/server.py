@@ -1,0 +1,298 @@
+"""One parameter server: a shard of the parameters, its optimizer, and the rules of `parallel.ps_mode`.
+
+Workers call the module-level functions below by RPC (`rpc.rpc_sync("ps0", push_sync, ...)`); they act
+on this process's ParameterServer. Modes (Li et al. 2014; Ho et al. 2013):
+
+* sync: a round ends when every worker has pushed its gradient; the server averages them (as DDP's
+  all-reduce does: each divided by dp, then summed), returns the per-parameter norms so that the
+  workers clip by the global norm exactly as the all-reduce layout does, then applies one optimizer
+  step when the first worker sends the clip coefficient and learning rate. Same parameters as
+  dp all-reduce, up to the order of additions.
+* async: every push is one optimizer step on arrival, with the pushing worker's learning rate; its
+  staleness is the number of updates applied since the parameters it was computed from.
+* ssp: async, but a push returns only once the worker is at most `staleness` updates ahead of the
+  slowest live worker (plait.ps.policy).
+
+The server pings workers that have not said they are done; one that cannot be reached is dead. In
+async and ssp the others go on without it; in sync mode the round cannot complete and the waiting
+workers get an error naming it. The server ends when every worker is done or dead.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.rpc as rpc
+
+from plait.ps.policy import StalenessPolicy, staleness_summary
+from plait.ps.rpc import worker_name
+
+
+class PSError(RuntimeError):
+    """A synchronous round that cannot complete (a worker died)."""
+
+
+class ParameterServer:
+    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg):
+        from plait.train.optim import build_optimizer
+
+        named = dict(module.named_parameters())
+        self.index, self.names = index, list(names)
+        self.params = {n: named[n] for n in self.names}
+        self.optimizer = build_optimizer(module, cfg.optim, only={id(p) for p in self.params.values()}) if names else None
+        p = cfg.parallel
+        self.dp, self.mode, self.timeout_s = p.dp, p.ps_mode, cfg.launch.timeout_s
+        self.policy = StalenessPolicy(p.ps_mode, p.staleness)
+        self.cv = threading.Condition()
+        self.version = 0  # optimizer steps applied
+        self.opened = False
+        self.done: set[int] = set()
+        self.dead: set[int] = set()
+        self.clocks = [0] * self.dp
+        self.pending: dict[int, dict[int, tuple[dict, float]]] = {}  # sync: round -> worker -> (grads, loss)
+        self.results: dict[int, tuple[list[torch.Tensor], float]] = {}
+        self.applied = -1
+        self.log: list[tuple[int, int, int]] = []  # (worker, clock, staleness) of every update applied
+        self.failure: str | None = None
+
+    # ---- helpers (called with self.cv held)
+    def _live(self) -> list[int]:
+        return [w for w in range(self.dp) if w not in self.done and w not in self.dead]
+
+    def _wait(self, ready) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            if self.failure:
+                raise PSError(self.failure)
+            if not self.cv.wait(timeout=max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                raise PSError(f"ps{self.index}: waited {self.timeout_s} s (launch.timeout_s) for the other workers")
+
+    def _step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def _copy(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    # ---- requests
+    def push_sync(self, worker: int, rnd: int, grads: dict[str, torch.Tensor], loss: float):
+        with self.cv:
+            self._wait(lambda: self.opened)
+            self.pending.setdefault(rnd, {})[worker] = (grads, loss)
+            if len(self.pending[rnd]) == self.dp:
+                got = [self.pending[rnd][w] for w in range(self.dp)]
+                for n, p in self.params.items():
+                    total = got[0][0][n] / self.dp
+                    for g, _ in got[1:]:
+                        total = total + g[n] / self.dp
+                    p.grad = total
+                grads_list = [p.grad for p in self.params.values()]
+                norms = [t.clone() for t in torch._foreach_norm(grads_list)] if grads_list else []
+                self.results[rnd] = (norms, sum(loss for _, loss in got) / self.dp)
+                self.results.pop(rnd - 2, None)
+                self.pending.pop(rnd)
+                self.cv.notify_all()
+            self._wait(lambda: rnd in self.results)
+            return self.results[rnd]
+
+    def apply_sync(self, worker: int, rnd: int, coef: float | None, lr: float):
+        with self.cv:
+            if self.applied < rnd:
+                if self.params:
+                    if coef is not None:
+                        torch._foreach_mul_([p.grad for p in self.params.values()], torch.tensor(coef))
+                    self._step(lr)
+                self.applied = rnd
+                self.log.extend((w, rnd, 0) for w in range(self.dp))
+            return self._copy()
+
+    def push_async(self, worker: int, version: int, grads: dict[str, torch.Tensor], lr: float):
+        with self.cv:
+            self._wait(lambda: self.opened)
+            staleness = self.version - version
+            if self.params:
+                for n, p in self.params.items():
+                    p.grad = grads[n]
+                self._step(lr)
+            self.log.append((worker, self.clocks[worker], staleness))
+            self.clocks[worker] += 1
+            self.cv.notify_all()
+            self._wait(lambda: self.policy.may_proceed(self.clocks[worker], [self.clocks[w] for w in self._live()]))
+            return self.version, self._copy(), staleness
+
+    def pull(self):
+        with self.cv:
+            return self.version, self._copy()
+
+    def state(self) -> dict:
+        """Parameters and optimizer state of the shard by parameter name (the optimizer's state made if still empty)."""
+        with self.cv:
+            if self.optimizer is not None and not self.optimizer.state:
+                for p in self.params.values():
+                    p.grad = torch.zeros_like(p)
+                lrs = [g["lr"] for g in self.optimizer.param_groups]
+                self._step(0.0)  # lr 0: creates the state, moves nothing
+                self.version -= 1
+                for g, lr in zip(self.optimizer.param_groups, lrs):
+                    g["lr"] = lr
+            optim = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+                     for n, p in self.params.items()} if self.optimizer is not None else {}
+            return {"params": self._copy(), "optim": optim}
+
+    def load(self, state: dict) -> None:
+        with self.cv:
+            for n, p in self.params.items():
+                p.data.copy_(state["params"][n])
+                if n in state["optim"]:
+                    self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state["optim"][n].items()}
+
+    def open(self) -> None:
+        with self.cv:
+            self.opened = True
+            self.cv.notify_all()
+
+    def wait_open(self) -> int:
+        with self.cv:
+            self._wait(lambda: self.opened)
+            return self.version
+
+    def finish(self, worker: int) -> None:
+        with self.cv:
+            self.done.add(worker)
+            self.cv.notify_all()
+
+    def staleness(self, since: int) -> tuple[list[int], int]:
+        with self.cv:
+            return [s for _, _, s in self.log[since:]], len(self.log)
+
+    # ---- the server's own loop
+    def serve(self, ping_every_s: float = 0.5) -> None:
+        """Answer requests until every worker is done or gone; find dead workers by pinging them."""
+        while True:
+            with self.cv:
+                waiting = self._live()
+                if not waiting:
+                    return
+                self.cv.wait(timeout=ping_every_s)
+            for w in waiting:
+                try:
+                    rpc.rpc_sync(worker_name(w), ping, timeout=self.timeout_s)
+                except Exception as e:  # a dead peer: broken pipe / connection refused at once
+                    with self.cv:
+                        if w in self.done:
+                            continue
+                        self.dead.add(w)
+                        if self.mode == "sync":
+                            self.failure = (f"worker {w} is gone ({str(e).splitlines()[0][:120]}); a synchronous "
+                                            "step needs every worker: resume from the last checkpoint, or use "
+                                            "parallel.ps_mode = 'async' or 'ssp' to go on without it")
+                        self.cv.notify_all()
+
+    def report(self, run_dir: Path | None) -> dict:
+        """Summary of this server's updates; server 0 writes ps_staleness.json and staleness.png to the run dir."""
+        values = [s for _, _, s in self.log]
+        out = {"server": self.index, "parameters": self.names, "updates": self.version, "dead_workers": sorted(self.dead),
+               **staleness_summary(values)}
+        if run_dir is not None and self.index == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(run_dir) / "ps_staleness.json").write_text(json.dumps(
+                {"mode": self.mode, "log": [{"worker": w, "clock": c, "staleness": s} for w, c, s in self.log],
+                 **{k: v for k, v in out.items() if k != "parameters"}}, indent=1))
+            plot_staleness(self.log, Path(run_dir) / "staleness.png", self.mode)
+        return out
+
+
+def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Path | None:
+    """Staleness of every update against its order, one colour per worker, and its histogram."""
+    if not log:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for w in sorted({w for w, _, _ in log}):
+        pts = [(i, s) for i, (v, _, s) in enumerate(log) if v == w]
+        a.plot(*zip(*pts), ".", ms=3, label=f"worker {w}")
+    a.set_xlabel("update")
+    a.set_ylabel("staleness (updates)")
+    a.set_title(f"parameter server ({mode}): staleness of each update")
+    a.legend(fontsize=8)
+    values = [s for _, _, s in log]
+    b.hist(values, bins=range(0, max(values) + 2), align="left", rwidth=0.8)
+    b.set_xlabel("staleness")
+    b.set_ylabel("updates")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---- RPC entry points: run on the server process, act on its ParameterServer
+
+_SERVER: ParameterServer | None = None
+_READY = threading.Event()
+
+
+def _server() -> ParameterServer:
+    if not _READY.wait(timeout=600):
+        raise PSError("the parameter server did not start")
+    return _SERVER
+
+
+def start(server: ParameterServer) -> None:
+    global _SERVER
+    _SERVER = server
+    _READY.set()
+
+
+def ping() -> bool:
+    return True
+
+
+def push_sync(worker, rnd, grads, loss):
+    return _server().push_sync(worker, rnd, grads, loss)
+
+
+def apply_sync(worker, rnd, coef, lr):
+    return _server().apply_sync(worker, rnd, coef, lr)
+
+
+def push_async(worker, version, grads, lr):
+    return _server().push_async(worker, version, grads, lr)
+
+
+def pull():
+    return _server().pull()
+
+
+def get_state():
+    return _server().state()
+
+
+def load_state(state):
+    return _server().load(state)
+
+
+def open_server():
+    return _server().open()
+
+
+def wait_open():
+    return _server().wait_open()
+
+
+def finish(worker):
+    return _server().finish(worker)
+
+
+def staleness_since(since):
+    return _server().staleness(since)
