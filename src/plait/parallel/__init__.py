@@ -15,6 +15,7 @@ from plait.parallel.embedding import EmbeddingShardStrategy, apply_embedding_sha
 from plait.parallel.fsdp import FSDPStrategy, apply_fsdp
 from plait.parallel.gossip import GossipStrategy
 from plait.parallel.pipeline import PipelineStrategy
+from plait.parallel.ps import PSStrategy, build_ps_strategy
 from plait.parallel.split import pipeline_stage, stage_bounds
 from plait.parallel.tensor import TensorParallelStrategy
 from plait.parallel.tp import apply_tp
@@ -99,6 +100,8 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
         return PipelineStrategy(parts, mine, pp * v, rt, make_optimizer, loss_fn, precision, local_batch,
                                 microbatches(cfg), cfg.parallel.pp_schedule, module.pipeline_parts()["blocks"], tied,
                                 dp_sync=dp > 1)
+    if cfg.parallel.sync == "ps":  # the chief worker: the trainer's loader gives it whole global batches
+        return build_ps_strategy(module, cfg, rt, make_optimizer, loss_fn, precision, whole_batches=True)
     if cfg.parallel.sync == "gossip":
         model = parallelize(module, cfg, rt, data_parallel=False)
         return GossipStrategy(model, module, make_optimizer(module), loss_fn, precision, local_batch, rt.axis_group("dp"),
@@ -122,5 +125,5 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
 
 
 __all__ = ["Precision", "Strategy", "DDPStrategy", "FSDPStrategy", "ZeroOneStrategy", "PipelineStrategy",
-           "TensorParallelStrategy", "parallelize", "build_strategy", "apply_ddp", "apply_fsdp", "apply_tp",
-           "apply_activation_checkpointing", "apply_compile"]
+           "TensorParallelStrategy", "GossipStrategy", "PSStrategy", "parallelize", "build_strategy", "apply_ddp",
+           "apply_fsdp", "apply_tp", "apply_activation_checkpointing", "apply_compile"]
