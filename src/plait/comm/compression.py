@@ -77,6 +77,12 @@ class CompressionState:
         return r
 
 
+# PowerSGD issues its second all-reduce (Q) from a callback of the first; with gloo that callback runs on
+# a backend thread and, with several buckets, races the next bucket's all-reduce, so that two ranks can
+# issue them in different orders (a collective mismatch, then an abort). Waiting for each bucket keeps
+# the order; it gives up overlapping the next bucket's backward with this bucket's communication.
+
+
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
@@ -143,7 +149,7 @@ def _own_hook(fn):
 HOOKS = {
     "fp16": lambda state, bucket: default_hooks.fp16_compress_hook(state.group, bucket),
     "bf16": lambda state, bucket: default_hooks.bf16_compress_hook(state.group, bucket),
-    "powersgd": lambda state, bucket: powerSGD_hook.powerSGD_hook(state.powersgd, bucket),
+    "powersgd": lambda state, bucket: _done(powerSGD_hook.powerSGD_hook(state.powersgd, bucket).wait()),
     "topk": _own_hook(topk_allreduce),
     "int8": _own_hook(int8_allreduce),
 }
