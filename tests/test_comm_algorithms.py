@@ -2,6 +2,7 @@
 
 import pytest
 
+from plait.comm.bench import BenchOptions, bench_rank
 from plait.testing import RankPool
 
 SIZES = [1, 2, 5, 7, 64, 1001]  # incl. fewer elements than ranks and sizes no world size divides
@@ -123,3 +124,22 @@ def test_gossip_mixing_shrinks_the_spread_by_lambda2_and_keeps_the_mean(pool, to
     for before, after in zip(dists, dists[1:]):
         assert after <= lam2 * before + 1e-12
     assert dists[0] > 1.0
+
+
+def test_bench_sweep_rows_follow_the_busbw_formulas(pool):
+    """`plait bench collectives` (plait.comm.bench) on the same pools."""
+    opts = BenchOptions(ops=["allreduce", "allgather", "reduce_scatter", "broadcast"], algos=["native", "ring", "tree"],
+                        sizes=[1000, 4096], iters=2, warmup=0).validate()
+    rows = pool.run(bench_rank, opts)[0]
+    n = pool.world_size
+    combos = {(r["op"], r["algo"]) for r in rows}
+    assert combos == {("allreduce", "native"), ("allreduce", "ring"), ("allreduce", "tree"), ("allgather", "native"),
+                      ("allgather", "ring"), ("reduce_scatter", "native"), ("reduce_scatter", "ring"),
+                      ("broadcast", "native"), ("broadcast", "tree")}
+    factor = {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "broadcast": 1.0}
+    for r in rows:
+        assert r["correct"], r
+        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[r["op"]])
+    assert {r["size_bytes"] for r in rows if r["op"] == "allreduce"} == {1000, 4096}
+    assert all(r["size_bytes"] % (4 * n) == 0 for r in rows if r["op"] in ("allgather", "reduce_scatter"))
