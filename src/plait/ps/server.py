@@ -195,8 +195,8 @@ class ParameterServer:
                                             "parallel.ps_mode = 'async' or 'ssp' to go on without it")
                         self.cv.notify_all()
 
-    def report(self, run_dir: Path | None) -> dict:
-        """Summary of this server's updates; server 0 writes ps_staleness.json and staleness.png to the run dir."""
+    def report(self, run_dir: Path | None, plot: bool = True) -> dict:
+        """Summary of this server's updates; server 0 writes ps_staleness.json (and staleness.png) to the run dir."""
         values = [s for _, _, s in self.log]
         out = {"server": self.index, "parameters": self.names, "updates": self.version, "dead_workers": sorted(self.dead),
                **staleness_summary(values)}
@@ -205,7 +205,8 @@ class ParameterServer:
             (Path(run_dir) / "ps_staleness.json").write_text(json.dumps(
                 {"mode": self.mode, "log": [{"worker": w, "clock": c, "staleness": s} for w, c, s in self.log],
                  **{k: v for k, v in out.items() if k != "parameters"}}, indent=1))
-            plot_staleness(self.log, Path(run_dir) / "staleness.png", self.mode)
+            if plot:
+                plot_staleness(self.log, Path(run_dir) / "staleness.png", self.mode)
         return out
 
 

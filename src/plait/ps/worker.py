@@ -40,7 +40,7 @@ def run_server(cfg: Config, rt, run_dir: Path | None) -> dict:
     t0 = time.perf_counter()
     server.serve()
     time.sleep(0.2)  # let the last answers leave before the agent stops
-    summary = {"role": "server", **server.report(run_dir), "wall_time_s": time.perf_counter() - t0}
+    summary = {"role": "server", **server.report(run_dir, plot=cfg.log.report), "wall_time_s": time.perf_counter() - t0}
     if server.dead:
         print(f"ps{index}: worker(s) {sorted(server.dead)} stopped early; the others finished "
               f"({server.version} updates applied)", flush=True)
