@@ -223,12 +223,16 @@ def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Pat
     for w in sorted({w for w, _, _ in log}):
         pts = [(i, s) for i, (v, _, s) in enumerate(log) if v == w]
         a.plot(*zip(*pts), ".", ms=3, label=f"worker {w}")
+    from matplotlib.ticker import MaxNLocator
+
+    a.yaxis.set_major_locator(MaxNLocator(integer=True))
     a.set_xlabel("update")
     a.set_ylabel("staleness (updates)")
     a.set_title(f"parameter server ({mode}): staleness of each update")
     a.legend(fontsize=8)
     values = [s for _, _, s in log]
     b.hist(values, bins=range(0, max(values) + 2), align="left", rwidth=0.8)
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))
     b.set_xlabel("staleness")
     b.set_ylabel("updates")
     fig.tight_layout()
