@@ -144,3 +144,26 @@ def test_bad_plan_inputs():
 
 def test_rank0_params_is_importable():  # the pool tasks above live in this module
     assert callable(rank0_params) and json
+
+
+def test_profile_steps_write_a_chrome_trace_per_rank(pool2, tiny_text, tmp_path):
+    pool2.run(rank0_params, tiny_gpt_config(tiny_text, "train.steps=4", "log.profile_steps=[2, 3]"), tmp_path)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    with pytest.raises(ConfigError, match=r"log.profile_steps = \[3, 2\] must be \[first, last\]"):
+        load_config(None, ["log.profile_steps=[3, 2]"])
+
+
+def test_breakdown_of_a_run_resumed_on_another_world_size(tmp_path):
+    from plait.report.bottleneck import breakdown, verdict
+
+    def window(step, ranks):
+        return {"step": step, "loss": 1.0, "step_time_s": 0.1, "comm_wait_s": 0.0, "rank_compute_s": ranks,
+                "time": {"data": 0.0, "forward_backward": 0.08, "optimizer": 0.01}}
+
+    rows = [window(2, [0.08, 0.08]), window(4, [0.08, 0.08]), window(6, [0.05]), window(8, [0.07])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b = breakdown(tmp_path)
+    assert b["rank_compute_s"] == pytest.approx([0.06])  # the latest layout's windows only
+    assert b["windows"] == 3 and verdict(b)[0].startswith("compute-bound: ")

@@ -170,6 +170,7 @@ class LogConfig:
     every: int = opt(10, "write a metrics.jsonl line (and refresh the progress bar text) every N steps")
     progress: bool = opt(True, "show a live progress bar on rank 0")
     report: bool = opt(True, "write report.html with plots at the end")
+    profile_steps: list = opt([], "torch.profiler Chrome traces of steps [first, last] to RUN_DIR/traces/rank<r>.json")
 
 
 @dataclass
@@ -434,9 +435,7 @@ def format_config(cfg: Config) -> str:
 # --------------------------------------------------------------------------- validation
 
 # Keys whose non-default values name schemes this version cannot run yet: (key, default, what).
-UNAVAILABLE: list[tuple[str, object, str]] = [
-    ("parallel.sync", "allreduce", "parameter-server and gossip synchronisation"),
-]
+UNAVAILABLE: list[tuple[str, object, str]] = []
 
 
 # Optimizers whose update is elementwise, so that ZeRO's per-shard step equals the full one.
@@ -507,7 +506,9 @@ def validate_config(cfg: Config) -> Config:
     procs = cfg.nproc_per_node * nodes
     if cfg.world_size != procs:
         raise ConfigError(
-            f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp}) = {cfg.world_size} processes but the launch "
+            f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp})"
+            + (f" + ps_servers({p.ps_servers})" if p.sync == "ps" else "")
+            + f" = {cfg.world_size} processes but the launch "
             f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({nodes}) = {procs}; "
             "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
         )
@@ -594,6 +595,9 @@ def validate_config(cfg: Config) -> Config:
                 f"model.name = {cfg.model.name!r} cannot train on data.name = {cfg.data.name!r}: it needs {wants}; "
                 "change model.name or data.name"
             )
+    ps = cfg.log.profile_steps
+    if ps and (len(ps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in ps) or not 1 <= ps[0] <= ps[1]):
+        raise ConfigError(f"log.profile_steps = {ps} must be [first, last] with 1 <= first <= last, e.g. [10, 12]")
     cards = cfg.data.clicks_cardinalities
     if not cards or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in cards):
         raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")
@@ -618,6 +622,39 @@ def _validate_sync(cfg: Config) -> None:
                 f"parallel.compression = {p.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
                 f"with tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.compression='none' "
                 "or change the layout")
+    if p.sync != "allreduce":
+        if p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+            raise ConfigError(
+                f"parallel.sync = {p.sync!r} replaces DDP's all-reduce and works on plain data parallelism: it needs "
+                f"tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.sync='allreduce' or "
+                "change the layout")
+        if cfg.precision.dtype == "fp16":
+            raise ConfigError(f"parallel.sync = {p.sync!r} does not take fp16 loss scaling; set precision.dtype='bf16' "
+                              "or 'fp32'")
+    if p.sync == "ps":
+        if p.ps_servers < 1:
+            raise ConfigError(f"parallel.ps_servers = {p.ps_servers} must be >= 1 (parameter-server processes); "
+                              "set --set parallel.ps_servers=1")
+        lo, hi = cfg.node_range
+        if lo < hi:
+            raise ConfigError(
+                f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}: an elastic job would resize the workers "
+                "without its servers; set launch.nnodes to a fixed number of machines")
+        if p.dp < p.ps_servers:
+            raise ConfigError(
+                f"parallel.sync = 'ps' with parallel.ps_servers = {p.ps_servers} servers but only parallel.dp = {p.dp} "
+                f"workers: a server without a worker of its own is wasted; set parallel.ps_servers <= {p.dp} or "
+                f"parallel.dp >= {p.ps_servers}")
+    if p.staleness < 0:
+        raise ConfigError(f"parallel.staleness = {p.staleness} must be >= 0 (how many steps a worker may run ahead of "
+                          "the slowest one; 0 = lockstep); set --set parallel.staleness=2")
+    if p.sync == "gossip":
+        if p.dp < 2:
+            raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {p.dp}; "
+                              "set parallel.dp >= 2")
+        if p.gossip_every < 1:
+            raise ConfigError(f"parallel.gossip_every = {p.gossip_every} must be >= 1 (steps between neighbour "
+                              "averages); set --set parallel.gossip_every=1")
     if p.powersgd_rank < 1:
         raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
                           "approximation, e.g. 2); set --set parallel.powersgd_rank=2")

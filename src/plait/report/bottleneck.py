@@ -42,8 +42,10 @@ def breakdown(run_dir: str | Path) -> dict:
     other = max(0.0, step - data - fb - opt)
     parts = {"data": data, "compute": compute, "exposed_comm": min(wait, fb), "bubble": min(bubble, fb),
              "optimizer": opt, "other": other}
-    per_rank = [r["rank_compute_s"] for r in steady if "rank_compute_s" in r]
-    ranks = [mean([w[i] for w in per_rank]) for i in range(len(per_rank[0]))] if per_rank else []
+    # a resumed run may have changed its world size: judge ranks over the windows of the latest layout
+    per_rank = [r["rank_compute_s"] for r in steady if r.get("rank_compute_s")]
+    per_rank = [w for w in per_rank if len(w) == len(per_rank[-1])] if per_rank else []
+    ranks = [mean([w[i] for w in per_rank]) for i in range(len(per_rank[-1]))] if per_rank else []
     flagged = summary.get("stragglers", {}).get("flagged_windows_per_rank", {})
     return {"step_s": step, "parts": parts, "shares": {k: v / step for k, v in parts.items()} if step else {},
             "rank_compute_s": ranks, "flagged": flagged, "windows": len(steady),

@@ -34,6 +34,7 @@ from plait.train.loss import loss_for
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.profile import StepProfiler
 from plait.train.progress import Progress
 from plait.train.watchdog import STRAGGLER_FACTOR, Watchdog, stragglers
 
@@ -163,6 +164,10 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     """Run (or continue) training as configured; every rank calls this."""
     rt = init_runtime(cfg.launch, cfg.parallel)
     run_dir = Path(run_dir) if run_dir is not None else None
+    if rt.role != "trainer":  # parameter-server ranks other than the chief worker (plait.ps)
+        from plait.ps import run_role
+
+        return run_role(cfg, rt, run_dir, resume)
     t_begin = time.perf_counter()
     bundle = build_data(cfg.data, cfg.model)
     spec = bundle.spec
@@ -219,6 +224,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
     window_comm = window_wait = 0.0
     flagged: dict[int, int] = {}
     faults.GROUPS["dp"] = rt.axis_group("dp")
+    profiler = StepProfiler(cfg.log.profile_steps, run_dir, rt.rank, rt.device)
     watchdog = Watchdog(rt, cfg.launch.timeout_s)
     watchdog.install_sigterm()
     checkpointer = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if run_dir is not None else None
@@ -231,6 +237,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
             for _ in range(start, stop):
                 phase = "data"
                 watchdog.beat(step + 1, phase)
+                profiler.begin(step + 1)
                 faults.maybe_fire("step", rt.rank, step + 1)
                 with timer.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
                     faults.maybe_fire("data", rt.rank, step + 1)
@@ -261,6 +268,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> Trai
                 window_steps += 1
                 loop_steps += 1
                 step += 1
+                profiler.end(step)
                 phase = "sync"
                 watchdog.beat(step, phase)
                 stopping = watchdog.should_stop()
