@@ -65,7 +65,7 @@ def main() -> None:
     results = []
     for name in a.models.split(","):
         for world in map(int, a.worlds.split(",")):
-            cfg0 = load_config(None, base + MODELS[name] + [f"parallel.dp={world}"])
+            cfg0 = load_config(None, base + MODELS[name])  # the model only: calibrate() takes the world
             shape = Shape.from_config(cfg0.model, 114)
             hw = calibrate(cfg0.model, 114, 16, world)
             print(f"\n{name} GPT ({shape.params / 1e6:.2f}M), {world} process(es): {hw.flops / 1e9:.1f} GFLOP/s per "

@@ -99,6 +99,13 @@ def test_step_time_model_orders_what_it_should():
     assert t(dp=2, zero=3, micro=16)["dp_comm_s"] == pytest.approx(1.5 * t(dp=2, zero=0, micro=16)["dp_comm_s"], rel=0.05)
     gpipe = t(pp=2, micro=4, schedule="gpipe")
     assert gpipe["bubble_s"] / (gpipe["compute_s"] + gpipe["tp_comm_s"]) == pytest.approx((2 - 1) / 8)
+    # a calibrated tensor-parallel layer cost is paid per layer and micro-batch (4 layers x 2 micro-batches of 16)
+    tp = t(tp=2, micro=16)["tp_comm_s"]
+    hw.layer_overhead_s = {"tp": [0.01, 0.001], "tp_sp": [0.02, 0.0], "fsdp": 0.005}
+    assert t(tp=2, micro=16)["tp_comm_s"] - tp == pytest.approx((0.01 + 0.016) * shape.layers * 2)
+    assert t(tp=2, micro=16, sp=True)["tp_comm_s"] - tp == pytest.approx(0.02 * shape.layers * 2)
+    assert t(dp=2, zero=3, micro=16)["optimizer_s"] - t(dp=2, zero=1, micro=16)["optimizer_s"] == pytest.approx(
+        0.005 * shape.layers)
 
 
 def run_and_judge(cfg, run_dir, faults):
@@ -167,3 +174,17 @@ def test_breakdown_of_a_run_resumed_on_another_world_size(tmp_path):
     b = breakdown(tmp_path)
     assert b["rank_compute_s"] == pytest.approx([0.06])  # the latest layout's windows only
     assert b["windows"] == 3 and verdict(b)[0].startswith("compute-bound: ")
+
+
+def test_calibration_measures_this_machine_and_the_profile_round_trips(pool2, tmp_path):
+    from plait.plan.calibrate import measure
+
+    cfg = load_config(None, ["model.layers=2", "model.width=32", "model.heads=2", "model.context=32"])
+    m = pool2.run(measure, cfg.model, 64, 4)[0]
+    assert m["flops"]["float32"] > 1e8 and 0 < m["efficiency"] <= 1.5 and m["optimizer_s_per_param"] > 0
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        assert m["comm"][f"{op}/2"]["bw"] > 1e6 and m["comm"][f"{op}/2"]["latency_s"] >= 0
+    over = m["layer_overhead_s"]
+    assert set(over) == {"tp", "tp_sp", "fsdp"} and min(over["tp"] + over["tp_sp"] + [over["fsdp"]]) >= 0
+    hw = Hardware(flops=m["flops"]["float32"], comm=m["comm"], layer_overhead_s=over)
+    assert Hardware.load(hw.save(tmp_path / "profile.json")) == hw

@@ -93,6 +93,9 @@ class RankPool:
             ]
             for p in self._procs:
                 p.start()
+        except BaseException:
+            self.close(graceful=False)
+            raise
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -140,6 +143,8 @@ class RankPool:
             if p.is_alive():
                 q.put(None)
         for p in self._procs:
+            if p.pid is None:  # never started (a start failure): nothing to join, and joining would hide it
+                continue
             p.join(timeout=5 if graceful else 0.5)
             if p.is_alive():
                 p.kill()

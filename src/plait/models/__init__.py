@@ -2,7 +2,7 @@
 
 Every model maps the data's inputs to logits; the loss comes from the data's task
 (see plait.train.loss). Models that have repeated blocks expose them as
-`model.blocks` (an nn.ModuleList) so that activation checkpointing, compile and
+`model.blocks` (an nn.ModuleList or nn.ModuleDict) so that activation checkpointing, compile and
 later sharding can work per block without knowing the model.
 """
 

@@ -7,6 +7,8 @@ that what they share (cores, memory bandwidth) is in the numbers:
   reaches on it (a real forward + backward of its blocks at the micro-batch size),
 * latency and bandwidth of all-reduce, all-gather, reduce-scatter and send/recv, fitted as
   t = latency + bytes / bandwidth over sizes from 16 KiB to 4 MiB, for groups of 2 and of `world`,
+* what a sharded layer costs beyond its compute share and its communication: 2-way tensor parallel
+  (with and without sequence parallel) and ZeRO-3 (see _layer_overheads),
 * the optimizer's time per parameter (an AdamW step).
 """
 
@@ -123,6 +125,94 @@ def _model_efficiency(model_cfg, vocab: int, micro: int, peak: float) -> tuple[f
     return min(efficiency, 1.5), overhead
 
 
+def _fixed_time(fn, calls: int = 6) -> float:
+    """Seconds per call over a fixed number of calls (every rank of a collective must make the same ones)."""
+    fn()
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
+    """What a sharded layer costs beyond its share of the compute and its communication (DTensor's
+    dispatch and redistribution, FSDP's hooks and copies, the split matmuls' lower efficiency),
+    measured as the difference between a model of 2 layers and one of 1 (so the embedding and head
+    do not count):
+
+    * "tp", "tp_sp": a 2-way tensor-parallel layer, without and with sequence parallel, per layer and
+      micro-batch, as [seconds, seconds per sample] fitted at two micro-batch sizes;
+    * "fsdp": a ZeRO-3 (fully_shard) layer over all ranks, per layer and step, optimizer included.
+    """
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from plait.data.spec import DataSpec
+    from plait.models import build_model
+    from plait.parallel.fsdp import apply_fsdp
+    from plait.parallel.tp import apply_tp
+    from plait.train.loss import lm_loss
+
+    world = dist.get_world_size()
+    tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    spec = DataSpec(name="calibrate", task="lm", vocab_size=vocab, tokens_per_sample=model_cfg.context)
+    gen = torch.Generator().manual_seed(0)
+    small = max(1, micro // 4)
+    xs = {b: torch.randint(0, vocab, (b, model_cfg.context), generator=gen) for b in {small, micro}}
+
+    def layer(b: int, wrap=None, optimizer: bool = False) -> tuple[float, int]:
+        """(seconds, parameters) of one more layer."""
+        t, n = {}, {}
+        for layers in (1, 2):
+            torch.manual_seed(0)
+            model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
+            n[layers] = sum(p.numel() for p in model.parameters())
+            if wrap is not None:
+                wrap(model)
+            opt = torch.optim.AdamW(model.parameters()) if optimizer else None
+
+            def step(model=model, opt=opt, x=xs[b]):
+                lm_loss(model(x), x).backward()
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+
+            t[layers] = _fixed_time(step)
+        return t[2] - t[1], n[2] - n[1]
+
+    def cost(op: str, nbytes: float, n: int) -> float:
+        c = comm.get(f"{op}/{n}")
+        return c["latency_s"] + nbytes / c["bw"] if c else 0.0
+
+    out = {}
+    for key, sp in (("tp", False), ("tp_sp", True)):
+        extra = {}
+        for b in sorted(xs):
+            plain, _ = layer(b)
+            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp))
+            extra[b] = tp - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2)
+        per_sample = max(0.0, (extra[micro] - extra[small]) / (micro - small)) if micro > small else 0.0
+        out[key] = [max(0.0, extra[micro] - per_sample * micro), per_sample]
+    plain, params = layer(micro, optimizer=True)
+    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), optimizer=True)
+    nbytes = 4 * params
+    comm_s = 2 * cost("all_gather", nbytes, world) + cost("reduce_scatter", nbytes, world)
+    out["fsdp"] = max(0.0, sharded - plain - comm_s)
+    return out
+
+
+def _median(values: list):
+    """The median over ranks of a number, or of each entry of a list."""
+    if isinstance(values[0], list):
+        return [statistics.median(v[i] for v in values) for i in range(len(values[0]))]
+    return statistics.median(values)
+
+
 def measure(model_cfg, vocab: int, micro: int) -> dict:
     """Pool task: every rank measures; rank 0 returns the profile's fields."""
     torch.manual_seed(dist.get_rank())
@@ -135,17 +225,20 @@ def measure(model_cfg, vocab: int, micro: int) -> dict:
         comm.update(_collectives(pair, 2))
     if world > 2:
         comm.update(_collectives(dist.group.WORLD, world))
+    overheads = _layer_overheads(model_cfg, vocab, micro, comm) if world % 2 == 0 else {}
     p = torch.nn.Parameter(torch.randn(1 << 20))
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p])
     per_param = _timeit(opt.step) / p.numel()
     out = [None] * world
-    dist.all_gather_object(out, {"flops": flops, "eff": eff, "overhead": overhead, "per_param": per_param})
+    dist.all_gather_object(out, {"flops": flops, "eff": eff, "overhead": overhead, "per_param": per_param,
+                                 "layers": overheads})
     if dist.get_rank() != 0:
         return None
     return {"flops": {k: min(o["flops"][k] for o in out) for k in flops}, "efficiency": statistics.median(o["eff"] for o in out),
             "overhead": statistics.median(o["overhead"] for o in out),
-            "optimizer_s_per_param": max(o["per_param"] for o in out), "comm": comm, "world": world}
+            "optimizer_s_per_param": max(o["per_param"] for o in out), "comm": comm, "world": world,
+            "layer_overhead_s": {k: _median([o["layers"][k] for o in out]) for k in overheads}}
 
 
 def calibrate(model_cfg, vocab: int, micro: int, world: int = 2) -> Hardware:
@@ -157,5 +250,5 @@ def calibrate(model_cfg, vocab: int, micro: int, world: int = 2) -> Hardware:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     return Hardware(name=f"calibrated: {world} CPU processes on {os.cpu_count()} cores", memory_bytes=mem,
                     flops=m["flops"]["float32"], efficiency=m["efficiency"], devices_per_node=world, overlap=0.0,
-                    microbatch_overhead_s=m["overhead"],
+                    microbatch_overhead_s=m["overhead"], layer_overhead_s=m["layer_overhead_s"],
                     optimizer_s_per_param=m["optimizer_s_per_param"], comm=m["comm"])

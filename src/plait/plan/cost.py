@@ -9,9 +9,11 @@ Per step and device:
 
     data parallel    gradients all-reduced (ZeRO 1/2: reduce-scatter + all-gather, same volume;
                      ZeRO 3: one more all-gather); overlapped with backward by the profile's factor
-    tensor parallel  4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward)
+    tensor parallel  4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward), plus
+                     the profile's measured fixed cost of a tensor-parallel layer (DTensor dispatch)
     pipeline         2 sends of b s h per micro-batch and stage boundary; bubble (p-1)/(m+p-1) [/ v]
-    optimizer        parameters the device updates x the profile's seconds per parameter
+    optimizer        parameters the device updates x the profile's seconds per parameter (ZeRO 2/3:
+                     plus the profile's measured fixed cost of a fully_shard layer)
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Hardware:
     optimizer_s_per_param: float = 2e-11  # AdamW update time per parameter (memory bound)
     microbatch_overhead_s: float = 2e-4  # fixed cost of one forward + backward of the whole model (launches, Python)
     comm: dict = field(default_factory=dict)  # measured: "op/n" -> {"latency_s", "bw"} for n local ranks
+    # measured fixed costs of a sharded layer beyond its compute and communication (plait.plan.calibrate):
+    # {"tp": [s, s per sample], "tp_sp": [s, s per sample]} per layer and micro-batch, {"fsdp": s} per layer and step
+    layer_overhead_s: dict = field(default_factory=dict)
 
     def save(self, path: Path = PROFILE_PATH) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +105,9 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     tp_comm = 0.0
     if t > 1:
         per = hw.collective("all_reduce", act, t, tp_span)
-        tp_comm = 4 * (shape.layers / p) * m * per
+        fixed, per_sample = hw.layer_overhead_s.get("tp_sp" if layout.sp else "tp", (0.0, 0.0))
+        extra = fixed + per_sample * layout.micro
+        tp_comm = (4 * per + extra) * (shape.layers / p) * m
     grad_bytes = elem * busiest
     z = layout.zero
     if d > 1:
@@ -119,6 +126,8 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     if p > 1:
         bubble = (compute + tp_comm) * (p - 1) / m / v
     optimizer = hw.optimizer_s_per_param * busiest / (d if z >= 1 else 1)
+    if d > 1 and z >= 2:  # fully_shard's hooks, copies and sharded optimizer step, per layer
+        optimizer += hw.layer_overhead_s.get("fsdp", 0.0) * shape.layers / p
     step = compute + tp_comm + pp_comm + bubble + exposed_dp + optimizer
     return {
         "step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "bubble_s": bubble,
