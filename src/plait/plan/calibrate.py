@@ -125,11 +125,11 @@ def _model_efficiency(model_cfg, vocab: int, micro: int, peak: float) -> tuple[f
     return min(efficiency, 1.5), overhead
 
 
-def _fixed_time(fn, calls: int = 6) -> float:
+def _fixed_time(fn, calls: int = 6, reps: int = 2) -> float:
     """Seconds per call over a fixed number of calls (every rank of a collective must make the same ones)."""
     fn()
     best = float("inf")
-    for _ in range(2):
+    for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -144,7 +144,8 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     do not count):
 
     * "tp", "tp_sp": a 2-way tensor-parallel layer, without and with sequence parallel, per layer and
-      micro-batch, as [seconds, seconds per sample] fitted at two micro-batch sizes;
+      micro-batch (gradient alignment and the optimizer's step on DTensors included), as [seconds,
+      seconds per sample] fitted at two micro-batch sizes;
     * "fsdp": a ZeRO-3 (fully_shard) layer over all ranks, per layer and step, optimizer included.
     """
     from dataclasses import replace
@@ -154,6 +155,7 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     from plait.data.spec import DataSpec
     from plait.models import build_model
     from plait.parallel.fsdp import apply_fsdp
+    from plait.parallel.gradsync import align_grads
     from plait.parallel.tp import apply_tp
     from plait.train.loss import lm_loss
 
@@ -165,10 +167,11 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     small = max(1, micro // 4)
     xs = {b: torch.randint(0, vocab, (b, model_cfg.context), generator=gen) for b in {small, micro}}
 
-    def layer(b: int, wrap=None, optimizer: bool = False) -> tuple[float, int]:
-        """(seconds, parameters) of one more layer."""
+    def layer(b: int, wrap=None, optimizer: bool | str = False, more: int = 1) -> tuple[float, int]:
+        """(seconds, parameters) of one more layer, from models of 1 and 1 + `more` layers; forward and
+        backward, and the optimizer step when `optimizer` ("tp": after the tensor-parallel gradient alignment)."""
         t, n = {}, {}
-        for layers in (1, 2):
+        for layers in (1, 1 + more):
             torch.manual_seed(0)
             model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
             n[layers] = sum(p.numel() for p in model.parameters())
@@ -176,30 +179,33 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
                 wrap(model)
             opt = torch.optim.AdamW(model.parameters()) if optimizer else None
 
-            def step(model=model, opt=opt, x=xs[b]):
+            def step(model=model, opt=opt, x=xs[b], tp=wrap is not None and optimizer == "tp"):
                 lm_loss(model(x), x).backward()
+                if tp:  # what the tensor-parallel strategy does after backward (sequence-parallel norms)
+                    align_grads(model.parameters())
                 if opt is not None:
                     opt.step()
                     opt.zero_grad()
 
-            t[layers] = _fixed_time(step)
-        return t[2] - t[1], n[2] - n[1]
+            t[layers] = _fixed_time(step, calls=4 * (1 + more), reps=3) if more > 1 else _fixed_time(step)
+        return (t[1 + more] - t[1]) / more, (n[1 + more] - n[1]) // more
 
     def cost(op: str, nbytes: float, n: int) -> float:
         c = comm.get(f"{op}/{n}")
         return c["latency_s"] + nbytes / c["bw"] if c else 0.0
 
     out = {}
+    plains = {b: layer(b, optimizer=True)[0] for b in sorted(xs)}
     for key, sp in (("tp", False), ("tp_sp", True)):
         extra = {}
-        for b in sorted(xs):
-            plain, _ = layer(b)
-            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp))
+        for b, plain in plains.items():
+            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp), optimizer="tp")
             extra[b] = tp - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2)
         per_sample = max(0.0, (extra[micro] - extra[small]) / (micro - small)) if micro > small else 0.0
         out[key] = [max(0.0, extra[micro] - per_sample * micro), per_sample]
-    plain, params = layer(micro, optimizer=True)
-    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), optimizer=True)
+    # the per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1, more calls
+    plain, params = layer(micro, optimizer=True, more=2)
+    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), optimizer=True, more=2)
     nbytes = 4 * params
     comm_s = 2 * cost("all_gather", nbytes, world) + cost("reduce_scatter", nbytes, world)
     out["fsdp"] = max(0.0, sharded - plain - comm_s)
