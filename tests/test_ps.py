@@ -185,8 +185,10 @@ def test_async_and_ssp_converge_within_2_points_of_sync(sync_run, tmp_path, mode
         # before it waits: at most 2 s + 1 = 3 updates come in between.
         assert log["staleness_max"] <= 3
     rows = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
-    # Every update up to the chief's last step is in metrics.jsonl (the other worker may push a few after it).
-    assert 2 * STEPS - 4 <= sum(r.get("staleness_updates", 0) for r in rows) <= 2 * STEPS
+    # Every update up to the chief's last step is in metrics.jsonl. The other worker may push after it: a few
+    # under SSP (it is at most s + 1 steps ahead); under async nothing bounds it, only the chief's own count.
+    logged = sum(r.get("staleness_updates", 0) for r in rows)
+    assert (2 * STEPS - 4 if mode == "ssp" else STEPS) <= logged <= 2 * STEPS
 
 
 def test_a_dead_worker_does_not_stop_async_training(tmp_path):
