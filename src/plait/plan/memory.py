@@ -105,19 +105,24 @@ class Shape:
 
             model = self.stage_params["model"]
             stages = layout.pp * layout.virtual
-            bounds = stage_bounds(model, stages) if stages > 1 else [(0, self.layers)]
+            if ("parts", stages) not in self.stage_params:  # splitting copies the model: once per stage count
+                bounds = stage_bounds(model, stages) if stages > 1 else [(0, self.layers)]
+                parts = []
+                for s in range(stages):
+                    part = pipeline_stage(model, bounds, s) if stages > 1 else model
+                    seen, held = set(), []
+                    for name, p in part.named_parameters(remove_duplicate=False):
+                        if id(p) in seen and not (stages > 1 and name == "head.weight"):
+                            continue
+                        seen.add(id(p))
+                        held.append((name, p.numel()))
+                    parts.append(held)
+                self.stage_params[("parts", stages)] = parts
             per_rank = [0] * layout.pp
-            for s in range(stages):
-                part = pipeline_stage(model, bounds, s) if stages > 1 else model
-                n = 0
-                seen = set()
-                for name, p in part.named_parameters(remove_duplicate=False):
-                    if id(p) in seen and not (stages > 1 and name == "head.weight"):
-                        continue
-                    seen.add(id(p))
+            for s, held in enumerate(self.stage_params[("parts", stages)]):
+                for name, numel in held:
                     split = TP_SPLIT.search(name) or (name == "head.weight") or (name == "tok_emb.weight" and self.tied)
-                    n += p.numel() // layout.tp if split else p.numel()
-                per_rank[s % layout.pp] += n
+                    per_rank[s % layout.pp] += numel // layout.tp if split else numel
             self.stage_params[key] = per_rank
         return self.stage_params[key]
 
@@ -146,9 +151,11 @@ def _layers_per_stage(shape: Shape, layout: Layout) -> list[int]:
     stages = layout.pp * layout.virtual
     if stages == 1:
         return [shape.layers]
-    from plait.parallel.split import stage_bounds
+    if ("bounds", stages) not in shape.stage_params:
+        from plait.parallel.split import stage_bounds
 
-    return [b - a for a, b in stage_bounds(shape.stage_params["model"], stages)]
+        shape.stage_params[("bounds", stages)] = stage_bounds(shape.stage_params["model"], stages)
+    return [b - a for a, b in shape.stage_params[("bounds", stages)]]
 
 
 def inflight(layout: Layout, microbatches: int, pp_rank: int) -> int:
