@@ -1,12 +1,13 @@
 import os
 from pathlib import Path
 
-import pytest
-
-from plait.testing import RankPool
-
+# Before anything imports torch: its thread pool reads OMP_NUM_THREADS once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import pytest  # noqa: E402
+
+from plait.testing import RankPool  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
