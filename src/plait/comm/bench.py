@@ -191,10 +191,7 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plait.report.plots import plt, save
 
     ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
@@ -208,9 +205,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_title(f"{op}, {rows[0]['ranks']} ranks")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 

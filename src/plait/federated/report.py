@@ -15,13 +15,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from plait.train.metrics import MetricsWriter, read_metrics  # noqa: E402
+from plait.report.plots import plt, save
+from plait.train.metrics import MetricsWriter, read_metrics
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -120,9 +117,7 @@ def accuracy_plot(runs: dict[str, list[dict]], out: Path, target: float = TARGET
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 
@@ -143,9 +138,7 @@ def label_plot(hist: np.ndarray, out: Path, title: str = "") -> Path | None:
     ax.set_title(title or "label histogram per client")
     if classes <= 20:
         ax.legend(title="label", fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 

@@ -190,9 +190,8 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
             t[layers] = _fixed_time(step, calls=4 * (1 + more), reps=3) if more > 1 else _fixed_time(step)
         return (t[1 + more] - t[1]) / more, (n[1 + more] - n[1]) // more
 
-    def cost(op: str, nbytes: float, n: int) -> float:
-        c = comm.get(f"{op}/{n}")
-        return c["latency_s"] + nbytes / c["bw"] if c else 0.0
+    def cost(op: str, nbytes: float, n: int) -> float:  # from the collectives just measured on these n ranks
+        return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
 
     out = {}
     plains = {b: layer(b, optimizer=True)[0] for b in sorted(xs)}

@@ -87,7 +87,7 @@ def table(preds: list[dict], top: int = 10) -> list[list[str]]:
 
 
 def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
-    from plait.report.plots import plt
+    from plait.report.plots import plt, save
 
     chosen = preds[:top]
     labels = [p["layout"].label() for p in chosen]
@@ -103,9 +103,7 @@ def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
     ax.legend(fontsize=7)
     ax2.barh(labels, [p["memory"]["total"] / GB for p in chosen], color="tab:gray")
     ax2.set_xlabel("GB per device")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 

@@ -75,7 +75,7 @@ def megatron_2019() -> tuple[Shape, Hardware, dict, int]:
 
 
 def plot_scaling(rows: list[dict], out: Path) -> Path:
-    from plait.report.plots import plt
+    from plait.report.plots import plt, save
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["devices"] for r in rows]
@@ -87,7 +87,5 @@ def plot_scaling(rows: list[dict], out: Path) -> Path:
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out

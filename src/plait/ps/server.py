@@ -214,10 +214,7 @@ def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Pat
     """Staleness of every update against its order, one colour per worker, and its histogram."""
     if not log:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plait.report.plots import plt, save
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for w in sorted({w for w, _, _ in log}):
@@ -235,9 +232,7 @@ def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Pat
     b.xaxis.set_major_locator(MaxNLocator(integer=True))
     b.set_xlabel("staleness")
     b.set_ylabel("updates")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 

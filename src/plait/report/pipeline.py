@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plait.report.plots import plt
+from plait.report.plots import plt, save
 
 
 def plot_timeline(per_rank: list[dict], summary: dict, out: Path) -> Path:
@@ -29,7 +29,5 @@ def plot_timeline(per_rank: list[dict], summary: dict, out: Path) -> Path:
                  f"bubble {summary['bubble_fraction']:.2f} measured, {summary['bubble_fraction_theory']:.2f} in theory")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=["forward", "backward"],
               loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out

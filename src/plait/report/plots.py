@@ -12,6 +12,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 PHASES = ("data", "forward_backward", "optimizer")
 
 
+def save(fig, out: Path) -> Path:
+    """Lay out, write as PNG and free the figure (every plait plot ends here)."""
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def loss_curve(metrics: list[dict], out: Path, baseline: float | None = None) -> Path | None:
     train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
     val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
@@ -27,9 +35,7 @@ def loss_curve(metrics: list[dict], out: Path, baseline: float | None = None) ->
     ax.set_ylabel("loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 
@@ -54,7 +60,5 @@ def step_time_breakdown(metrics: list[dict], out: Path) -> Path | None:
     ax.set_title("where each step's time goes")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out

@@ -307,10 +307,7 @@ def target_checks(points: list[Point], opts: BenchOptions, compute_ms: float) ->
 
 
 def plot(points: list[Point], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plait.report.plots import plt, save
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for config in dict.fromkeys(p.config for p in points):
@@ -323,7 +320,5 @@ def plot(points: list[Point], out: Path) -> Path:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out

@@ -108,7 +108,7 @@ def print_table(rows: list[dict]) -> None:
 
 def plot(rows: list[dict], out: Path) -> Path:
     """Left: model state per rank, stacked, with the formula; right: peak activations (a different scale)."""
-    from plait.report.plots import plt
+    from plait.report.plots import plt, save
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [3, 1.4]})
     stages = [r["zero"] for r in rows]
@@ -128,9 +128,7 @@ def plot(rows: list[dict], out: Path) -> Path:
     ax2.set_xticks(stages, [str(s) for s in stages])
     ax2.set_xlabel("zero")
     ax2.set_title("activations (peak)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 
