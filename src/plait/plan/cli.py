@@ -78,12 +78,19 @@ def cmd_plan(a) -> int:
     if a.calibrate:
         from plait.plan.calibrate import calibrate
 
-        hw = calibrate(cfg.model, shape.vocab, cfg.train.micro_batch_size, a.world)
+        with Console(stderr=True).status(f"calibrating {a.world} local processes: matmuls, the model, collectives, "
+                                         "sharded layers, the optimizer (a minute or two) ..."):
+            hw = calibrate(cfg.model, shape.vocab, cfg.train.micro_batch_size, a.world)
         path = hw.save(Path(a.profile)) if a.profile else hw.save()
         print(f"{hw.name}: {hw.flops / 1e9:.1f} GFLOP/s per process (fp32 matmul), model efficiency "
               f"{hw.efficiency:.2f}, optimizer {hw.optimizer_s_per_param * 1e9:.2f} ns/parameter")
         for op, f in sorted(hw.comm.items()):
             print(f"  {op:18} latency {f['latency_s'] * 1e6:8.1f} us   bandwidth {f['bw'] / 1e9:6.2f} GB/s")
+        over = hw.layer_overhead_s
+        if over:
+            print(f"  fixed cost per layer: tensor parallel {over['tp'][0] * 1e3:.2f} ms + {over['tp'][1] * 1e3:.3f} ms "
+                  f"per sample (with sequence parallel {over['tp_sp'][0] * 1e3:.2f} ms + {over['tp_sp'][1] * 1e3:.3f}); "
+                  f"fully_shard {over['fsdp'] * 1e3:.2f} ms per step")
         print(f"wrote {path}; `plait plan` uses it from now on")
         return 0
     if not a.devices:
