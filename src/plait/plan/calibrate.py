@@ -167,9 +167,9 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     small = max(1, micro // 4)
     xs = {b: torch.randint(0, vocab, (b, model_cfg.context), generator=gen) for b in {small, micro}}
 
-    def layer(b: int, wrap=None, optimizer: bool | str = False, more: int = 1) -> tuple[float, int]:
-        """(seconds, parameters) of one more layer, from models of 1 and 1 + `more` layers; forward and
-        backward, and the optimizer step when `optimizer` ("tp": after the tensor-parallel gradient alignment)."""
+    def layer(b: int, wrap=None, more: int = 1) -> tuple[float, int]:
+        """(seconds, parameters) of one more layer, from models of 1 and 1 + `more` layers: forward, backward,
+        the gradient alignment tensor parallel does (a no-op elsewhere) and the optimizer step."""
         t, n = {}, {}
         for layers in (1, 1 + more):
             torch.manual_seed(0)
@@ -177,15 +177,13 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
             n[layers] = sum(p.numel() for p in model.parameters())
             if wrap is not None:
                 wrap(model)
-            opt = torch.optim.AdamW(model.parameters()) if optimizer else None
+            opt = torch.optim.AdamW(model.parameters())
 
-            def step(model=model, opt=opt, x=xs[b], tp=wrap is not None and optimizer == "tp"):
+            def step(model=model, opt=opt, x=xs[b]):
                 lm_loss(model(x), x).backward()
-                if tp:  # what the tensor-parallel strategy does after backward (sequence-parallel norms)
-                    align_grads(model.parameters())
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad()
+                align_grads(model.parameters())
+                opt.step()
+                opt.zero_grad()
 
             t[layers] = _fixed_time(step, calls=4 * (1 + more), reps=3) if more > 1 else _fixed_time(step)
         return (t[1 + more] - t[1]) / more, (n[1 + more] - n[1]) // more
@@ -194,17 +192,17 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
         return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
 
     out = {}
-    plains = {b: layer(b, optimizer=True)[0] for b in sorted(xs)}
+    plains = {b: layer(b)[0] for b in sorted(xs)}
     for key, sp in (("tp", False), ("tp_sp", True)):
         extra = {}
         for b, plain in plains.items():
-            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp), optimizer="tp")
+            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp))
             extra[b] = tp - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2)
         per_sample = max(0.0, (extra[micro] - extra[small]) / (micro - small)) if micro > small else 0.0
         out[key] = [max(0.0, extra[micro] - per_sample * micro), per_sample]
     # the per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1, more calls
-    plain, params = layer(micro, optimizer=True, more=2)
-    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), optimizer=True, more=2)
+    plain, params = layer(micro, more=2)
+    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), more=2)
     nbytes = 4 * params
     comm_s = 2 * cost("all_gather", nbytes, world) + cost("reduce_scatter", nbytes, world)
     out["fsdp"] = max(0.0, sharded - plain - comm_s)
