@@ -1,4 +1,4 @@
-"""Process group, device, named device mesh, seeding and rank-aware printing for one worker.
+"""Process group, device, seeding and rank-aware printing for one worker (the mesh comes from plait.parallel.layout).
 
 The same code runs in every process of every layout: under plait's launcher,
 under a plain `torchrun -m plait train ...`, in the test harness (which makes the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,10 @@ class Runtime:
     local_rank: int
     device: torch.device
     backend: str | None
-    mesh: object | None  # DeviceMesh with axes ("pp", "dp", "tp"), None for a single process
-    role: str = "trainer"  # see ps_role: "trainer", or a parameter server's "worker" / "server"
+    mesh: object | None  # DeviceMesh with axes ("pp", "dp", "tp"), None for a single process or a parameter server
+    role: str = "trainer"  # "trainer", or a parameter server's "worker" / "server" (plait.parallel.layout)
+    coords: dict = field(default_factory=dict)  # this rank's coordinate on each axis (the layout's, mesh or not)
+    degrees: dict = field(default_factory=dict)  # each axis's size in the layout
 
     @property
     def is_main(self) -> bool:
@@ -38,14 +40,20 @@ class Runtime:
         return self.world_size > 1 and self.mesh is not None
 
     def axis_group(self, axis: str):
-        """The process group of one mesh axis (None when single-process)."""
+        """The process group of one mesh axis (None when single-process or without a mesh)."""
         return None if self.mesh is None else self.mesh[axis].get_group()
 
     def axis_rank(self, axis: str) -> int:
-        return 0 if self.mesh is None else self.mesh[axis].get_local_rank()
+        """This rank's coordinate on `axis` in the layout."""
+        return self.coords.get(axis, 0)
 
     def axis_size(self, axis: str) -> int:
-        return 1 if self.mesh is None else self.mesh[axis].size()
+        """The layout's degree on `axis`."""
+        return self.degrees.get(axis, 1)
+
+    def group_size(self, axis: str) -> int:
+        """Ranks that take part in a collective on `axis` with this one (1 without a process group)."""
+        return self.axis_size(axis) if self.mesh is not None else 1
 
     def print(self, *args, **kwargs) -> None:
         """Print on rank 0 only."""
@@ -55,6 +63,11 @@ class Runtime:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def single_process(device: torch.device | None = None) -> Runtime:
+    """The runtime of one process with no process group (tests, tools)."""
+    return Runtime(0, 1, 0, device or torch.device("cpu"), None, None)
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -74,38 +87,8 @@ def pick_backend(choice: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def ps_role(rank: int, parallel_cfg) -> str:
-    """What a rank does: "trainer" runs plait's trainer loop (every rank, except with parallel.sync = 'ps').
-
-    With a parameter server, ranks [0, dp) are workers and [dp, dp + ps_servers) servers; worker 0, the
-    chief, runs the trainer ("trainer"), the others are "worker" and "server" (plait.ps).
-    """
-    if getattr(parallel_cfg, "sync", "allreduce") != "ps" or rank == 0:
-        return "trainer"
-    return "worker" if rank < parallel_cfg.dp else "server"
-
-
-def _init_ps(launch_cfg, parallel_cfg) -> Runtime:
-    """A parameter-server rank: no process group, an RPC agent (plait.ps.rpc) and its role."""
-    from plait.ps.rpc import join
-
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    need = parallel_cfg.dp + parallel_cfg.ps_servers
-    if world != need:
-        raise ConfigError(
-            f"parallel.sync = 'ps' needs dp({parallel_cfg.dp}) + ps_servers({parallel_cfg.ps_servers}) = {need} processes "
-            f"but this job has WORLD_SIZE = {world}; change parallel.dp, parallel.ps_servers or the number of processes")
-    role = ps_role(rank, parallel_cfg)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu") if role == "server" else pick_device(launch_cfg.device, local_rank)
-    join(rank, world, parallel_cfg.dp, launch_cfg.timeout_s)
-    return Runtime(rank, world, local_rank, device, "rpc", None, role)
-
-
-def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
-    """Join (or reuse) the default process group and build the named mesh for the layout."""
-    if getattr(parallel_cfg, "sync", "allreduce") == "ps":
-        return _init_ps(launch_cfg, parallel_cfg)
+def init_process_group(launch_cfg) -> tuple[int, int, int, torch.device, str | None]:
+    """Join (or reuse) the default process group: (rank, world size, local rank, device, backend or None)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
@@ -116,7 +99,7 @@ def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
         device = pick_device(launch_cfg.device, local_rank)
         backend = pick_backend(launch_cfg.backend, device)
         timeout = datetime.timedelta(seconds=launch_cfg.timeout_s)
-        store = _attempt_store(env_world, timeout) if "TORCHELASTIC_RESTART_COUNT" in os.environ else None
+        store = attempt_store(env_world, timeout) if "TORCHELASTIC_RESTART_COUNT" in os.environ else None
         dist.init_process_group(
             backend=backend,
             timeout=timeout,
@@ -127,31 +110,11 @@ def init_runtime(launch_cfg, parallel_cfg) -> Runtime:
         device = pick_device(launch_cfg.device, local_rank)
         backend = None
     world = dist.get_world_size() if backend else 1
-    if getattr(launch_cfg, "check_collectives", False) and world > 1:
-        from plait.comm import accounting
-        from plait.comm.fingerprint import Fingerprinter
-
-        accounting.fingerprinter = Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
     rank = dist.get_rank() if backend else 0
-    need = parallel_cfg.dp * parallel_cfg.tp * parallel_cfg.pp
-    if world != need:
-        raise ConfigError(
-            f"the layout needs dp({parallel_cfg.dp}) * tp({parallel_cfg.tp}) * pp({parallel_cfg.pp}) = {need} "
-            f"processes but this job has WORLD_SIZE = {world}; change parallel.dp or the number of processes"
-        )
-    mesh = None
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(
-            device.type,
-            (parallel_cfg.pp, parallel_cfg.dp, parallel_cfg.tp),
-            mesh_dim_names=("pp", "dp", "tp"),
-        )
-    return Runtime(rank, world, local_rank, device, backend, mesh)
+    return rank, world, local_rank, device, backend
 
 
-def _attempt_store(world: int, timeout):
+def attempt_store(world: int, timeout):
     """The job's key-value store under a prefix of its own for each restart of the workers.
 
     After torchrun's agent restarts the workers, keys from the previous attempt (gloo's peer

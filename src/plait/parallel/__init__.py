@@ -100,8 +100,8 @@ def build_strategy(module: nn.Module, cfg, rt, make_optimizer: Callable, loss_fn
         return PipelineStrategy(parts, mine, pp * v, rt, make_optimizer, loss_fn, precision, local_batch,
                                 microbatches(cfg), cfg.parallel.pp_schedule, module.pipeline_parts()["blocks"], tied,
                                 dp_sync=dp > 1)
-    if cfg.parallel.sync == "ps":  # the chief worker: the trainer's loader gives it whole global batches
-        return build_ps_strategy(module, cfg, rt, make_optimizer, loss_fn, precision, whole_batches=True)
+    if cfg.parallel.sync == "ps":  # the chief worker: the trainer's loader gives it its own slice
+        return build_ps_strategy(module, cfg, rt, make_optimizer, loss_fn, precision, whole_batches=False)
     if cfg.parallel.sync == "gossip":
         model = parallelize(module, cfg, rt, data_parallel=False)
         return GossipStrategy(model, module, make_optimizer(module), loss_fn, precision, local_batch, rt.axis_group("dp"),

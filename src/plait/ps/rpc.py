@@ -40,10 +40,10 @@ def _handler(url: str, **kwargs):
 
 
 def _store(rank: int, world: int, timeout: datetime.timedelta):
-    from plait.runtime import _attempt_store
+    from plait.runtime import attempt_store
 
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return _attempt_store(world, timeout)
+        return attempt_store(world, timeout)
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         raise ConfigError("parallel.sync = 'ps' needs MASTER_ADDR and MASTER_PORT (set by plait train and torchrun)")

@@ -28,7 +28,8 @@ from plait.data.loader import StepLoader
 from plait.data.sampler import GlobalBatchSampler
 from plait.models import build_model
 from plait.parallel import Strategy, build_strategy
-from plait.runtime import Runtime, init_runtime, mix_seed, seed_all
+from plait.parallel.layout import Layout
+from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.loss import loss_for
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
@@ -79,10 +80,10 @@ def _agreed_checkpoint(run_dir: Path, rt: Runtime) -> Path | None:
 
 def _dp_mean(value: torch.Tensor, rt: Runtime) -> float:
     """Mean of a per-rank scalar over the data-parallel axis."""
-    if rt.axis_size("dp") > 1:
+    if rt.group_size("dp") > 1:
         value = value.detach().clone()
         dist.all_reduce(value, group=rt.axis_group("dp"))
-        value /= rt.axis_size("dp")
+        value /= rt.group_size("dp")
     return float(value)
 
 
@@ -96,7 +97,8 @@ def evaluate(strategy: Strategy, dataset, cfg: Config, rt: Runtime, task: str) -
     batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
     losses = torch.zeros(len(batches), dtype=torch.float64)
     correct = torch.zeros(len(batches), dtype=torch.float64)
-    dp, r = rt.axis_size("dp"), rt.axis_rank("dp")
+    dp = rt.group_size("dp")
+    r = rt.axis_rank("dp") if dp > 1 else 0
     model = strategy.model
     was_training = model.training
     model.eval()
@@ -162,7 +164,7 @@ def write_run_files(run_dir: Path, cfg: Config, bundle: DataBundle) -> None:
 
 def train(cfg: Config, run_dir: str | Path | None, resume: bool = False) -> TrainResult:
     """Run (or continue) training as configured; every rank calls this."""
-    rt = init_runtime(cfg.launch, cfg.parallel)
+    rt = Layout.from_config(cfg).init_runtime(cfg.launch)
     run_dir = Path(run_dir) if run_dir is not None else None
     if rt.role != "trainer":  # parameter-server ranks other than the chief worker (plait.ps)
         from plait.ps import run_role

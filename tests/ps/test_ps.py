@@ -16,7 +16,7 @@ from helpers import ENV, max_diff, params_after, plait
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
 from plait.ps.policy import StalenessPolicy, assign_shards, staleness_summary
-from plait.runtime import ps_role
+from plait.parallel.layout import Layout
 
 STEPS = 300
 # A third of digits held out (539 samples), so that 2 points of accuracy are 11 samples, not 4.
@@ -56,9 +56,9 @@ def test_the_process_count_includes_the_servers():
 
 def test_roles_follow_the_rank():
     cfg = load_config(None, [*DIGITS, *PS, "parallel.ps_servers=2"])
-    assert [ps_role(r, cfg.parallel) for r in range(4)] == ["trainer", "worker", "server", "server"]
+    assert [Layout.from_config(cfg).role(r) for r in range(4)] == ["trainer", "worker", "server", "server"]
     assert cfg.world_size == 4
-    assert [ps_role(r, load_config(None, DIGITS).parallel) for r in range(2)] == ["trainer", "trainer"]
+    assert [Layout.from_config(load_config(None, DIGITS)).role(r) for r in range(2)] == ["trainer", "trainer"]
 
 
 def test_shards_are_balanced_by_bytes_and_the_same_everywhere():
