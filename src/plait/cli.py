@@ -34,8 +34,10 @@ def _default_run_dir() -> Path:
 
 
 def cmd_train(a) -> int:
-    from plait.config import dump_config, load_config
+    from plait.config import dump_config
+    from plait.parallel.layout import Layout
     from plait.runtime import under_torchrun
+    from plait.train.job import load_job
 
     if a.resume:
         if a.config:
@@ -43,9 +45,9 @@ def cmd_train(a) -> int:
         run_dir = Path(a.resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
-        cfg = load_config(run_dir / "config.toml", a.set)
+        cfg = load_job(run_dir / "config.toml", a.set)
     else:
-        cfg = load_config(a.config, a.set)
+        cfg = load_job(a.config, a.set)
         run_dir = Path(a.out) if a.out else _default_run_dir()
         first_node = cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
         if (run_dir / "checkpoints").exists() and first_node and not under_torchrun():
@@ -60,8 +62,10 @@ def cmd_train(a) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
     if a.dry_run:
-        print(f"config valid; {cfg.world_size} process(es); wrote {run_dir / 'config.toml'}")
-        print(f"run it with: torchrun --nproc_per_node {cfg.nproc_per_node} -m plait.worker {run_dir}")
+        layout = Layout.from_config(cfg)
+        print(f"config valid; {layout.world_size} process(es); wrote {run_dir / 'config.toml'}")
+        print(f"run it with: torchrun --nproc_per_node {layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)} "
+              f"-m plait.worker {run_dir}")
         return 0
     from plait.launch import launch
 
@@ -85,7 +89,7 @@ def cmd_export(a) -> int:
 
 def cmd_bench_memory(a) -> int:
     from plait.config import load_config
-    from plait.train.bench_memory import bench_memory
+    from plait.plan.bench_memory import bench_memory
 
     base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
     out = a.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -225,12 +225,6 @@ class Config:
     federated: FederatedConfig = field(default_factory=FederatedConfig)
 
     @property
-    def world_size(self) -> int:
-        """Processes the layout needs: dp * tp * pp (plus the servers of a parameter server)."""
-        extra = self.parallel.ps_servers if self.parallel.sync == "ps" else 0
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp + extra
-
-    @property
     def node_range(self) -> tuple[int, int]:
         """(min, max) machines: launch.nnodes = "N" gives (N, N), "MIN:MAX" an elastic range."""
         text = str(self.launch.nnodes).strip()
@@ -252,18 +246,6 @@ class Config:
         """Whether the world may change size while the job runs (fewer nodes, or restarts after failures)."""
         lo, hi = self.node_range
         return lo < hi or self.launch.max_restarts > 0
-
-    @property
-    def nproc_per_node(self) -> int:
-        """Worker processes per machine, resolved from the layout when launch.nproc_per_node is 0."""
-        if self.launch.nproc_per_node > 0:
-            return self.launch.nproc_per_node
-        return max(1, self.world_size // self.max_nodes)
-
-    @property
-    def grad_accum(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
@@ -438,10 +420,6 @@ def format_config(cfg: Config) -> str:
 UNAVAILABLE: list[tuple[str, object, str]] = []
 
 
-# Optimizers whose update is elementwise, so that ZeRO's per-shard step equals the full one.
-SHARDABLE_OPTIMIZERS = ("adamw", "sgd")
-
-
 def _refuse_unavailable(cfg: Config) -> None:
     for key, default, what in UNAVAILABLE:
         section, name = key.split(".")
@@ -469,7 +447,11 @@ def _positive(cfg: Config, dotted: str, minimum: int | float = 1) -> None:
 
 
 def validate_config(cfg: Config) -> Config:
-    """Reject impossible configs with a message naming the key, the rule and the fix."""
+    """Reject impossible values, section by section, with a message naming the key, the rule and the fix.
+
+    Rules that need to know a scheme or a model (which layouts combine, whether a model can be cut
+    into pipeline stages) belong to the scheme or the model: plait.train.job.check_job runs them.
+    """
     for section, section_type in SECTIONS.items():
         for f in dataclasses.fields(section_type):
             _check_choice(cfg, f"{section}.{f.name}")
@@ -495,63 +477,7 @@ def validate_config(cfg: Config) -> Config:
     if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas = {cfg.optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
 
-    p, t = cfg.parallel, cfg.train
     _refuse_unavailable(cfg)
-    nodes = cfg.max_nodes
-    if cfg.launch.nproc_per_node == 0 and cfg.world_size % nodes:
-        raise ConfigError(
-            f"{cfg.world_size} processes cannot be split evenly over launch.nnodes = {cfg.launch.nnodes}; "
-            "change parallel.dp or launch.nnodes (or set launch.nproc_per_node)"
-        )
-    procs = cfg.nproc_per_node * nodes
-    if cfg.world_size != procs:
-        raise ConfigError(
-            f"the layout needs dp({p.dp}) * tp({p.tp}) * pp({p.pp})"
-            + (f" + ps_servers({p.ps_servers})" if p.sync == "ps" else "")
-            + f" = {cfg.world_size} processes but the launch "
-            f"gives nproc_per_node({cfg.nproc_per_node}) * nnodes({nodes}) = {procs}; "
-            "change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)"
-        )
-    if p.zero and p.dp == 1:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} shards over the data-parallel axis, but parallel.dp = 1; "
-            "set parallel.dp >= 2 or parallel.zero=0"
-        )
-    if p.offload != "none" and p.zero < 2:
-        raise ConfigError(
-            f"parallel.offload = {p.offload!r} moves ZeRO shards to CPU memory and needs parallel.zero = 2 or 3 "
-            f"(it is {p.zero}); set parallel.zero=3 or parallel.offload='none'"
-        )
-    if p.zero == 1 and (p.tp > 1 or p.pp > 1):
-        raise ConfigError(
-            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {p.tp}, pp = {p.pp}); "
-            "use parallel.zero=2 or 3 with tp, or zero=0"
-        )
-    if p.zero >= 2 and p.pp > 1:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with parallel.pp = {p.pp} is not available in this version of plait; "
-            "set parallel.zero=0 (gradients are then averaged over dp by an all-reduce)"
-        )
-    _validate_pipeline(cfg)
-    if p.embedding_sharding != "none":
-        if cfg.model.name != "deepfm" or cfg.model.factory:
-            raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards deepfm's embedding tables; "
-                              f"model.name is {cfg.model.name!r}: set model.name='deepfm' or embedding_sharding='none'")
-        if p.dp == 1 or p.tp > 1 or p.pp > 1 or p.zero:
-            raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards over the dp ranks: it needs "
-                              "parallel.dp >= 2 with tp = pp = 1 and zero = 0")
-    if p.zero and cfg.optim.name not in SHARDABLE_OPTIMIZERS:
-        raise ConfigError(
-            f"optim.name = {cfg.optim.name!r} cannot be sharded by ZeRO (its update is not elementwise); "
-            f"use one of {', '.join(SHARDABLE_OPTIMIZERS)} or set parallel.zero=0"
-        )
-    per_step = t.micro_batch_size * p.dp
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
-            f"({t.micro_batch_size}) * parallel.dp ({p.dp}) = {per_step}; "
-            f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size"
-        )
     if cfg.max_nodes > 1 and not cfg.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes = {cfg.launch.nnodes} needs launch.rdzv_endpoint = 'host:port' of node 0 "
@@ -563,38 +489,6 @@ def validate_config(cfg: Config) -> Config:
         )
     if cfg.launch.rdzv_endpoint and ":" not in cfg.launch.rdzv_endpoint:
         raise ConfigError(f"launch.rdzv_endpoint = {cfg.launch.rdzv_endpoint!r} must be host:port, e.g. 10.0.0.1:29500")
-    if cfg.model.factory and ":" not in cfg.model.factory:
-        raise ConfigError(
-            f"model.factory = {cfg.model.factory!r} must be 'package.module:function'"
-        )
-    if not cfg.model.factory:
-        from plait.models import MODELS
-
-        if cfg.model.name not in MODELS:
-            raise ConfigError(
-                f"model.name = {cfg.model.name!r} is not a registered model; choose one of: "
-                f"{', '.join(sorted(MODELS))}, or set model.factory = 'package.module:function'"
-            )
-    if cfg.model.name == "gpt" and not cfg.model.factory:
-        m = cfg.model
-        for key in ("layers", "heads", "width", "context"):
-            _positive(cfg, f"model.{key}")
-        if m.width % m.heads:
-            raise ConfigError(
-                f"model.width ({m.width}) must be divisible by model.heads ({m.heads}); "
-                f"change one of them (e.g. width={m.heads * max(1, round(m.width / m.heads))})"
-            )
-    if not cfg.model.factory:
-        token_data = cfg.data.name in ("stdlib-text", "text")
-        wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
-            cfg.model.name, "digits, synthetic or tensors")
-        fits = {"gpt": token_data, "deepfm": cfg.data.name == "clicks"}.get(
-            cfg.model.name, not token_data and cfg.data.name != "clicks")
-        if not fits:
-            raise ConfigError(
-                f"model.name = {cfg.model.name!r} cannot train on data.name = {cfg.data.name!r}: it needs {wants}; "
-                "change model.name or data.name"
-            )
     ps = cfg.log.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in ps) or not 1 <= ps[0] <= ps[1]):
         raise ConfigError(f"log.profile_steps = {ps} must be [first, last] with 1 <= first <= last, e.g. [10, 12]")
@@ -603,104 +497,8 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")
     if cfg.data.name in ("text", "tensors") and not cfg.data.path:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
-    _validate_sync(cfg)
     _validate_federated(cfg)
     return cfg
-
-
-def _validate_sync(cfg: Config) -> None:
-    """How data-parallel replicas agree (parallel.sync) and what their all-reduce sends (parallel.compression)."""
-    p = cfg.parallel
-    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
-    if p.compression != "none":
-        if p.sync != "allreduce":
-            raise ConfigError(
-                f"parallel.compression = {p.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
-                f"{p.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
-        if p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
-            raise ConfigError(
-                f"parallel.compression = {p.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
-                f"with tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.compression='none' "
-                "or change the layout")
-    if p.sync != "allreduce":
-        if p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
-            raise ConfigError(
-                f"parallel.sync = {p.sync!r} replaces DDP's all-reduce and works on plain data parallelism: it needs "
-                f"tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.sync='allreduce' or "
-                "change the layout")
-        if cfg.precision.dtype == "fp16":
-            raise ConfigError(f"parallel.sync = {p.sync!r} does not take fp16 loss scaling; set precision.dtype='bf16' "
-                              "or 'fp32'")
-    if p.sync == "ps":
-        if p.ps_servers < 1:
-            raise ConfigError(f"parallel.ps_servers = {p.ps_servers} must be >= 1 (parameter-server processes); "
-                              "set --set parallel.ps_servers=1")
-        lo, hi = cfg.node_range
-        if lo < hi:
-            raise ConfigError(
-                f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}: an elastic job would resize the workers "
-                "without its servers; set launch.nnodes to a fixed number of machines")
-        if p.dp < p.ps_servers:
-            raise ConfigError(
-                f"parallel.sync = 'ps' with parallel.ps_servers = {p.ps_servers} servers but only parallel.dp = {p.dp} "
-                f"workers: a server without a worker of its own is wasted; set parallel.ps_servers <= {p.dp} or "
-                f"parallel.dp >= {p.ps_servers}")
-    if p.staleness < 0:
-        raise ConfigError(f"parallel.staleness = {p.staleness} must be >= 0 (how many steps a worker may run ahead of "
-                          "the slowest one; 0 = lockstep); set --set parallel.staleness=2")
-    if p.sync == "gossip":
-        if p.dp < 2:
-            raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {p.dp}; "
-                              "set parallel.dp >= 2")
-        if p.gossip_every < 1:
-            raise ConfigError(f"parallel.gossip_every = {p.gossip_every} must be >= 1 (steps between neighbour "
-                              "averages); set --set parallel.gossip_every=1")
-    if p.powersgd_rank < 1:
-        raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
-                          "approximation, e.g. 2); set --set parallel.powersgd_rank=2")
-    if not (0.0 < p.topk_ratio <= 1.0):
-        raise ConfigError(f"parallel.topk_ratio = {p.topk_ratio} must be in (0, 1] (the share of gradient entries sent, "
-                          "e.g. 0.01); set --set parallel.topk_ratio=0.01")
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    p, t = cfg.parallel, cfg.train
-    if p.virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
-    if p.virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
-        raise ConfigError(
-            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp_schedule = 'interleaved-1f1b' "
-            f"(it is {p.pp_schedule!r})"
-        )
-    if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and p.virtual_stages < 2:
-        raise ConfigError("parallel.pp_schedule = 'interleaved-1f1b' needs parallel.virtual_stages >= 2 model "
-                          "chunks per pipeline rank; set --set parallel.virtual_stages=2")
-    if p.microbatches < 0:
-        raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
-    if p.pp > 1:
-        if p.microbatches and t.global_batch_size % (p.dp * p.microbatches):
-            raise ConfigError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
-                f"parallel.microbatches ({p.microbatches}) = {p.dp * p.microbatches}"
-            )
-        m = p.microbatches or cfg.grad_accum
-        if p.pp_schedule == "interleaved-1f1b" and m % p.pp:
-            raise ConfigError(
-                f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
-                f"of parallel.pp ({p.pp}); set parallel.microbatches={p.pp * max(1, m // p.pp)}"
-            )
-        if cfg.model.name == "gpt" and not cfg.model.factory and p.pp * p.virtual_stages > cfg.model.layers:
-            raise ConfigError(
-                f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {p.pp * p.virtual_stages} "
-                f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers"
-            )
-    if p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
-        raise ConfigError(
-            f"parallel.pp_split = {p.pp_split} gives {len(p.pp_split) + 1} stages but the layout has "
-            f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices"
-        )
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1; set parallel.tp=2 or turn it off")
 
 
 def _validate_federated(cfg: Config) -> None:

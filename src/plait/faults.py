@@ -20,8 +20,6 @@ import os
 import signal
 import time
 
-GROUPS: dict = {}  # named process groups the trainer registers ("dp"), for faults that issue collectives
-
 
 def parse(text: str) -> list[dict]:
     faults = []
@@ -43,9 +41,12 @@ def _active() -> list[dict]:
     return [f for f in parse(text) if first or f.get("always") == "1"]
 
 
-def maybe_fire(point: str, rank: int, step: int) -> None:
+def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
     """Called at `point`: "step" (a step begins), "data" (its batch is fetched), "publish" (a checkpoint is
-    being published) or "comm" (a collective is entered; step -1, so only faults without a step fire)."""
+    being published) or "comm" (a collective is entered; step -1, so only faults without a step fire).
+
+    group: the process group a "mismatch" fault issues its stray collective on (the caller's dp group).
+    """
     for f in _active():
         if f["at"] != point or int(f.get("rank", rank)) != rank:
             continue
@@ -62,5 +63,4 @@ def maybe_fire(point: str, rank: int, step: int) -> None:
             import torch
             import torch.distributed as dist
 
-            group = GROUPS.get(f.get("group", "dp"))
             dist.broadcast(torch.zeros(3), dist.get_global_rank(group, 0) if group is not None else 0, group=group)

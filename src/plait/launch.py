@@ -1,6 +1,6 @@
 """Start the workers of a job through torchrun's elastic agent (its Python API).
 
-One machine: `launch(cfg, run_dir)` starts `cfg.nproc_per_node` workers with a c10d
+One machine: `launch(cfg, run_dir)` starts `nproc_per_node(cfg)` workers with a c10d
 rendezvous on a free local port. Several machines: run the same `plait train` on each
 with launch.nnodes, launch.node_rank and launch.rdzv_endpoint = node 0's host:port.
 Each worker runs `python -m plait.worker RUN_DIR`; the launcher passes only the run
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from plait.config import Config
+from plait.parallel.layout import Layout
 
 USER_ERROR_EXIT = 2
 DISTRIBUTED_FAILURE_EXIT = 3  # a hang or mismatched collectives, explained by the worker (plait.train.watchdog)
@@ -26,11 +27,16 @@ def _quiet_agent() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def nproc_per_node(cfg: Config) -> int:
+    """Worker processes on this machine: launch.nproc_per_node, or the layout's processes spread over the nodes."""
+    return Layout.from_config(cfg).procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)
+
+
 def worker_env(cfg: Config) -> dict[str, str]:
     """Environment defaults for workers (only where the user has not set them)."""
     env = {}
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node(cfg)))
     if cfg.max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
     return env
@@ -54,7 +60,7 @@ def launch_config(cfg: Config, run_dir: Path):
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=cfg.nproc_per_node,
+        nproc_per_node=nproc_per_node(cfg),
         run_id=f"plait-{run_dir.resolve().name}",
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,

@@ -25,8 +25,8 @@ def fit_to_world(cfg, world: int):
     """
     import copy
 
-    from plait.config import validate_config
     from plait.errors import ConfigError
+    from plait.train.job import check_job
 
     p, t = cfg.parallel, cfg.train
     if world % (p.tp * p.pp):
@@ -42,22 +42,24 @@ def fit_to_world(cfg, world: int):
             f"the job now has {world} processes (dp = {new.parallel.dp}), but train.global_batch_size "
             f"({t.global_batch_size}) is not divisible by micro_batch_size ({t.micro_batch_size}) * dp; it cannot "
             "continue at this size (choose a micro batch size that divides the batch at every size)")
-    validate_config(new)
+    check_job(new)
     return new
 
 
 def run_worker(run_dir: Path, resume: bool) -> None:
     from plait.config import load_config
+    from plait.parallel.layout import Layout
     from plait.train.trainer import train
 
     cfg = load_config(run_dir / "config.toml")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.world_size and cfg.elastic:
-        before = cfg
+    asked = Layout.from_config(cfg)
+    if world != asked.world_size and cfg.elastic:
         cfg = fit_to_world(cfg, world)
+        now = Layout.from_config(cfg)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"world size is {world} (the config asks for {before.world_size}): data parallel "
-                  f"{before.parallel.dp} -> {cfg.parallel.dp}, accumulation {before.grad_accum} -> {cfg.grad_accum}, "
+            print(f"world size is {world} (the config asks for {asked.world_size}): data parallel "
+                  f"{asked.dp} -> {now.dp}, accumulation {asked.grad_accum} -> {now.grad_accum}, "
                   f"global batch {cfg.train.global_batch_size} unchanged", flush=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     train(cfg, run_dir, resume=resume or restarted)

@@ -4,15 +4,15 @@ The parameter server's own rules (servers and workers, the process count) are in
 
 import pytest
 
-from plait.config import load_config
 from plait.errors import ConfigError
+from plait.train.job import load_job
 
 DIGITS = ["model.name='mlp'", "data.name='digits'"]
 
 
 def message(*overrides: str) -> str:
     with pytest.raises(ConfigError) as e:
-        load_config(None, [*DIGITS, *overrides])
+        load_job(None, [*DIGITS, *overrides])
     return str(e.value)
 
 

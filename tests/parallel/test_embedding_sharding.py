@@ -8,6 +8,7 @@ import torch
 from helpers import max_diff, params_after, rank0_params
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.train.job import load_job
 
 DEEPFM = ["model.name='deepfm'", "data.name='clicks'", "model.width=32", "model.embedding_dim=4",
           "data.synthetic_samples=2000", "data.clicks_cardinalities=[3, 17, 50, 400]", "train.global_batch_size=32",
@@ -91,4 +92,4 @@ def test_clicks_fields_have_very_different_cardinalities():
 ])
 def test_bad_sharding_configs(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load_job(None, overrides)

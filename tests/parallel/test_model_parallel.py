@@ -5,9 +5,9 @@ import json
 import pytest
 
 from helpers import max_diff, params_after, rank0_params, tiny_gpt_config
-from plait.config import load_config
 from plait.errors import ConfigError
 from plait.testing import RankPool
+from plait.train.job import load_job
 
 # The tiny corpus has 159 characters; tensor parallel splits the vocabulary, so round it up.
 BASE = ("model.vocab_size=160", "model.layers=4", "train.global_batch_size=8", "train.micro_batch_size=2")
@@ -101,7 +101,7 @@ def test_pipeline_reports_its_bubble_and_draws_the_timeline(pool2, tiny_text, tm
 ])
 def test_bad_model_parallel_configs(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load_job(None, overrides)
 
 
 def test_indivisible_heads_or_vocabulary_is_a_clear_error(pool2, tiny_text):

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from helpers import max_diff, params_after, rank0_params, tiny_gpt_config
-from plait.config import load_config
 from plait.errors import ConfigError
 from plait.testing import RankPool
+from plait.train.job import load_job
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_memory_and_traffic_follow_the_zero_paper(request, tiny_text, tmp_path, 
 ])
 def test_bad_zero_configs(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, overrides)
+        load_job(None, overrides)
 
 
 def test_offload_on_cpu_is_a_one_line_note(tiny_text, tmp_path, capfd):

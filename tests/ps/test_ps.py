@@ -15,8 +15,9 @@ import pytest
 from helpers import ENV, max_diff, params_after, plait
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
-from plait.ps.policy import StalenessPolicy, assign_shards, staleness_summary
 from plait.parallel.layout import Layout
+from plait.ps.policy import StalenessPolicy, assign_shards, staleness_summary
+from plait.train.job import load_job
 
 STEPS = 300
 # A third of digits held out (539 samples), so that 2 points of accuracy are 11 samples, not 4.
@@ -28,7 +29,7 @@ PS = ["parallel.sync='ps'", "parallel.dp=2"]
 
 def message(*overrides: str) -> str:
     with pytest.raises(ConfigError) as e:
-        load_config(None, [*DIGITS, *overrides])
+        load_job(None, [*DIGITS, *overrides])
     return str(e.value)
 
 
@@ -47,8 +48,9 @@ def test_ps_is_not_elastic():
 
 
 def test_the_process_count_includes_the_servers():
-    cfg = load_config(None, [*DIGITS, "parallel.sync='ps'", "parallel.dp=2", "parallel.ps_servers=2"])
-    assert cfg.world_size == cfg.nproc_per_node == 4
+    cfg = load_job(None, [*DIGITS, "parallel.sync='ps'", "parallel.dp=2", "parallel.ps_servers=2"])
+    layout = Layout.from_config(cfg)
+    assert layout.world_size == layout.procs_per_node(1) == 4
     assert message("parallel.sync='ps'", "parallel.dp=2", "launch.nproc_per_node=2") == (
         "the layout needs dp(2) * tp(1) * pp(1) + ps_servers(1) = 3 processes but the launch gives nproc_per_node(2) * "
         "nnodes(1) = 2; change parallel.dp or launch.nproc_per_node so that they match (or set launch.nproc_per_node=0)")
@@ -57,7 +59,7 @@ def test_the_process_count_includes_the_servers():
 def test_roles_follow_the_rank():
     cfg = load_config(None, [*DIGITS, *PS, "parallel.ps_servers=2"])
     assert [Layout.from_config(cfg).role(r) for r in range(4)] == ["trainer", "worker", "server", "server"]
-    assert cfg.world_size == 4
+    assert Layout.from_config(cfg).world_size == 4
     assert [Layout.from_config(load_config(None, DIGITS)).role(r) for r in range(2)] == ["trainer", "trainer"]
 
 
@@ -91,9 +93,10 @@ def spawn(run: Path, overrides: list[str] | None, faults: str = "", timeout: flo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
+    world = Layout.from_config(cfg).world_size
     try:
-        for r in range(cfg.world_size):
-            env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+        for r in range(world):
+            env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "PLAIT_FAULTS": faults}
             resume = ["--resume"] if overrides is None else []
             procs.append(subprocess.Popen([sys.executable, "-m", "plait.worker", str(run), *resume], env=env, text=True,

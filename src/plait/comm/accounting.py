@@ -67,9 +67,16 @@ RULES: dict[str, tuple[str, object]] = {
 
 
 class CommCounter:
-    """Bytes sent, calls made and seconds spent waiting in collectives by this rank."""
+    """Bytes sent, calls made and seconds spent waiting in collectives by this rank.
 
-    def __init__(self) -> None:
+    fingerprinter: a plait.comm.fingerprint.Fingerprinter that compares every collective across
+    ranks before it runs (launch.check_collectives). `last_call` describes the latest collective,
+    for the error that explains a hang.
+    """
+
+    def __init__(self, fingerprinter=None) -> None:
+        self.fingerprinter = fingerprinter
+        self.last_call: dict = {}
         self.bytes_sent = 0.0
         self.by_op: dict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
@@ -84,11 +91,6 @@ class CommCounter:
     def add_wait(self, seconds: float) -> None:
         with self._lock:  # async completions arrive on the backend's threads
             self.wait_s += seconds
-
-
-# What the latest collective on this process was, for error messages (a hang, a mismatch).
-last_call: dict = {}
-fingerprinter = None  # launch.check_collectives: a plait.comm.fingerprint.Fingerprinter comparing every collective
 
 
 def _call_site() -> str:
@@ -128,14 +130,14 @@ def _wrap(op: str, fn):
             n = _group_size(bound.get("group"))
             tensor = bound.get(tensor_name)
             sent = factor(n) * _nbytes(tensor) if n > 1 or op in ("send", "isend") else 0.0
+            site = _call_site() if any(c.fingerprinter is not None for c in _active) else None
+            call = {"op": op, "shape": list(tensor.shape) if isinstance(tensor, torch.Tensor) else None,
+                    "group_size": n, "site": site}
             for c in _active:
                 c.add(op, sent)
-            last_call.clear()
-            site = _call_site() if fingerprinter is not None else None
-            last_call.update(op=op, shape=list(tensor.shape) if isinstance(tensor, torch.Tensor) else None,
-                             group_size=n, site=site)
-            if fingerprinter is not None and op not in ("send", "isend"):
-                fingerprinter.check(op, tensor, bound.get("group"), site)
+                c.last_call = call
+                if c.fingerprinter is not None and op not in ("send", "isend"):
+                    c.fingerprinter.check(op, tensor, bound.get("group"), site)
         _local.depth = depth + 1
         t0 = time.perf_counter()
         try:

@@ -48,6 +48,57 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     return MODELS[model_cfg.name](model_cfg, spec)
 
 
+# What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).
+CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"})}
+# The data each registered model trains on.
+DATA_FOR = {"gpt": ("stdlib-text", "text"), "deepfm": ("clicks",)}
+
+
+def capabilities(model_cfg) -> frozenset[str]:
+    """"pipeline" (it has pipeline cut points) and "tensor_parallel" (a TP plan), where the model has them.
+
+    A user's factory is called on the meta device (no memory, no initialisation cost) and its
+    model asked for `pipeline_parts` and `tp_plan`.
+    """
+    if not model_cfg.factory:
+        return CAPABILITIES.get(model_cfg.name, frozenset())
+    import torch
+
+    with torch.device("meta"):
+        model = load_factory(model_cfg.factory)(**model_cfg.options)
+    found = {"pipeline"} if callable(getattr(model, "pipeline_parts", None)) else set()
+    if callable(getattr(model, "tp_plan", None)):
+        found.add("tensor_parallel")
+    return frozenset(found)
+
+
+def check_config(model_cfg, data_name: str) -> None:
+    """The [model] section against the registry and the data it would train on; ConfigError naming the fix."""
+    if model_cfg.factory:
+        if ":" not in model_cfg.factory:
+            raise ConfigError(f"model.factory = {model_cfg.factory!r} must be 'package.module:function'")
+        return
+    if model_cfg.name not in MODELS:
+        raise ConfigError(
+            f"model.name = {model_cfg.name!r} is not a registered model; choose one of: {', '.join(sorted(MODELS))}, "
+            "or set model.factory = 'package.module:function'")
+    if model_cfg.name == "gpt":
+        for key in ("layers", "heads", "width", "context"):
+            if getattr(model_cfg, key) < 1:
+                raise ConfigError(f"model.{key} = {getattr(model_cfg, key)} must be >= 1; set --set model.{key}=<value >= 1>")
+        if model_cfg.width % model_cfg.heads:
+            raise ConfigError(
+                f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
+                f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
+    token_data = data_name in ("stdlib-text", "text")
+    wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
+        model_cfg.name, "digits, synthetic or tensors")
+    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"
+    if not fits:
+        raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
+                          "change model.name or data.name")
+
+
 def model_metadata(model_cfg, spec: DataSpec) -> dict:
     """What it takes to rebuild the model: stored in exports and used by serving."""
     import dataclasses

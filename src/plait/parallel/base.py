@@ -3,12 +3,13 @@
 The trainer loop calls, per step::
 
     loss = strategy.forward_backward(micro_batches)   # this rank's share of the global-batch mean loss
-    norm = strategy.clip_grad_norm(max_norm)
+    norm = strategy.clip_grad_norm(max_norm, need_norm)
     strategy.optimizer_step()
 
-Data-parallel schemes override how gradients are synchronised; a pipeline scheme
-overrides forward_backward with a schedule. Checkpoints go through
-`state_dict()` / `load_state_dict()`, always keyed by the plain model's names.
+Every hook has a default that is right for a single process; a scheme overrides only what its
+layout changes (how gradients are synchronised, what the step is, what a checkpoint holds).
+Checkpoints go through `state_dict()` / `load_state_dict()`, always keyed by the plain model's
+names.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from plait.parallel.gradsync import align_grads, clip_grad_norm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -69,10 +72,20 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (`model.blocks`, a ModuleList or ModuleDict), or none."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
 class Strategy:
-    """Single-process training; the base that data-parallel schemes refine."""
+    """Single-process training; the base that the schemes refine."""
 
     name = "single"
+    sharded = False  # gradients differ between ranks that must agree on an fp16 overflow
+    tensor_parallel = False  # DTensor gradients get their parameters' placements after backward
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable, precision: Precision, local_batch: int):
@@ -110,6 +123,8 @@ class Strategy:
 
     def after_backward(self) -> None:
         """Runs once the step's gradients are complete (layouts that synchronise them by hand do it here)."""
+        if self.tensor_parallel:
+            align_grads(self.module.parameters())
 
     @torch.no_grad()
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,15 +140,37 @@ class Strategy:
             correct = torch.zeros((), dtype=torch.float64, device=logits.device)
         return loss, correct
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
-        self.precision.unscale(self.optimizer)
-        if max_norm <= 0:
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
+        """Clip the global gradient norm to max_norm (> 0); returns the norm when clipping or asked for it."""
+        self.precision.unscale(self.optimizer, self.overflow_group())
+        if max_norm <= 0 and not need_norm:
             return None
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return clip_grad_norm(self.module.parameters(), max_norm)
+
+    def overflow_group(self):
+        """The ranks that must agree on an fp16 overflow (all of them when gradients are sharded)."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD if self.sharded and dist.is_initialized() else None
 
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def step_metrics(self, record: dict) -> dict:
+        """Scheme-specific figures for a metrics.jsonl record (compression ratio, staleness, ...)."""
+        return {}
+
+    def finish(self) -> None:
+        """The loop is over on this rank (a parameter-server worker tells the servers)."""
+
+    def report(self) -> dict | None:
+        """This rank's figures at the end of a run, gathered from every rank for `figures` (None: none)."""
+        return None
+
+    def figures(self, reports: list[dict], run_dir) -> dict:
+        """Summary entries (and plots in run_dir) made from every rank's `report()`; rank 0 only."""
+        return {}
 
     # ---- checkpoints: plain names, whatever the wrapping
     def state_dict(self) -> dict:

@@ -1,13 +1,22 @@
-"""Data parallel with all-reduce: torch's DistributedDataParallel over the mesh's dp axis."""
+"""Data parallel with all-reduce: torch's DistributedDataParallel over the mesh's dp axis.
+
+A tensor-parallel model (DTensor parameters, which DDP does not take) is averaged over dp by hand:
+one flat all-reduce after backward. Compression (`parallel.compression`) runs as a DDP comm hook.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.comm.compression import Compression, register_compression
+from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.gradsync import allreduce_grads
+from plait.parallel.scheme import Build, Scheme
 
 
 def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None = None) -> DDP:
@@ -34,8 +43,21 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
 class DDPStrategy(Strategy):
     name = "ddp"
 
+    def __init__(self, *args, dp_group=None, dp: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_hand = not isinstance(self.model, DDP)  # a tensor-parallel model: averaged after backward
+        self.dp_group, self.dp = dp_group, dp
+        self.sharded = self.by_hand
+        if self.by_hand:
+            self.name = "tp+dp"
+
     def no_sync(self):
-        return self.model.no_sync()
+        return contextlib.nullcontext() if self.by_hand else self.model.no_sync()
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        if self.by_hand:
+            allreduce_grads(self.module.parameters(), self.dp_group, self.dp)
 
     def step_metrics(self, record: dict) -> dict:
         """With compression: the uncompressed all-reduce bytes per step and their ratio to the bytes sent."""
@@ -46,3 +68,47 @@ class DDPStrategy(Strategy):
         raw /= max(1, steps)
         sent = record.get("comm_bytes") or 0.0
         return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
+
+
+def applies(cfg) -> bool:
+    p = cfg.parallel
+    return p.dp > 1 and p.zero == 0 and p.sync == "allreduce" and p.embedding_sharding == "none" and p.pp == 1
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    if p.powersgd_rank < 1:
+        raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
+                          "approximation, e.g. 2); set --set parallel.powersgd_rank=2")
+    if not (0.0 < p.topk_ratio <= 1.0):
+        raise ConfigError(f"parallel.topk_ratio = {p.topk_ratio} must be in (0, 1] (the share of gradient entries sent, "
+                          "e.g. 0.01); set --set parallel.topk_ratio=0.01")
+    if p.compression == "none":
+        return
+    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
+    if p.sync != "allreduce":
+        raise ConfigError(
+            f"parallel.compression = {p.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
+            f"{p.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
+    if p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+        raise ConfigError(
+            f"parallel.compression = {p.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
+            f"with tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.compression='none' "
+            "or change the layout")
+
+
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    if b.rt.axis_size("tp") > 1:
+        return model  # DTensors: averaged by hand in DDPStrategy.after_backward
+    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_config(b.cfg.parallel))
+
+
+def build(b: Build) -> Strategy:
+    model = b.parallelize(b.module)
+    strategy = DDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
+                           dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"))
+    strategy.tensor_parallel = b.rt.axis_size("tp") > 1
+    return strategy
+
+
+SCHEME = Scheme("ddp", applies=applies, check=check, transform=transform, strategy=build)

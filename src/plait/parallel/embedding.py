@@ -22,8 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from plait.comm.placement import balanced_owners
+from plait.errors import ConfigError
 from plait.parallel.base import Strategy
-from plait.parallel.gradsync import allreduce_grads
+from plait.parallel.gradsync import allreduce_grads, clip_grad_norm
+from plait.parallel.scheme import Build, Scheme
 
 
 class _ReduceScatterBatch(torch.autograd.Function):
@@ -43,12 +46,6 @@ class _ReduceScatterBatch(torch.autograd.Function):
         return full / ctx.n, None, None  # averaged over ranks, as the dense gradients are
 
 
-def table_owners(sizes: list[int], ranks: int) -> list[int]:
-    from plait.parallel.zero import assign_owners
-
-    return assign_owners(sizes, ranks)
-
-
 class ShardedEmbeddings(nn.Module):
     """Drop-in for an EmbeddingCollection: same parameter names, this rank's share of the rows."""
 
@@ -63,7 +60,7 @@ class ShardedEmbeddings(nn.Module):
         self.dim = tables["0"].embedding_dim
         self.tables = nn.ModuleDict()
         if mode == "table":
-            owner = table_owners([r * self.dim for r in self.rows], self.n)
+            owner = balanced_owners([r * self.dim for r in self.rows], self.n)
             self.owned = [i for i in range(self.fields) if owner[i] == self.rank]
             for i in self.owned:
                 self.tables[str(i)] = tables[str(i)]
@@ -106,6 +103,7 @@ def apply_embedding_sharding(model: nn.Module, mode: str, dp_mesh) -> nn.Module:
 
 class EmbeddingShardStrategy(Strategy):
     name = "sharded-embeddings"
+    sharded = True
 
     def __init__(self, *args, rt, mode: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -113,28 +111,18 @@ class EmbeddingShardStrategy(Strategy):
         self.rt, self.group, self.n = rt, rt.axis_group("dp"), rt.axis_size("dp")
         emb = set(map(id, self.module.embed.parameters()))
         self.dense = [p for p in self.module.parameters() if id(p) not in emb]
-        self.sharded = [p for p in self.module.parameters() if id(p) in emb]
+        self.sharded_params = [p for p in self.module.parameters() if id(p) in emb]
 
     def after_backward(self) -> None:
         allreduce_grads(self.dense, self.group, self.n)
 
-    def clip_grad_norm(self, max_norm: float):
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True):
         """Dense gradients are replicated (count once); each embedding row lives on one rank (sum over ranks)."""
         self.precision.unscale(self.optimizer, self.group)
-        if max_norm <= 0:
+        if max_norm <= 0 and not need_norm:
             return None
-        local = lambda g: g.to_local() if hasattr(g, "to_local") else g  # noqa: E731
-        sq_shard = sum((local(p.grad).double().pow(2).sum() for p in self.sharded if p.grad is not None),
-                       torch.zeros((), dtype=torch.float64, device=self.rt.device))
-        dist.all_reduce(sq_shard, group=self.group)
-        sq_dense = sum((p.grad.double().pow(2).sum() for p in self.dense if p.grad is not None),
-                       torch.zeros((), dtype=torch.float64, device=self.rt.device))
-        norm = (sq_shard + sq_dense).sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                local(p.grad).mul_(coef)
-        return norm
+        local = [_Local(p) for p in self.sharded_params]  # row shards count by their pieces, not as DTensors
+        return clip_grad_norm(self.dense, max_norm, partial=local, group=self.group)
 
     def full_model_state_dict(self) -> dict:
         sd = super().full_model_state_dict()  # row shards become whole tables; whole tables stay on their owner
@@ -144,3 +132,38 @@ class EmbeddingShardStrategy(Strategy):
         for p in parts:
             out.update(p)
         return out
+
+
+class _Local:
+    """A parameter seen through its local piece (a row-sharded table's rows on this rank)."""
+
+    def __init__(self, param):
+        g = param.grad
+        self.grad = g.to_local() if g is not None and hasattr(g, "to_local") else g
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    if p.embedding_sharding == "none":
+        return
+    if cfg.model.name != "deepfm" or cfg.model.factory:
+        raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards deepfm's embedding tables; "
+                          f"model.name is {cfg.model.name!r}: set model.name='deepfm' or embedding_sharding='none'")
+    if p.dp == 1 or p.tp > 1 or p.pp > 1 or p.zero:
+        raise ConfigError(f"parallel.embedding_sharding = {p.embedding_sharding!r} shards over the dp ranks: it needs "
+                          "parallel.dp >= 2 with tp = pp = 1 and zero = 0")
+
+
+def applies(cfg) -> bool:
+    return cfg.parallel.embedding_sharding != "none" and cfg.parallel.dp > 1
+
+
+def build(b: Build) -> Strategy:
+    model = b.parallelize(b.module)
+    return EmbeddingShardStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
+                                  rt=b.rt, mode=b.cfg.parallel.embedding_sharding)
+
+
+SCHEME = Scheme("embedding_sharding", applies=applies, check=check,
+                transform=lambda model, b: apply_embedding_sharding(model, b.cfg.parallel.embedding_sharding, b.rt.mesh["dp"]),
+                strategy=build)

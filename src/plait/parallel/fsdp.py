@@ -14,13 +14,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from plait.parallel.base import DTYPES, Strategy
+from plait.errors import ConfigError
+from plait.parallel.base import DTYPES, Precision, Strategy, model_blocks
+from plait.parallel.scheme import Build, Scheme
+
+# Optimizers whose update is elementwise, so that a step on a shard equals that shard of the full step.
+SHARDABLE_OPTIMIZERS = ("adamw", "sgd")
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32", offload: bool = False) -> nn.Module:
     """Shard each of model.blocks, then the root; stage 3 reshards after forward, stage 2 does not."""
-    from plait.parallel import _blocks
-
     mp = None
     if param_dtype != "fp32":
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
@@ -29,7 +32,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32",
         kwargs["mp_policy"] = mp
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in _blocks(model):
+    for block in model_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -37,12 +40,11 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32",
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    sharded = True
 
-    def __init__(self, *args, stage: int, dp_group, tensor_parallel: bool = False, **kwargs):
+    def __init__(self, *args, stage: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tensor_parallel = tensor_parallel
         self.name = f"zero{stage}"
-        self.group = dp_group
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -52,13 +54,51 @@ class FSDPStrategy(Strategy):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, max_norm: float):
-        self.precision.unscale(self.optimizer, self.group)
-        if max_norm <= 0:
-            return None
-        if self.tensor_parallel:  # parameters on two meshes (dp x tp and dp): clip them one by one
-            from plait.parallel.gradsync import clip_grad_norm
 
-            return clip_grad_norm(self.module.parameters(), max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def check_zero(cfg, stages: tuple[int, ...]) -> None:
+    """What every ZeRO stage needs: data-parallel ranks to shard over and an elementwise optimizer."""
+    p = cfg.parallel
+    if p.zero not in stages:
+        return
+    if p.dp == 1:
+        raise ConfigError(f"parallel.zero = {p.zero} shards over the data-parallel axis, but parallel.dp = 1; "
+                          "set parallel.dp >= 2 or parallel.zero=0")
+    if cfg.optim.name not in SHARDABLE_OPTIMIZERS:
+        raise ConfigError(f"optim.name = {cfg.optim.name!r} cannot be sharded by ZeRO (its update is not elementwise); "
+                          f"use one of {', '.join(SHARDABLE_OPTIMIZERS)} or set parallel.zero=0")
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    if p.offload != "none" and p.zero < 2:
+        raise ConfigError(
+            f"parallel.offload = {p.offload!r} moves ZeRO shards to CPU memory and needs parallel.zero = 2 or 3 "
+            f"(it is {p.zero}); set parallel.zero=3 or parallel.offload='none'")
+    check_zero(cfg, (2, 3))
+    if p.zero >= 2 and p.pp > 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with parallel.pp = {p.pp} is not available in this version of plait; "
+            "set parallel.zero=0 (gradients are then averaged over dp by an all-reduce)")
+
+
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    p = b.cfg.parallel
+    offload = p.offload != "none" and b.rt.device.type != "cpu"
+    return apply_fsdp(model, b.rt.mesh["dp"], p.zero, param_dtype=b.cfg.precision.dtype, offload=offload)
+
+
+def build(b: Build) -> Strategy:
+    if b.cfg.parallel.offload != "none" and b.rt.device.type == "cpu":
+        b.rt.print(f"note: parallel.offload = {b.cfg.parallel.offload!r} has no effect on a CPU run (the shards already "
+                   "live in CPU memory)")
+    model = b.parallelize(b.module)
+    # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
+    precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
+    strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,
+                            stage=b.cfg.parallel.zero)
+    strategy.tensor_parallel = b.rt.axis_size("tp") > 1
+    return strategy
+
+
+SCHEME = Scheme("fsdp", applies=lambda cfg: cfg.parallel.dp > 1 and cfg.parallel.zero >= 2, check=check,
+                transform=transform, strategy=build)

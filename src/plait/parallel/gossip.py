@@ -26,7 +26,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from plait.comm.algorithms import _exchange, group_ranks
+from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 
 
 def neighbour_offsets(n: int, topology: str) -> list[int]:
@@ -125,3 +127,25 @@ class GossipStrategy(Strategy):
 
     def full_model_state_dict(self) -> dict:
         return {k: v.cpu() for k, v in self.average_state().items()}
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    if p.sync != "gossip":
+        return
+    require_plain_data_parallel(cfg)
+    if p.dp < 2:
+        raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {p.dp}; "
+                          "set parallel.dp >= 2")
+    if p.gossip_every < 1:
+        raise ConfigError(f"parallel.gossip_every = {p.gossip_every} must be >= 1 (steps between neighbour "
+                          "averages); set --set parallel.gossip_every=1")
+
+
+def build(b: Build) -> Strategy:
+    p = b.cfg.parallel
+    return GossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
+                          b.local_batch, b.rt.axis_group("dp"), p.gossip_every, p.gossip_topology)
+
+
+SCHEME = Scheme("gossip", applies=lambda cfg: cfg.parallel.sync == "gossip", check=check, strategy=build)

@@ -1,12 +1,25 @@
-"""Gradient plumbing shared by layouts that DDP cannot wrap (tensor-parallel DTensors, pipeline stages).
+"""Gradient plumbing every layout shares: one global-norm clip, one by-hand data-parallel average.
 
-`allreduce_grads` averages gradients over the dp axis in one flat all-reduce after backward.
-`clip_grad_norm` computes the global norm over plain and DTensor gradients alike (and over the
-pipeline stages, which hold different parameters), then clips: the same number as
-torch.nn.utils.clip_grad_norm_ on the single-process model.
+`clip_grad_norm` is the only gradient clipping in plait. Whatever the layout, it returns the norm
+torch.nn.utils.clip_grad_norm_ returns on the single-process model, and scales every gradient by
+the same factor:
+
+* plain tensors that every rank of a group holds whole (data parallel) count once;
+* DTensor gradients (tensor parallel, FSDP2) count as their full tensors, one reduction per
+  (mesh, placements) family rather than one per parameter;
+* `partial` parameters are pieces that other ranks of `group` do not hold (ZeRO-1's owned
+  segments, row-sharded embedding tables, a pipeline stage's own parameters): their squares are
+  summed over `group`;
+* `clip_also` are copies of a parameter counted elsewhere (a tied weight held by two pipeline
+  stages): clipped, not counted.
+
+`allreduce_grads` averages gradients over the dp axis in one flat all-reduce, for layouts that
+DDP cannot wrap (tensor-parallel DTensors, pipeline stages, sharded embeddings).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,33 +55,44 @@ def allreduce_grads(params, group, size: int) -> None:
         g.copy_(synced)
 
 
-def _norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of a list of gradients; DTensors are reduced over their mesh (full value on every rank)."""
-    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+def norm_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares (float64) of full gradients; DTensors are reduced over their meshes, one family at a time."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     plain = [g for g in grads if not hasattr(g, "full_tensor")]
     if plain:
-        total += torch.stack([n.double() for n in torch._foreach_norm(plain)]).pow(2).sum()
+        total += torch.stack(torch._foreach_norm(plain)).double().pow(2).sum()
+    families: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         if hasattr(g, "full_tensor"):
-            total += g.norm().full_tensor().double().pow(2)
+            families.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(g)
+    for family in families.values():
+        norms = torch.stack(torch._foreach_norm(family))  # a DTensor, partial where the gradients are sharded
+        total += norms.full_tensor().double().pow(2).sum()
     return total
 
 
-def clip_grad_norm(params, max_norm: float, pp_group=None, skip_in_norm: frozenset[int] = frozenset()) -> torch.Tensor:
-    """Clip the global gradient norm to max_norm; returns the norm before clipping (float32 scalar).
+def clip_grad_norm(params: Iterable, max_norm: float, *, partial: Iterable = (), group=None,
+                   clip_also: Iterable = ()) -> torch.Tensor:
+    """Global gradient norm (float32 scalar) of params + partial; clips every gradient to max_norm when it is > 0."""
+    grads = lambda ps: [p.grad for p in ps if p.grad is not None]  # noqa: E731
+    return clip_grads(grads(params), max_norm, partial=grads(partial), group=group, clip_also=grads(clip_also))
 
-    skip_in_norm: ids of parameters that are copies of one counted elsewhere (a tied weight held
-    by two pipeline stages), clipped but counted once.
-    """
-    params = [p for p in params if p.grad is not None]
-    if not params:
+
+def clip_grads(whole: list[torch.Tensor], max_norm: float, *, partial: list[torch.Tensor] = (), group=None,
+               clip_also: list[torch.Tensor] = ()) -> torch.Tensor:
+    """clip_grad_norm on gradient tensors: `whole` counted once, `partial` summed over `group`, `clip_also` not counted."""
+    every = [*whole, *partial, *clip_also]
+    if not every and group is None:
         return torch.zeros(())
-    counted = [p.grad for p in params if id(p) not in skip_in_norm]
-    sq = _norm_sq(counted) if counted else torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
+    device = _local(every[0]).device if every else torch.device("cpu")  # a rank with nothing still joins the sum
+    sq = norm_sq(list(whole), device)
+    if partial or group is not None:
+        shard_sq = norm_sq(list(partial), device)
+        if group is not None:
+            dist.all_reduce(shard_sq, group=group)
+        sq = sq + shard_sq
     norm = sq.sqrt().float()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        _local(p.grad).mul_(coef.to(p.grad.device))
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([_local(g) for g in every], coef.to(device))
     return norm

@@ -25,8 +25,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from plait.errors import ConfigError
+from plait.models import capabilities
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
+from plait.parallel.scheme import Build, Scheme
+from plait.parallel.split import pipeline_stage, stage_bounds
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -53,6 +57,7 @@ def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
 
 class PipelineStrategy(Strategy):
     name = "pipeline"
+    sharded = True
 
     def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, rt, make_optimizer, loss_fn,
                  precision, local_batch: int, microbatches: int, schedule: str, blocks_attr: str,
@@ -108,11 +113,15 @@ class PipelineStrategy(Strategy):
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage contributes
         return loss
 
-    def clip_grad_norm(self, max_norm: float):
-        self.precision.unscale(self.optimizer, self.pp_group)
-        if max_norm <= 0:
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True):
+        """Each stage holds its own parameters: squares summed over the pipeline; a tied copy is clipped, not counted."""
+        self.precision.unscale(self.optimizer, self.overflow_group())
+        if max_norm <= 0 and not need_norm:
             return None
-        return clip_grad_norm(self.module.parameters(), max_norm, self.pp_group, self._alias_ids)
+        params = list(self.module.parameters())
+        counted = [p for p in params if id(p) not in self._alias_ids]
+        copies = [p for p in params if id(p) in self._alias_ids]
+        return clip_grad_norm([], max_norm, partial=counted, group=self.pp_group, clip_also=copies)
 
     # ---- a weight shared by the first and last stage
     def _setup_tied(self, tied: dict[str, str]) -> None:
@@ -237,6 +246,15 @@ class PipelineStrategy(Strategy):
         self.step_stats.append((max(0.0, 1.0 - busy / span) if span > 0 else 0.0, peak))
         self.last_timeline = list(self.events)  # absolute times; the plot lines ranks up
 
+    def figures(self, reports: list[dict], run_dir) -> dict:
+        """The measured bubble next to the theory, micro-batches in flight per stage, and the timeline plot."""
+        summary = pipeline_summary(reports, self.schedule_name, self.pp, self.microbatches, self.virtual)
+        if run_dir is not None:
+            from plait.report.pipeline import plot_timeline
+
+            plot_timeline(reports, summary, run_dir / "pipeline.png")
+        return {"pipeline": summary}
+
     def report(self) -> dict:
         """This rank's pipeline figures (steps after the first, which includes setup)."""
         stats = self.step_stats[1:] or self.step_stats
@@ -247,6 +265,82 @@ class PipelineStrategy(Strategy):
             "peak_inflight": max((p for _, p in stats), default=0),
             "timeline": self.last_timeline,
         }
+
+
+def pipeline_summary(per_rank: list[dict], schedule: str, p: int, m: int, v: int) -> dict:
+    """Measured bubble (mean over one pipeline's ranks) next to the theory, and in-flight micro-batches per stage."""
+    first: dict[int, dict] = {}  # one pipeline: the first rank (in rank order) of each pp rank
+    for r in per_rank:
+        first.setdefault(r["pp_rank"], r)
+    one = [first[k] for k in sorted(first)]
+    return {
+        "schedule": schedule, "stages": p * v, "microbatches": m,
+        "bubble_fraction": sum(r["bubble_fraction"] for r in one) / len(one),
+        "bubble_fraction_theory": theoretical_bubble(p, m, v),
+        "peak_inflight_per_rank": [r["peak_inflight"] for r in one],
+    }
+
+
+def microbatches(cfg) -> int:
+    """Pipeline micro-batches per step: parallel.microbatches, else the accumulation count."""
+    t = cfg.train
+    return cfg.parallel.microbatches or t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp)
+
+
+def check(cfg) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
+        raise ConfigError(
+            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp_schedule = 'interleaved-1f1b' "
+            f"(it is {p.pp_schedule!r})")
+    if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and p.virtual_stages < 2:
+        raise ConfigError("parallel.pp_schedule = 'interleaved-1f1b' needs parallel.virtual_stages >= 2 model "
+                          "chunks per pipeline rank; set --set parallel.virtual_stages=2")
+    if p.microbatches < 0:
+        raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
+    if p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
+        raise ConfigError(
+            f"parallel.pp_split = {p.pp_split} gives {len(p.pp_split) + 1} stages but the layout has "
+            f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices")
+    if p.pp == 1:
+        return
+    if "pipeline" not in capabilities(cfg.model):
+        what = cfg.model.factory or f"model.name = {cfg.model.name!r}"
+        raise ConfigError(
+            f"parallel.pp = {p.pp} cuts the model into stages, but {what} has no pipeline cut points (a "
+            "`pipeline_parts()` method naming its blocks, see plait.models.gpt); set parallel.pp=1")
+    if p.microbatches and t.global_batch_size % (p.dp * p.microbatches):
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
+            f"parallel.microbatches ({p.microbatches}) = {p.dp * p.microbatches}")
+    m = microbatches(cfg)
+    if p.pp_schedule == "interleaved-1f1b" and m % p.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
+            f"of parallel.pp ({p.pp}); set parallel.microbatches={p.pp * max(1, m // p.pp)}")
+    if cfg.model.name == "gpt" and not cfg.model.factory and p.pp * p.virtual_stages > cfg.model.layers:
+        raise ConfigError(
+            f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {p.pp * p.virtual_stages} "
+            f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers")
+
+
+def build(b: Build) -> PipelineStrategy:
+    """Cut the plain model into pp * virtual_stages stages; this rank holds stages r, r + pp, ...; each is parallelized."""
+    p, rt, module = b.cfg.parallel, b.rt, b.module
+    pp, v = rt.axis_size("pp"), p.virtual_stages
+    bounds = stage_bounds(module, pp * v, p.pp_split or None)
+    mine = [rt.axis_rank("pp") + k * pp for k in range(v)]
+    parts = [b.parallelize(pipeline_stage(module, bounds, s)) for s in mine]
+    tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
+    strategy = PipelineStrategy(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
+                                microbatches(b.cfg), p.pp_schedule, module.pipeline_parts()["blocks"], tied,
+                                dp_sync=rt.axis_size("dp") > 1)
+    return strategy
+
+
+SCHEME = Scheme("pipeline", applies=lambda cfg: cfg.parallel.pp > 1, check=check, strategy=build)
 
 
 def _send(t: torch.Tensor, dst: int) -> None:

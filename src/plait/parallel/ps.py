@@ -1,10 +1,10 @@
-"""Data parallel through a parameter server (`parallel.sync = 'ps'`): the worker's Strategy.
+"""Data parallel through a parameter server (`parallel.sync = 'ps'`): the workers' Strategy and the servers' role.
 
-Each worker computes the gradient of its slice of the global batch, pushes it to the servers
-(plait.ps) and takes their parameters back; the optimizer lives on the servers. Rank 0, the chief
-worker, runs plait's trainer loop (metrics, evaluation, checkpoints of the servers' state); the
-trainer gives it the whole global batch, of which it takes its own slice. The other workers run
-plait.ps.worker's loop on their slices.
+Every worker runs plait's training loop on its own slice of each global batch, pushes its
+gradient to the servers (plait.ps) and takes their parameters back; the optimizer lives on the
+servers. Worker 0, the chief, also writes the run's files (metrics, evaluation, checkpoints of
+the servers' state); the other workers write nothing, so one can die without touching the run
+directory. Server ranks do not train: they hold their shard until every worker is done or gone.
 
 * sync: push -> the servers average and return the norms -> clip by the global norm -> apply:
   dp all-reduce's parameters, step for step.
@@ -14,19 +14,23 @@ plait.ps.worker's loop on their slices.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
+from plait.ps import server as srv
 from plait.ps.client import PSClient
-from plait.ps.policy import staleness_summary
+from plait.ps.policy import assign_shards, staleness_summary
 
 
 class PSStrategy(Strategy):
-    def __init__(self, module, optimizer, loss_fn, precision, local_batch: int, client: PSClient, mode: str,
-                 worker: int, dp: int, servers: int, whole_batches: bool):
-        super().__init__(module, module, optimizer, loss_fn, precision, local_batch)
+    def __init__(self, model, module, optimizer, loss_fn, precision, local_batch: int, client: PSClient, mode: str,
+                 worker: int, dp: int, servers: int):
+        super().__init__(model, module, optimizer, loss_fn, precision, local_batch)
         self.client, self.mode, self.chief = client, mode, worker == 0
-        self.slice_of = (worker, dp) if whole_batches else None  # take this worker's share of each whole global batch
         self.name = f"ps-{mode}: {dp} workers + {servers} server{'s' * (servers > 1)}"
         self._opened = False
         self._coef: torch.Tensor | None = None
@@ -42,22 +46,18 @@ class PSStrategy(Strategy):
 
     def forward_backward(self, micro_batches):
         self._open()
-        if self.slice_of is not None:
-            worker, dp = self.slice_of
-            share = len(micro_batches) // dp
-            micro_batches = micro_batches[worker * share:(worker + 1) * share]
         self._loss = super().forward_backward(micro_batches)
         return self._loss
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
         if self.mode != "sync":
-            return super().clip_grad_norm(max_norm)
+            return super().clip_grad_norm(max_norm, need_norm)
         norms, mean_loss = self.client.push_sync(float(self._loss))
         # The trainer adds this tensor to its loss window after the step: make it the workers' mean.
         self._loss.fill_(mean_loss)
         if max_norm <= 0:
             self._coef = None
-            return None
+            return torch.linalg.vector_norm(torch.stack(norms)) if need_norm else None
         total = torch.linalg.vector_norm(torch.stack(norms))  # as clip_grad_norm_ combines per-tensor norms
         self._coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
@@ -69,6 +69,10 @@ class PSStrategy(Strategy):
         else:
             self._staleness.extend(self.client.push_async(lr))
         self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self) -> None:
+        if not self.chief:  # the chief's weights are still read after the loop (export, sample); it finishes at exit
+            self.client.finish()
 
     def step_metrics(self, record: dict) -> dict:
         """Staleness of every update the servers applied since the last record (server 0's count)."""
@@ -83,6 +87,8 @@ class PSStrategy(Strategy):
         return {"model": model, "optim": {"state": optim}}
 
     def load_state_dict(self, state: dict) -> None:
+        if not self.chief:  # the chief loads the servers; the others pull from them when they open
+            return
         params = {n: state["model"][n] for n, _ in self.module.named_parameters()}
         self.client.load(params, state["optim"]["state"])
         self.module.load_state_dict(state["model"])
@@ -93,15 +99,57 @@ class PSStrategy(Strategy):
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
 
-def build_ps_strategy(module, cfg, rt, make_optimizer, loss_fn, precision, whole_batches: bool) -> PSStrategy:
-    """The worker's strategy: shards assigned as every rank assigns them, a local optimizer only for the learning rate.
+def shards(module, servers: int) -> list[list[str]]:
+    """Parameter names per server, as every rank computes them."""
+    return assign_shards({n: q.numel() * q.element_size() for n, q in module.named_parameters()}, servers)
 
-    whole_batches: the data loader gives the whole global batch (the chief under the trainer), not this worker's slice.
-    """
-    from plait.ps.policy import assign_shards
 
+def build(b: Build) -> PSStrategy:
+    """A worker's strategy: a local optimizer only for the learning rate; the servers hold the real one."""
+    p = b.cfg.parallel
+    client = PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers))
+    return PSStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
+                      b.local_batch, client, p.ps_mode, b.rt.rank, p.dp, p.ps_servers)
+
+
+def serve(b: Build, run_dir) -> dict:
+    """A server rank: hold this server's shard until every worker is done or gone; returns its summary."""
+    cfg = b.cfg
+    module = b.module.cpu()
+    index = b.rt.rank - cfg.parallel.dp
+    server = srv.ParameterServer(index, module, shards(module, cfg.parallel.ps_servers)[index], cfg, b.make_optimizer)
+    srv.start(server)
+    t0 = time.perf_counter()
+    server.serve()
+    time.sleep(0.2)  # let the last answers leave before the agent stops
+    summary = {"role": "server", **server.report(run_dir, plot=cfg.log.report), "wall_time_s": time.perf_counter() - t0}
+    if server.dead:
+        print(f"ps{index}: worker(s) {sorted(server.dead)} stopped early; the others finished "
+              f"({server.version} updates applied)", flush=True)
+    return summary
+
+
+def check(cfg) -> None:
     p = cfg.parallel
-    shards = assign_shards({n: q.numel() * q.element_size() for n, q in module.named_parameters()}, p.ps_servers)
-    client = PSClient(module, rt.rank, shards)
-    return PSStrategy(module, make_optimizer(module), loss_fn, precision, cfg.train.global_batch_size // p.dp, client,
-                      p.ps_mode, rt.rank, p.dp, p.ps_servers, whole_batches)
+    if p.staleness < 0:
+        raise ConfigError(f"parallel.staleness = {p.staleness} must be >= 0 (how many steps a worker may run ahead of "
+                          "the slowest one; 0 = lockstep); set --set parallel.staleness=2")
+    if p.sync != "ps":
+        return
+    require_plain_data_parallel(cfg)
+    if p.ps_servers < 1:
+        raise ConfigError(f"parallel.ps_servers = {p.ps_servers} must be >= 1 (parameter-server processes); "
+                          "set --set parallel.ps_servers=1")
+    lo, hi = cfg.node_range
+    if lo < hi:
+        raise ConfigError(
+            f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}: an elastic job would resize the workers "
+            "without its servers; set launch.nnodes to a fixed number of machines")
+    if p.dp < p.ps_servers:
+        raise ConfigError(
+            f"parallel.sync = 'ps' with parallel.ps_servers = {p.ps_servers} servers but only parallel.dp = {p.dp} "
+            f"workers: a server without a worker of its own is wasted; set parallel.ps_servers <= {p.dp} or "
+            f"parallel.dp >= {p.ps_servers}")
+
+
+SCHEME = Scheme("parameter_server", applies=lambda cfg: cfg.parallel.sync == "ps", check=check, strategy=build, serve=serve)

@@ -25,22 +25,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from plait.comm.placement import balanced_owners
+from plait.errors import ConfigError
 from plait.parallel.base import Strategy
-
-
-def assign_owners(sizes: list[int], ranks: int) -> list[int]:
-    """Owner rank per parameter: largest first, each to the least-loaded rank (ties: lowest rank)."""
-    load = [0] * ranks
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
+from plait.parallel.fsdp import check_zero
+from plait.parallel.gradsync import clip_grads
+from plait.parallel.scheme import Build, Scheme
 
 
 class ZeroOneStrategy(Strategy):
     name = "zero1"
+    sharded = True
 
     def __init__(self, module: nn.Module, make_optimizer, loss_fn, precision, local_batch: int, dp_group):
         self.group = dp_group
@@ -48,7 +43,7 @@ class ZeroOneStrategy(Strategy):
         self.rank = dist.get_rank(dp_group)
         params = [p for p in module.parameters() if p.requires_grad]  # unique (tied weights once)
         self.params = params
-        owner = assign_owners([p.numel() for p in params], self.ranks)
+        owner = balanced_owners([p.numel() for p in params], self.ranks)
         loads = [sum(p.numel() for p, o in zip(params, owner) if o == r) for r in range(self.ranks)]
         self.segment = max(loads)  # S: every rank's segment is padded to this length
         ref = params[0]
@@ -76,22 +71,34 @@ class ZeroOneStrategy(Strategy):
         self.flat_grads[lo:lo + self.segment].div_(self.ranks)
         return loss
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
         """Global gradient norm from the owned (already averaged) segments; clips owned gradients."""
         self.precision.unscale(self.optimizer, self.group)
-        if max_norm <= 0:
+        if max_norm <= 0 and not need_norm:
             return None
         lo = self.rank * self.segment
-        own = self.flat_grads[lo:lo + self.segment]
-        sq = own.double().pow(2).sum().reshape(1)
-        dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt().to(own.dtype)[0]
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        own.mul_(coef)
-        return norm
+        return clip_grads([], max_norm, partial=[self.flat_grads[lo:lo + self.segment]], group=self.group)
 
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
         lo = self.rank * self.segment
         dist.all_gather_single(self.flat_params, self.flat_params[lo:lo + self.segment], group=self.group)
         self.flat_grads.zero_()  # gradients are views into this buffer: zero it, never drop them
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    check_zero(cfg, (1,))
+    if p.zero == 1 and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {p.tp}, pp = {p.pp}); "
+            "use parallel.zero=2 or 3 with tp, or zero=0")
+
+
+def build(b: Build) -> Strategy:
+    strategy = ZeroOneStrategy(b.module, b.make_optimizer, b.loss_fn, b.precision, b.local_batch, b.rt.axis_group("dp"))
+    strategy.model = b.parallelize(b.module)  # activation checkpointing / compile, after the flat buffers exist
+    return strategy
+
+
+SCHEME = Scheme("zero1", applies=lambda cfg: cfg.parallel.dp > 1 and cfg.parallel.zero == 1, check=check, strategy=build)

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.comm.placement import balanced_owners
+
 
 def assign_shards(sizes: dict[str, int], servers: int) -> list[list[str]]:
     """Parameter names per server, balanced by bytes (largest first onto the lightest server); model order within each."""
-    order = {name: i for i, name in enumerate(sizes)}
-    load = [0] * servers
-    owner: dict[str, int] = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], order[n])):
-        k = min(range(servers), key=lambda s: (load[s], s))
-        owner[name] = k
-        load[k] += sizes[name]
-    return [[n for n in sizes if owner[n] == k] for k in range(servers)]
+    names = list(sizes)
+    owner = balanced_owners([sizes[n] for n in names], servers)
+    return [[n for n, o in zip(names, owner) if o == k] for k in range(servers)]
 
 
 @dataclass(frozen=True)

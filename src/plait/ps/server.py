@@ -37,13 +37,12 @@ class PSError(RuntimeError):
 
 
 class ParameterServer:
-    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg):
-        from plait.train.optim import build_optimizer
-
+    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg, make_optimizer):
+        """make_optimizer(module, only=ids): the job's optimizer over the parameters whose ids are given."""
         named = dict(module.named_parameters())
         self.index, self.names = index, list(names)
         self.params = {n: named[n] for n in self.names}
-        self.optimizer = build_optimizer(module, cfg.optim, only={id(p) for p in self.params.values()}) if names else None
+        self.optimizer = make_optimizer(module, only={id(p) for p in self.params.values()}) if names else None
         p = cfg.parallel
         self.dp, self.mode, self.timeout_s = p.dp, p.ps_mode, cfg.launch.timeout_s
         self.policy = StalenessPolicy(p.ps_mode, p.staleness)

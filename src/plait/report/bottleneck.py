@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from plait.train.metrics import read_metrics
+from plait.report.runfiles import read_metrics
 
 THRESHOLDS = {"data": 0.20, "exposed_comm": 0.25, "bubble": 0.20, "optimizer": 0.25}
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from plait.report.plots import loss_curve, step_time_breakdown
-from plait.train.metrics import read_metrics
+from plait.report.runfiles import read_metrics
 
 
 def _fmt(v) -> str:

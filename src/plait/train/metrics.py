@@ -1,4 +1,4 @@
-"""Step timing by phase and the metrics.jsonl writer."""
+"""Step timing by phase and the metrics.jsonl writer (plait.report.read_metrics reads it back)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,53 @@ from pathlib import Path
 
 import torch
 
+from plait.report.runfiles import read_metrics  # noqa: F401  (federated's recorder reads it from here)
 from plait.runtime import synchronize
 
 
 class PhaseTimer:
-    """Wall time per named phase of a step, accumulated over a logging window."""
+    """Seconds per named phase of a step, accumulated over a logging window, without syncing the host every step.
+
+    On CPU the phases are timed by the host clock. On CUDA each phase records a pair of events and
+    their elapsed times are read in `window()`, on logging steps only, so no step waits for the
+    device just to be timed. Other accelerators synchronise around each phase.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.events = device.type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
+        self.pending: list[tuple[str, object, object]] = []
         self.steps = 0
 
     @contextmanager
     def phase(self, name: str):
-        synchronize(self.device)
+        if self.events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.pending.append((name, start, end))
+            return
+        if self.device.type != "cpu":
+            synchronize(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            synchronize(self.device)
+            if self.device.type != "cpu":
+                synchronize(self.device)
             self.totals[name] += time.perf_counter() - t0
 
     def window(self) -> dict[str, float]:
         """Mean seconds per step for each phase since the last call; resets the window."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for name, start, end in self.pending:
+                self.totals[name] += start.elapsed_time(end) / 1000.0
+            self.pending.clear()
         n = max(1, self.steps)
         out = {k: v / n for k, v in self.totals.items()}
         self.totals.clear()
@@ -58,7 +82,3 @@ class MetricsWriter:
             self._f = None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,14 +1,17 @@
 """Keeping a run honest about failure: hangs, mismatched collectives, stragglers and preemption.
 
-* Heartbeats: each rank writes (step, phase, time) to the job's key-value store as it goes, so
-  when a collective times out (launch.timeout_s) the rank that noticed can name the ranks that
-  never joined and where they were last seen.
+Nothing here costs the step a collective or a store round trip:
+
+* Heartbeats: the loop only notes (step, phase) in memory; a background thread writes the latest
+  note to the job's key-value store every HEARTBEAT_S, so when a collective times out
+  (launch.timeout_s) the rank that noticed can name the ranks that never joined and where they
+  were last seen.
 * Mismatched collectives (launch.check_collectives): plait.comm.fingerprint compares every
   collective across ranks before it runs; the error names the ranks, both ops and call sites.
 * Stragglers: a rank whose compute time per step (its step time minus the time it waited in
   collectives) exceeds 1.5 x the median over a logging window is flagged.
-* Preemption: SIGTERM sets a flag; the ranks agree on it at the end of a step (one all-reduce),
-  write a checkpoint and stop cleanly.
+* Preemption: SIGTERM sets a flag; the ranks agree on it in the reduction that a logging step does
+  anyway (plait.train.telemetry), write a checkpoint and stop cleanly.
 """
 
 from __future__ import annotations
@@ -18,16 +21,16 @@ import os
 import re
 import signal
 import statistics
+import threading
 import time
 
-import torch
 import torch.distributed as dist
 
-from plait.comm import accounting
 from plait.errors import PlaitError
 
 STRAGGLER_FACTOR = 1.5
 PHASES = ("data", "forward_backward", "optimizer", "sync", "checkpoint", "eval")
+HEARTBEAT_S = 1.0
 
 
 class DistributedFailure(PlaitError):
@@ -46,16 +49,33 @@ def _store():
 
 
 class Watchdog:
-    def __init__(self, rt, timeout_s: float):
-        self.rt, self.timeout_s = rt, timeout_s
+    """Heartbeats, SIGTERM and the explanation of a failed collective, for one rank's training loop."""
+
+    def __init__(self, rt, timeout_s: float, comm=None):
+        self.rt, self.timeout_s, self.comm = rt, timeout_s, comm
         self.store = _store() if rt.distributed else None
         self.stop_requested = False
+        self.step, self.phase = 0, "data"
         self._prev_handler = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # ---- heartbeats
-    def beat(self, step: int, phase: str) -> None:
-        if self.store is not None:
-            self.store.set(f"plait/hb/{self.rt.rank}", json.dumps({"step": step, "phase": phase, "t": time.time()}))
+    def at(self, step: int, phase: str) -> None:
+        """Where this rank is now (a note in memory; the heartbeat thread publishes it)."""
+        self.step, self.phase = step, phase
+
+    def _beat(self) -> None:
+        sent = None
+        while not self._done.wait(HEARTBEAT_S if sent is not None else 0.0):
+            now = (self.step, self.phase)
+            if now == sent:
+                continue
+            try:
+                self.store.set(f"plait/hb/{self.rt.rank}", json.dumps({"step": now[0], "phase": now[1], "t": time.time()}))
+            except Exception:  # the store goes away with the job; a heartbeat must never take the rank down
+                return
+            sent = now
 
     def _seen(self) -> dict[int, dict]:
         out = {}
@@ -67,14 +87,15 @@ class Watchdog:
                 pass
         return out
 
-    def explain(self, exc: BaseException, step: int, phase: str) -> BaseException:
+    def explain(self, exc: BaseException) -> BaseException:
         """Turn a backend error into one that says what happened and who is to blame (or return it as is)."""
+        step, phase = self.step, self.phase
         text = str(exc)
         if type(exc).__name__ == "CollectiveMismatch":
             return DistributedFailure(f"rank {self.rt.rank}, step {step} ({phase}): {text}")
         if not re.search(r"[Tt]imed? ?out|timeout", text) or self.store is None:
             return exc
-        op = accounting.last_call.get("op", "a collective")
+        op = (self.comm.last_call if self.comm is not None else {}).get("op", "a collective")
         seen = self._seen()
         late = []
         for r in range(self.rt.world_size):
@@ -90,35 +111,34 @@ class Watchdog:
             f"{self.timeout_s:g} s; did not join: {who}"
         )
 
-    # ---- preemption
-    def install_sigterm(self) -> None:
-        """SIGTERM (from torchrun's agent, Slurm, Kubernetes) asks for a clean stop after the current step."""
-        import threading
+    # ---- the loop's lifetime: heartbeats and SIGTERM
+    def __enter__(self) -> Watchdog:
+        if self.store is not None:
+            self._thread = threading.Thread(target=self._beat, name="plait-heartbeat", daemon=True)
+            self._thread.start()
+        if threading.current_thread() is threading.main_thread():
 
-        if threading.current_thread() is not threading.main_thread():
-            return
+            def handler(signum, frame):
+                self.stop_requested = True
+                # A rank stuck in a collective never reaches the end of its step: do not outlive the grace period.
+                t = threading.Timer(self.timeout_s, lambda: os._exit(128 + signal.SIGTERM))
+                t.daemon = True
+                t.start()
 
-        def handler(signum, frame):
-            self.stop_requested = True
-            # A rank stuck in a collective never reaches the end of its step: do not outlive the grace period.
-            t = threading.Timer(self.timeout_s, lambda: os._exit(128 + signal.SIGTERM))
-            t.daemon = True
-            t.start()
+            # SIGTERM (from torchrun's agent, Slurm, Kubernetes) asks for a clean stop at the next logging step.
+            self._prev_handler = signal.signal(signal.SIGTERM, handler)
+        return self
 
-        self._prev_handler = signal.signal(signal.SIGTERM, handler)
-
-    def restore_sigterm(self) -> None:
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._done.set()
         if self._prev_handler is not None:
             signal.signal(signal.SIGTERM, self._prev_handler)
             self._prev_handler = None
-
-    def should_stop(self) -> bool:
-        """Whether any rank was asked to stop (a collective: every rank calls it at the end of every step)."""
-        if not self.rt.distributed:
-            return self.stop_requested
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if exc is not None and isinstance(exc, Exception):
+            explained = self.explain(exc)
+            if explained is not exc:
+                raise explained from None
+        return False
 
 
 def stragglers(compute_s: list[float]) -> list[int]:

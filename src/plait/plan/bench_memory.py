@@ -18,8 +18,11 @@ import json
 import statistics
 from pathlib import Path
 
-from plait.config import Config, dump_config, validate_config
+from plait.config import Config, dump_config
 from plait.errors import ConfigError
+from plait.launch import launch
+from plait.parallel.layout import Layout
+from plait.train.job import check_job
 
 MIB = 1024 * 1024
 
@@ -46,13 +49,12 @@ def stage_config(base: Config, zero: int, steps: int) -> Config:
     cfg.train.sample_tokens, cfg.train.eval_samples = 0, cfg.train.eval_batch_size
     cfg.checkpoint.every = 0
     cfg.log.every, cfg.log.progress, cfg.log.report = 1, False, False
-    return validate_config(cfg)
+    check_job(cfg)
+    return cfg
 
 
 def run_stages(base: Config, out: Path, steps: int = 6) -> list[dict]:
     """Train each ZeRO stage for `steps` steps under out/zeroK; returns one row per stage."""
-    from plait.launch import launch
-
     if base.parallel.dp < 2:
         raise ConfigError(f"plait bench memory compares ZeRO stages over dp ranks; parallel.dp = {base.parallel.dp}, "
                           "set --set parallel.dp=2 (or more)")
@@ -62,7 +64,7 @@ def run_stages(base: Config, out: Path, steps: int = 6) -> list[dict]:
         run_dir = out / f"zero{zero}"
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
-        print(f"zero={zero}: {steps} steps on {cfg.world_size} processes ...", flush=True)
+        print(f"zero={zero}: {steps} steps on {Layout.from_config(cfg).world_size} processes ...", flush=True)
         code = launch(cfg, run_dir)
         if code:
             raise ConfigError(f"the zero={zero} run failed (exit code {code}); see {run_dir / 'logs'}")

@@ -1,0 +1,74 @@
+"""Validation and the end-of-run sample, layout-independent: the same figures from any layout or one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from plait.data import DataBundle
+from plait.data.datasets import eval_batches
+from plait.models import build_model
+
+
+def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
+    """Validation loss (and accuracy) on the fixed validation set.
+
+    Each fixed-size batch is evaluated whole on one dp rank and the per-batch figures are
+    combined in float64 in batch order, so the result does not depend on the layout and a
+    single process with the exported weights reproduces it. Ranks without a process group (a
+    parameter server's chief) evaluate every batch themselves.
+    """
+    batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
+    losses = torch.zeros(len(batches), dtype=torch.float64)
+    correct = torch.zeros(len(batches), dtype=torch.float64)
+    dp = rt.group_size("dp")
+    r = rt.axis_rank("dp") if dp > 1 else 0
+    model = strategy.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for k in range(-(-len(batches) // dp)):
+            i = k * dp + r
+            if i >= len(batches):
+                # Sharded parameters are gathered collectively: every rank runs as many forwards.
+                x, y = dataset.fetch(batches[0])
+                strategy.eval_batch(x.to(rt.device), y.to(rt.device))
+                continue
+            x, y = dataset.fetch(batches[i])
+            loss, right = strategy.eval_batch(x.to(rt.device), y.to(rt.device))
+            losses[i], correct[i] = loss.cpu(), right.cpu()
+    model.train(was_training)
+    if dp > 1:
+        both = torch.stack([losses, correct]).to(rt.device)
+        dist.all_reduce(both, group=rt.axis_group("dp"))
+        losses, correct = both.cpu()
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
+    if task in ("classification", "binary"):
+        out["val_accuracy"] = float(correct.sum() / sizes.sum())
+    return out
+
+
+def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
+    """A short seeded continuation of train.sample_prompt (language models only), generated on rank 0.
+
+    The weights are gathered into a plain single-process model first (a collective: every rank
+    calls this), whatever the layout that trained them.
+    """
+    if bundle.tokenizer is None or cfg.train.sample_tokens <= 0:
+        return None
+    weights = strategy.full_model_state_dict()
+    if not rt.is_main:
+        return None
+    module = build_model(cfg.model, bundle.spec)
+    if not hasattr(module, "generate"):
+        return None
+    module.load_state_dict(weights)
+    device = rt.device
+    module.to(device)
+    tok = bundle.tokenizer
+    prompt = torch.tensor(tok.encode(cfg.train.sample_prompt).astype("int64"), device=device)[None]
+    g = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    module.eval()
+    out = module.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=20, generator=g)
+    return tok.decode(out[0].tolist())

@@ -1,0 +1,286 @@
+"""What a training run measures and writes about itself, kept off the step's critical path.
+
+The loop (plait.train.trainer) calls, per step::
+
+    tel.begin(step + 1)                      # profiler window, fault points
+    with tel.phase("forward_backward"): ...  # phase times (CUDA events on GPU), the watchdog's note
+    stop = tel.end(step, loss, grad_norm)    # the metrics window; on logging steps one reduction
+
+A logging step (every log.every steps, the session's first and last) does one all-gather of
+(loss, stop flag, compute seconds) from every rank: the window's mean loss, the agreement to stop
+after a SIGTERM, and the straggler figures all ride on it. Other steps do no collective and no
+host-device synchronisation for telemetry. At the end `finish` evaluates, gathers memory and
+traffic per rank, asks the strategy for its figures (pipeline bubble and timeline), writes
+summary.json and the report, and prints the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait import faults
+from plait.comm import CommCounter, counting
+from plait.config import dump_config
+from plait.report import write_report
+from plait.train.evaluate import evaluate, generate_sample
+from plait.train.memory import ActivationMeter, grads_bytes, snapshot
+from plait.train.metrics import MetricsWriter, PhaseTimer
+from plait.train.profile import StepProfiler
+from plait.train.progress import Progress
+from plait.train.watchdog import STRAGGLER_FACTOR, Watchdog, stragglers
+
+
+def _fingerprinter(cfg, rt):
+    if not (cfg.launch.check_collectives and rt.distributed):
+        return None
+    from plait.comm.fingerprint import Fingerprinter
+
+    return Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+class Telemetry:
+    def __init__(self, cfg, rt, layout, run_dir: Path | None, bundle, strategy, start: int, stop: int):
+        self.cfg, self.rt, self.layout, self.run_dir, self.bundle = cfg, rt, layout, run_dir, bundle
+        self.strategy, self.start, self.stop = strategy, start, stop
+        self.writes = rt.is_main and run_dir is not None
+        self.t_begin = time.perf_counter()
+        spec = bundle.spec
+        self.lm = spec.task == "lm"
+        self.per_sample = spec.tokens_per_sample if self.lm else 1
+        self.rate_key = "tokens_per_s" if self.lm else "samples_per_s"
+        self.comm = CommCounter(_fingerprinter(cfg, rt))
+        self.watchdog = Watchdog(rt, cfg.launch.timeout_s, self.comm)
+        self.timer = PhaseTimer(rt.device)
+        self.meter = ActivationMeter(strategy.module)
+        self.profiler = StepProfiler(cfg.log.profile_steps, run_dir, rt.rank, rt.device)
+        self.progress = Progress(cfg.train.steps, start, cfg.log.progress and rt.is_main, "tok" if self.lm else "samples")
+        if self.writes:
+            write_run_files(run_dir, cfg, bundle)
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl" if self.writes else None)
+        self.measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
+        self.step = start
+        self.grads_seen = 0
+        self.flagged: dict[int, int] = {}
+        self.initial_loss = self.final_loss = None
+        self.loop_steps = 0
+        self._window_reset()
+        self.loop_t0 = time.perf_counter()
+        self._counting = counting(self.comm)
+
+    def _window_reset(self) -> None:
+        self.window_loss = torch.zeros((), device=self.rt.device)
+        self.window_steps, self.window_t0 = 0, time.perf_counter()
+        self.window_comm = self.window_wait = 0.0
+
+    # ---- the loop
+    def __enter__(self) -> Telemetry:
+        self._announce()
+        self.watchdog.__enter__()
+        self._counting.__enter__()
+        return self
+
+    def _announce(self) -> None:
+        cfg, rt, layout = self.cfg, self.rt, self.layout
+        n_params = sum(p.numel() for p in self.strategy.module.parameters())
+        rt.print(
+            f"plait: {cfg.model.factory or cfg.model.name} ({n_params / 1e6:.2f}M params) on {self.bundle.spec.name} · "
+            f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} (dp={layout.dp}, {self.strategy.name}) · "
+            f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
+            f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
+            + (f" · run dir {self.run_dir}" if self.run_dir is not None else ""))
+
+    def __exit__(self, *exc) -> None:
+        self._counting.__exit__(*exc)
+        self.progress.close()
+        self.watchdog.__exit__(*exc)  # explains a failed collective: who did not join, where they were
+
+    def at(self, step: int, phase: str) -> None:
+        """Note where this rank is, for the heartbeat (outside the timed phases)."""
+        self.watchdog.at(step, phase)
+
+    def begin(self, step: int) -> None:
+        """Step `step` (1-based) begins."""
+        self.step = step
+        self.watchdog.at(step, "data")
+        self.profiler.begin(step)
+        faults.maybe_fire("step", self.rt.rank, step, group=self.rt.axis_group("dp"))
+        self._sent, self._waited = self.comm.bytes_sent, self.comm.wait_s
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.watchdog.at(self.step, name)
+        measuring = name == "forward_backward" and self.step in self.measure_at
+        self.strategy.activation_meter = self.meter if measuring else None
+        with self.timer.phase(name):
+            if name == "data":
+                faults.maybe_fire("data", self.rt.rank, self.step)
+            yield
+        if measuring:
+            self.grads_seen = max(self.grads_seen, grads_bytes(self.strategy.module))
+
+    def logs(self, step: int) -> bool:
+        """Whether step `step` writes a metrics record (the same answer on every rank)."""
+        return step % self.cfg.log.every == 0 or step == self.stop or step == self.start + 1
+
+    def end(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Account for the finished step; on logging steps write its record. Returns whether every rank is to stop."""
+        self.watchdog.at(step, "sync")
+        self.window_comm += self.comm.bytes_sent - self._sent
+        self.window_wait += self.comm.wait_s - self._waited
+        self.timer.steps += 1
+        self.window_loss += loss
+        self.window_steps += 1
+        self.loop_steps += 1
+        self.profiler.end(step)
+        if not self.logs(step):
+            self.progress.update(step, None, None)
+            return self.watchdog.stop_requested and not self.rt.distributed
+        step_time = (time.perf_counter() - self.window_t0) / self.window_steps
+        mean_loss, stopping, compute = self._agree(self.window_loss / self.window_steps, step_time)
+        if self.initial_loss is None and step == self.start + 1:
+            self.initial_loss = mean_loss
+        self.final_loss = mean_loss
+        slow = stragglers(compute)
+        for r in slow:
+            self.flagged[r] = self.flagged.get(r, 0) + 1
+        cfg = self.cfg
+        record = {
+            "step": step, "loss": mean_loss, "lr": self.strategy.optimizer.param_groups[0]["lr"],
+            self.rate_key: cfg.train.global_batch_size * self.per_sample / step_time, "step_time_s": step_time,
+            "time": self.timer.window(), "comm_bytes": self.window_comm / self.window_steps,
+            "comm_wait_s": self.window_wait / self.window_steps, "rank_compute_s": compute,
+        }
+        if slow:
+            record["stragglers"] = slow
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        record.update(self.strategy.step_metrics(record))
+        self.writer.write(record)
+        self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
+        self._window_reset()
+        return stopping
+
+    def _agree(self, loss: torch.Tensor, step_time: float) -> tuple[float, bool, list[float]]:
+        """One all-gather: the mean loss over ranks, whether any rank was asked to stop, each rank's compute time."""
+        compute = step_time - self.window_wait / self.window_steps
+        mine = torch.stack([loss.detach().double().reshape(()),
+                            torch.tensor(float(self.watchdog.stop_requested), dtype=torch.float64, device=loss.device),
+                            torch.tensor(compute, dtype=torch.float64, device=loss.device)])
+        if not self.rt.distributed:
+            return float(mine[0]), bool(mine[1]), [compute]
+        everyone = torch.empty(self.rt.world_size * 3, dtype=torch.float64, device=mine.device)
+        dist.all_gather_single(everyone, mine)
+        rows = everyone.view(self.rt.world_size, 3).cpu()
+        # tp and pp ranks hold their dp rank's loss: the mean over all ranks is the mean over dp.
+        return float(rows[:, 0].mean()), bool(rows[:, 1].max() > 0), rows[:, 2].tolist()
+
+    def checkpointed(self, step: int, stall: float) -> None:
+        self.writer.write({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": self.cfg.checkpoint.async_})
+        self.window_t0 += stall  # a checkpoint's stall is not step time
+
+    def evaluate(self, step: int) -> dict:
+        self.watchdog.at(step, "eval")
+        out = evaluate(self.strategy, self.bundle.val, self.cfg, self.rt, self.bundle.spec.task)
+        self.writer.write({"step": step, **out})
+        return out
+
+    # ---- the end
+    def preempted(self, step: int, saved_at: int) -> dict:
+        self.writer.close()
+        self.rt.print(f"stopped by SIGTERM after step {step}: checkpoint {saved_at} written; continue with "
+                      f"plait train --resume {self.run_dir}")
+        summary = {"steps": step, "preempted": True, "resumed_from_step": self.start or None}
+        if self.writes:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def finish(self, step: int) -> dict:
+        """Final evaluation, memory and traffic per rank, the strategy's figures; summary.json, the report, a printout."""
+        loop_time = time.perf_counter() - self.loop_t0
+        strategy, rt, cfg = self.strategy, self.rt, self.cfg
+        strategy.activation_meter = None
+        memory = snapshot(strategy.module, strategy.optimizer, self.grads_seen, self.meter.peak, rt.device)
+        per_rank = _gather([memory, self.comm.bytes_sent / self.loop_steps if self.loop_steps else 0.0], rt)
+        final_eval = self.evaluate(step) if rt.role != "worker" else {}
+        sample = generate_sample(strategy, self.bundle, cfg, rt) if rt.role != "worker" else None
+        reports = _gather(strategy.report(), rt)
+        layout = self.layout
+        summary = {
+            "steps": step, "resumed_from_step": self.start or None,
+            "initial_loss": self.initial_loss, "final_loss": self.final_loss, **final_eval,
+            "world_size": rt.world_size,
+            "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "strategy": strategy.name},
+            "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
+            "grad_accum": layout.grad_accum, "precision": cfg.precision.dtype, "device": rt.device.type,
+            "backend": rt.backend, "params": sum(p.numel() for p in strategy.module.parameters()),
+            "wall_time_s": time.perf_counter() - self.t_begin, "train_time_s": loop_time,
+            self.rate_key: (self.loop_steps * cfg.train.global_batch_size * self.per_sample / loop_time)
+            if self.loop_steps else None,
+            "memory": {"per_rank": [m for m, _ in per_rank]},
+            "stragglers": {"flagged_windows_per_rank": {str(r): n for r, n in sorted(self.flagged.items())},
+                           "factor": STRAGGLER_FACTOR},
+            "comm": {"bytes_per_step_per_rank": [c for _, c in per_rank]},
+        }
+        if self.lm:
+            summary["unigram_val_loss"] = self.bundle.unigram_val_loss
+        if self.bundle.ground_truth_val_loss is not None:
+            summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
+        if sample is not None:
+            summary["sample"] = sample
+        if rt.is_main and reports[0] is not None:
+            summary.update(strategy.figures(reports, self.run_dir))
+        self.writer.close()
+        if rt.is_main:
+            self._write_summary(summary)
+        return summary
+
+    def _write_summary(self, summary: dict) -> None:
+        run_dir, cfg = self.run_dir, self.cfg
+        if run_dir is not None:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            if cfg.log.report:
+                write_report(run_dir)
+        rate = summary.get(self.rate_key)
+        unit = "tok/s" if self.lm else "samples/s"
+        lines = [f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f}s" + (f" ({rate:,.0f} {unit})" if rate else "")]
+        if "val_loss" in summary:
+            line = f"val loss {summary['val_loss']:.4f}"
+            if summary.get("unigram_val_loss") is not None:
+                line += f" (unigram baseline {summary['unigram_val_loss']:.4f})"
+            if summary.get("ground_truth_val_loss") is not None:
+                line += f" (the generating model's own: {summary['ground_truth_val_loss']:.4f})"
+            if "val_accuracy" in summary:
+                line += f", val accuracy {summary['val_accuracy']:.3f}"
+            lines.append(line)
+        if summary.get("sample"):
+            lines.append("sample:\n" + summary["sample"])
+        if run_dir is not None:
+            lines.append(f"run dir: {run_dir}" + (" (report.html)" if cfg.log.report else ""))
+        self.rt.print("\n".join(lines))
+
+
+def _gather(obj, rt) -> list:
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    if not rt.distributed:
+        return [obj]
+    out = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_run_files(run_dir: Path, cfg, bundle) -> None:
+    """config.toml (unless the launcher wrote it), spec.json and the tokenizer."""
+    from dataclasses import asdict
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.toml").exists():  # the CLI writes it (an elastic worker may run a resized copy)
+        (run_dir / "config.toml").write_text(dump_config(cfg))
+    (run_dir / "spec.json").write_text(json.dumps(asdict(bundle.spec), indent=1))
+    if bundle.tokenizer is not None:
+        (run_dir / "tokenizer.json").write_text(bundle.tokenizer.to_json())

@@ -1,0 +1,127 @@
+"""plait.parallel.layout: degrees, the arithmetic and its messages, roles and mesh coordinates; checks before launch."""
+
+import re
+
+import pytest
+
+from plait.config import Config, load_config
+from plait.errors import ConfigError
+from plait.parallel import SCHEMES, Scheme, check_config, step_owner
+from plait.parallel.layout import Layout
+from plait.train.job import load_job
+
+
+def bad(overrides: list[str], message: str) -> None:
+    """load_job with these overrides raises ConfigError containing `message` verbatim."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_job(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["launch.nproc_per_node=3"],
+         "the layout needs dp(2) * tp(1) * pp(1) = 2 processes but the launch gives nproc_per_node(3) * nnodes(1) = 3"),
+        (["parallel.dp=4", "train.global_batch_size=64", "launch.nproc_per_node=2"],
+         "dp(4) * tp(1) * pp(1) = 4 processes but the launch gives nproc_per_node(2) * nnodes(1) = 2"),
+        (["parallel.dp=1", "launch.nproc_per_node=2", "launch.nnodes=2", "launch.rdzv_endpoint=h:1"],
+         "dp(1) * tp(1) * pp(1) = 1 processes but the launch gives nproc_per_node(2) * nnodes(2) = 4"),
+    ],
+)
+def test_layout_must_match_the_launch(overrides, message):
+    bad(overrides, message)
+
+
+def test_uneven_split_over_nodes_says_so():
+    bad(["parallel.dp=3", "train.global_batch_size=48", "launch.nnodes=2", "launch.rdzv_endpoint=h:1"],
+        "dp(3) * tp(1) * pp(1) = 3 processes cannot be split evenly over launch.nnodes = 2")
+
+
+def test_global_batch_must_divide_by_micro_times_dp():
+    bad(["train.global_batch_size=30", "train.micro_batch_size=8"],
+        "train.global_batch_size (30) must be divisible by train.micro_batch_size (8) * parallel.dp (2) = 16; "
+        "change train.global_batch_size to a multiple of 16 or lower train.micro_batch_size")
+
+
+def test_the_world_size_is_checked_with_the_arithmetic():
+    with pytest.raises(ConfigError, match=re.escape(
+            "the layout needs dp(2) * tp(2) * pp(2) = 8 processes but this job has WORLD_SIZE = 4; change parallel.dp")):
+        Layout(2, 2, 2).check_world(4)
+    Layout(2, 2, 2).check_world(8)
+
+
+@pytest.mark.parametrize(
+    "global_, micro, dp, accum",
+    [(32, 16, 2, 1), (64, 8, 2, 4), (24, 4, 3, 2), (8, 8, 1, 1), (96, 4, 4, 6)],
+)
+def test_grad_accum(global_, micro, dp, accum):
+    cfg = load_job(None, [f"train.global_batch_size={global_}", f"train.micro_batch_size={micro}", f"parallel.dp={dp}"])
+    layout = Layout.from_config(cfg)
+    assert layout.grad_accum == accum
+    assert layout.grad_accum * micro * dp == global_
+    assert layout.local_batch == global_ // dp
+
+
+@pytest.mark.parametrize(
+    "dp, nnodes, nproc, expected",
+    [(2, 1, 0, 2), (4, 2, 0, 2), (8, 4, 0, 2), (1, 2, 0, 1), (3, 1, 0, 3), (2, 1, 2, 2), (6, 2, 3, 3)],
+)
+def test_nproc_per_node(dp, nnodes, nproc, expected):
+    cfg = Config()
+    cfg.parallel.dp, cfg.launch.nnodes, cfg.launch.nproc_per_node = dp, nnodes, nproc
+    cfg.train.global_batch_size = 16 * dp
+    layout = Layout.from_config(cfg)
+    assert layout.procs_per_node(cfg.max_nodes, nproc) == expected
+    assert layout.world_size == dp
+
+
+def test_mesh_coordinates_put_tensor_parallel_innermost():
+    layout = Layout(dp=2, tp=2, pp=2)
+    coords = [layout.coords(r) for r in range(8)]
+    assert [(c["pp"], c["dp"], c["tp"]) for c in coords] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(layout.role(r) == "trainer" for r in range(8))
+
+
+def test_parameter_server_roles_and_the_workers_data_coordinates():
+    cfg = load_job(None, ["model.name=mlp", "data.name=digits", "parallel.sync=ps", "parallel.dp=3",
+                          "parallel.ps_servers=2", "train.global_batch_size=48"])
+    layout = Layout.from_config(cfg)
+    assert (layout.trainers, layout.world_size) == (3, 5)
+    assert [layout.role(r) for r in range(5)] == ["trainer", "worker", "worker", "server", "server"]
+    # every worker, the chief included, loads only its own slice of each global batch
+    assert [layout.coords(r)["dp"] for r in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="rank 3 is a parameter server"):
+        layout.coords(3)
+
+
+def test_the_step_owner_is_the_first_scheme_that_applies():
+    def owner(*overrides):
+        return step_owner(load_config(None, list(overrides), validate=False)).name
+
+    assert owner() == "ddp"
+    assert owner("parallel.dp=1") == "single"
+    assert owner("parallel.zero=1") == "zero1"
+    assert owner("parallel.zero=3") == "fsdp"
+    assert owner("parallel.zero=3", "parallel.tp=2") == "fsdp"
+    assert owner("parallel.tp=2") == "ddp"  # tensor parallel is a transform; dp averages by hand
+    assert owner("parallel.pp=2", "parallel.tp=2") == "pipeline"
+    assert owner("parallel.sync=gossip") == "gossip"
+    assert owner("parallel.sync=ps") == "parameter_server"
+    assert owner("parallel.embedding_sharding=row") == "embedding_sharding"
+
+
+def test_a_new_scheme_is_one_object_and_one_line():
+    calls = []
+
+    def check(cfg):
+        if cfg.parallel.dp == 3:
+            raise ConfigError("parallel.dp = 3 is refused by the toy scheme")
+
+    toy = Scheme("toy", applies=lambda cfg: cfg.parallel.dp == 2, check=check,
+                 strategy=lambda b: calls.append(b) or "toy-strategy")
+    schemes = [toy, *SCHEMES]
+    cfg = load_config(None, [])
+    assert step_owner(cfg, schemes) is toy
+    with pytest.raises(ConfigError, match=re.escape("parallel.dp = 3 is refused by the toy scheme")):
+        check_config(load_config(None, ["parallel.dp=3", "train.global_batch_size=48"]), schemes)
