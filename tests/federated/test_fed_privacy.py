@@ -8,7 +8,8 @@ import torch
 from scipy import integrate
 
 from fed_helpers import update
-from plait.federated.privacy import ORDERS, PrivacyPolicy, epsilon, rdp_sampled_gaussian
+from plait.federated.privacy import ORDERS, epsilon, rdp_sampled_gaussian
+from plait.federated.strategies.dp import PrivacyPolicy
 from plait.federated.tensors import flatten
 
 

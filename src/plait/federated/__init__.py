@@ -5,8 +5,9 @@
     plait fed client --server HOST:PORT --client-id I CONFIG              # one data owner
 
 Modules: server.py (the round state machine, shared by server and simulation), client.py
-(local training and uploads), strategies/ (FedAvg, FedProx, FedAdam, FedSGD), partition.py,
-robust.py (update validation, norm bounds, median / trimmed mean), secagg.py (pairwise
-masks), privacy.py (client-level DP and its accountant), transport.py (HTTP), simulate.py,
-report.py (run directory and plots), cli.py.
+(local training and uploads), strategies/ (FedAvg, FedProx, FedAdam, FedSGD; the aggregators
+mean / median / trimmed mean in combine.py, norm bounds in robust.py, the central-DP wrapper in
+dp.py), partition.py, robust.py (update validation), secagg.py (pairwise masks), privacy.py
+(the DP accountant), tensors.py (weights as data, update norms and clipping), transport.py
+(HTTP), simulate.py, report.py (run directory and plots), cli.py.
 """

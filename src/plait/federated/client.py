@@ -24,7 +24,7 @@ import torch.nn as nn
 from plait.errors import ConfigError
 from plait.federated.secagg import MaskingClient
 from plait.federated.strategies.base import ClientUpdate
-from plait.federated.tensors import Weights, flatten, get_weights, set_weights
+from plait.federated.tensors import Weights, clip, flatten, get_weights, set_weights
 from plait.runtime import mix_seed
 
 if TYPE_CHECKING:
@@ -123,9 +123,7 @@ class Client:
         delta, loss = local_update(self.model, weights, self.dataset, self.indices, instructions, self.loss_fn, seed)
         clip_to = float(instructions.get("clip_norm", 0.0))
         if clip_to > 0:  # DP (and secure aggregation with clipping) need the client to bound its own update
-            n = float(flatten(delta).norm())
-            if n > clip_to:
-                delta = {k: v * (clip_to / n) for k, v in delta.items()}
+            delta, _ = clip(delta, clip_to)
         return ClientUpdate(self.client_id, self.num_samples, delta, loss)
 
     def warm_up(self) -> None:

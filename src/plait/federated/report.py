@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.report import read_metrics
 from plait.report.plots import plt, save
-from plait.train.metrics import MetricsWriter, read_metrics
+from plait.train.metrics import MetricsWriter
 
 if TYPE_CHECKING:
     from plait.config import Config

@@ -2,11 +2,12 @@
 
 `Coordinator` is a state machine that never touches the network: open a round (the strategy
 samples clients and writes their instructions), hand out tasks, accept or reject uploads, run
-secure-aggregation recovery when masked clients dropped, then close the round (bound norms,
-add DP noise, let the strategy aggregate, evaluate). Every input from a client goes through
-`submit`/`submit_unmask`, which answer (accepted, reason) and never raise: a hostile or broken
-client can waste its own slot, not stop the server. The transport (transport.py) and the
-simulation (simulate.py) only move these plain values around.
+secure-aggregation recovery when masked clients dropped, then close the round (the strategy
+aggregates, within its norm bounds and with DP noise when it was built so; then evaluate).
+Every input from a client goes through `submit`/`submit_unmask`, which answer (accepted,
+reason) and never raise: a hostile or broken client can waste its own slot, not stop the
+server. The transport (transport.py) and the simulation (simulate.py) only move these plain
+values around.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plait.federated.privacy import PrivacyPolicy
-from plait.federated.robust import bound_norms, check_update
+from plait.federated.validate import check_update
 from plait.federated.secagg import MaskedSum
-from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, sample_count
-from plait.federated.tensors import Weights, encode, unflatten
+from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy
+from plait.federated.tensors import Weights, encode
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -61,9 +61,8 @@ def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 5
 class Coordinator:
     """One federated run's server state: the global weights and the round in progress (thread-safe)."""
 
-    def __init__(self, fed: FederatedConfig, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int,
-                 privacy: PrivacyPolicy | None = None):
-        self.fed, self.weights, self.strategy, self.evaluate, self.privacy = fed, weights, strategy, evaluate, privacy
+    def __init__(self, fed: FederatedConfig, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int):
+        self.fed, self.weights, self.strategy, self.evaluate = fed, weights, strategy, evaluate
         self.secure = bool(fed.secure_aggregation)
         self.length = sum(v.numel() for v in weights.values())
         self.rng = np.random.default_rng(seed)
@@ -133,13 +132,11 @@ class Coordinator:
             self.round += 1
             if self.secure:
                 available = [c for c in available if c in self.public_keys]
-            plan = self.strategy.configure_round(self.round, available, self.rng, poisson=self.privacy is not None)
-            ins = dict(plan.instructions)
-            if self.privacy is not None:
-                ins.update(clip_norm=self.privacy.clip_norm, unweighted=True)
-            elif self.secure and self.fed.clip_norm > 0:
-                ins["clip_norm"] = self.fed.clip_norm
-            self.plan = RoundPlan(plan.round, plan.clients, ins)
+            plan = self.strategy.configure_round(self.round, available, self.rng)
+            if self.secure and self.fed.clip_norm > 0 and "clip_norm" not in plan.instructions:
+                # The server cannot bound masked updates, so clients bound their own; a DP wrapper's bound S stays.
+                plan = RoundPlan(plan.round, plan.clients, {**plan.instructions, "clip_norm": self.fed.clip_norm})
+            self.plan = plan
             self.updates, self.rejected = {}, {}
             self.masked = MaskedSum(plan.clients, self.length + 1) if self.secure else None
             self.phase, self.started = "train", time.monotonic()
@@ -211,21 +208,14 @@ class Coordinator:
         with self.lock:
             return self.masked is None or self.masked.complete
 
-    def _reduce(self) -> tuple[list[ClientUpdate], list[int]]:
-        """The updates the strategy aggregates (one summary update under secure aggregation or DP), and who was clipped."""
+    def _aggregate(self) -> tuple[Weights, list[int]]:
+        """The strategy's new weights from what arrived, and whose updates its norm bounds scaled down."""
         if self.masked is not None:
             vec = self.masked.result()
-            total_w, s = float(vec[-1]), vec[:-1]
-            if self.privacy is not None:
-                return [ClientUpdate(-1, 1, unflatten(self.privacy.noised_mean(s), self.weights))], []
-            if not total_w > 0:
-                raise ValueError(f"secure aggregation gave a total weight of {total_w}")
-            return [ClientUpdate(-1, max(1, round(total_w)), unflatten(s / total_w, self.weights))], []
+            return self.strategy.aggregate_sum(self.round, self.weights, vec[:-1], float(vec[-1])), []
         # Client-id order, not arrival order: the float sum (and so the run) does not depend on network timing.
-        updates, clipped = bound_norms([self.updates[c] for c in sorted(self.updates)], self.fed.clip_norm, self.fed.norm_bound)
-        if self.privacy is not None:
-            return [self.privacy.aggregate(updates, self.weights)], clipped
-        return updates, clipped
+        new = self.strategy.aggregate(self.round, self.weights, [self.updates[c] for c in sorted(self.updates)])
+        return new, self.strategy.clipped()
 
     def close_round(self) -> dict:
         """Aggregate what arrived (if a quorum did), evaluate, and return the round's metrics record."""
@@ -240,9 +230,7 @@ class Coordinator:
                 skipped = f"{len(received)} valid updates, quorum is federated.min_clients = {self.fed.min_clients}"
             else:
                 try:
-                    updates, clipped = self._reduce()
-                    record["clipped"] = clipped
-                    new = self.strategy.aggregate(self.round, self.weights, updates)
+                    new, record["clipped"] = self._aggregate()
                     if all(bool(torch.isfinite(v).all()) for v in new.values()):
                         self.weights = new
                     else:
@@ -256,8 +244,9 @@ class Coordinator:
             if losses:
                 record["train_loss"] = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
             record["test_loss"], record["test_accuracy"] = self.evaluate(self.weights)
-            if self.privacy is not None:
-                record["epsilon"] = self.privacy.epsilon()
+            eps = self.strategy.epsilon()
+            if eps is not None:
+                record["epsilon"] = eps
             record["round_time_s"] = time.monotonic() - self.started
             self.phase = "idle"
             return record
@@ -267,13 +256,8 @@ class Coordinator:
             self.phase = "done"
 
 
-def sample_rate(fed: FederatedConfig) -> float:
-    """The per-round sampling probability the DP accountant uses: clients per round / clients."""
-    return sample_count(fed.clients_per_round, fed.clients) / fed.clients
-
-
 def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generator | None = None) -> Coordinator:
-    """The coordinator of a configured run: initial model (seeded by train.seed), strategy, evaluator, DP policy."""
+    """A configured run's coordinator: initial model (seeded by train.seed), strategy (DP noise from `generator`), evaluator."""
     from plait.federated.strategies import build_strategy
     from plait.federated.tensors import get_weights
     from plait.models import build_model
@@ -284,11 +268,8 @@ def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generat
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, data.bundle.spec).to(pick_device(cfg.launch.device, 0))
     weights = get_weights(model)
-    privacy = None
-    if fed.dp_noise_multiplier > 0:
-        privacy = PrivacyPolicy(fed.dp_noise_multiplier, fed.dp_clip_norm, sample_rate(fed), fed.clients, fed.dp_delta, generator)
     evaluate = make_evaluator(model, data.bundle.val, loss_for(data.bundle.spec))
-    return Coordinator(fed, weights, build_strategy(fed), evaluate, seed=cfg.train.seed, privacy=privacy)
+    return Coordinator(fed, weights, build_strategy(fed, generator=generator), evaluate, seed=cfg.train.seed)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:

@@ -9,6 +9,7 @@ hostile body can at worst fail to parse (safetensors never unpickles).
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import torch
@@ -54,7 +55,18 @@ def unflatten(vec: torch.Tensor, template: Weights) -> Weights:
 
 
 def norm(weights: Weights) -> float:
+    """The global L2 norm of all the tensors together (in float64)."""
     return float(flatten(weights).norm())
+
+
+def clip(delta: Weights, max_norm: float) -> tuple[Weights, bool]:
+    """Scale the update down to global L2 norm max_norm when it is larger; returns it and whether it was clipped."""
+    n = norm(delta)
+    # A non-finite norm cannot be scaled to a bound; such an update is rejected or fails the aggregate's check instead.
+    if not math.isfinite(n) or n <= max_norm:
+        return delta, False
+    s = max_norm / n
+    return {k: v * s for k, v in delta.items()}, True
 
 
 def encode(tensors: Weights, meta: dict | None = None) -> bytes:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from plait.report.runfiles import read_metrics  # noqa: F401  (federated's recorder reads it from here)
 from plait.runtime import synchronize
 
 

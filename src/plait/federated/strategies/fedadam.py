@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.federated.strategies.base import ClientUpdate, Strategy
+from plait.federated.strategies.base import Strategy
 from plait.federated.tensors import Weights
 
 
@@ -25,10 +25,8 @@ class FedAdam(Strategy):
         self.m: Weights = {}
         self.v: Weights = {}
 
-    def aggregate(self, rnd: int, weights: Weights, updates: list[ClientUpdate]) -> Weights:
-        if not updates:
-            return weights
-        delta = self.combine(updates)
+    def step(self, rnd: int, weights: Weights, delta: Weights) -> Weights:
+        """Adam on the pseudo-gradient `delta` (Reddi et al. 2021, Algorithm 2)."""
         out = {}
         for k, w in weights.items():
             d = delta[k].double()
