@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from fed_helpers import coordinator, template, update
-from plait.federated.validate import check_update
 from plait.federated.strategies import ClientUpdate
 from plait.federated.strategies.combine import median, trimmed_mean, weighted_mean
 from plait.federated.strategies.robust import bound_norms
 from plait.federated.tensors import encode, flatten
+from plait.federated.validate import check_update
 
 
 @pytest.mark.parametrize(

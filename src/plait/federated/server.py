@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plait.federated.validate import check_update
 from plait.federated.secagg import MaskedSum
 from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy
 from plait.federated.tensors import Weights, encode
+from plait.federated.validate import check_update
 
 if TYPE_CHECKING:
     from pathlib import Path
