@@ -25,6 +25,7 @@ run: $(STAMP)
 	$(BIN)/plait train
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
@@ -32,6 +33,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
+from plait.procs import CONTEXT, spawn
 
 FAILURE_GRACE_S = 5.0  # how long the other ranks may take to finish once one has failed
 RANK_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MKL_NUM_THREADS": "1"}
@@ -78,30 +78,17 @@ class RankPool:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="plait-ranks-")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        saved = {k: os.environ.get(k) for k in RANK_ENV}
-        os.environ.update(RANK_ENV)  # inherited by the children before they import torch
+        self._results = CONTEXT.Queue()
+        self._tasks = [CONTEXT.Queue() for _ in range(self.world_size)]
+        self._procs = []
         try:
-            self._procs = [
-                ctx.Process(target=_rank_main, daemon=True,
-                            args=(r, self.world_size, os.path.join(self._dir, "store"), self.timeout_s,
-                                  self._tasks[r], self._results))
-                for r in range(self.world_size)
-            ]
-            for p in self._procs:
-                p.start()
+            for r in range(self.world_size):
+                self._procs.append(spawn(_rank_main, (r, self.world_size, os.path.join(self._dir, "store"), self.timeout_s,
+                                                      self._tasks[r], self._results), env=RANK_ENV))
         except BaseException:
             self.close(graceful=False)
             raise
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
         """Run fn(*args, **kwargs) on every rank; returns the results in rank order."""
@@ -143,8 +130,6 @@ class RankPool:
             if p.is_alive():
                 q.put(None)
         for p in self._procs:
-            if p.pid is None:  # never started (a start failure): nothing to join, and joining would hide it
-                continue
             p.join(timeout=5 if graceful else 0.5)
             if p.is_alive():
                 p.kill()

@@ -10,6 +10,25 @@ import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
+from plait.models.sampling import sample
+
+
+class KVCache:
+    """One block's keys and values (batch, heads, time, head_dim) of the tokens seen so far, for incremental decoding."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values followed by these new ones, kept for the next step."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
 
 
 class Attention(nn.Module):
@@ -25,16 +44,32 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x attends to the cached tokens and to itself; `mask` (see attention_mask) replaces the plain causal one."""
         b, t, _ = x.shape
         # -1 for the width so that a tensor-parallel shard (fewer local heads) reshapes correctly.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     @property
     def head_dim(self) -> int:
         return self.proj.in_features // self.heads
+
+
+def attention_mask(pad: torch.Tensor, past: int, t: int) -> torch.Tensor:
+    """(batch, 1, t, past + t) boolean: query j of row i may see key c if pad_i <= c <= past + j."""
+    keys = torch.arange(past + t, device=pad.device)
+    queries = past + torch.arange(t, device=pad.device)
+    causal = keys[None, :] <= queries[:, None]
+    visible = keys[None, None, :] >= pad[:, None, None]
+    mask = causal[None] & visible
+    # A padding query sees no key; let it see itself so softmax stays finite (its output is unused).
+    mask |= (keys[None, None, :] == queries[None, :, None]) & (queries[None, :, None] < pad[:, None, None])
+    return mask[:, None]
 
 
 class MLP(nn.Module):
@@ -56,8 +91,9 @@ class Block(nn.Module):
         self.mlp = MLP(width)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # Keywords: a tensor-parallel input hook on attn (sequence parallel) lays out positional inputs only.
+        x = x + self.drop(self.attn(self.ln1(x), cache=cache, mask=mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -91,22 +127,37 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: dict[str, KVCache] | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, time) -> logits (batch, time, vocab).
 
         A pipeline stage without the embeddings takes hidden states instead of ids, and one
         without the head returns hidden states (see plait.parallel.split).
+        Incremental decoding passes `cache` ({} at first, then the same dict: one KVCache per block,
+        filled here), and idx holds only the tokens after the cached ones. `pad` (batch,) is each
+        row's left padding: its positions start at 0 at its first real token and the padding is masked.
         """
         t = idx.shape[1]
-        if t > self.context:
-            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
+        past = len(next(iter(cache.values()))) if cache else 0
+        if past + t > self.context:
+            raise ValueError(f"sequence length {past + t} exceeds the model's context {self.context}")
+        mask = None
+        if cache is not None or pad is not None:
+            pad = torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)
+            mask = attention_mask(pad, past, t)
         if self.tok_emb is not None:
-            pos = torch.arange(t, device=idx.device)
+            if mask is None:
+                pos = torch.arange(t, device=idx.device)
+            else:
+                pos = (past + torch.arange(t, device=idx.device)[None, :] - pad[:, None]).clamp(min=0)
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         else:
             x = idx
-        for block in self.blocks.values():
-            x = block(x)
+        for name, block in self.blocks.items():
+            if mask is None:  # training calls block(x) alone, as wrappers and tensor-parallel input hooks expect
+                x = block(x)
+            else:
+                x = block(x, cache=None if cache is None else cache.setdefault(name, KVCache()), mask=mask)
         if self.head is not None:
             x = self.head(self.ln_f(x))
         return x
@@ -170,17 +221,8 @@ class GPT(nn.Module):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample `new_tokens` continuations of idx (batch, time), one token at a time."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.context:])[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
+            logits = self(idx[:, -self.context:])[:, -1, :]
+            idx = torch.cat([idx, sample(logits, temperature, top_k, generator)], dim=1)
         return idx
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
 from plait.parallel.base import Strategy
@@ -198,12 +199,12 @@ class PipelineStrategy(Strategy):
                 continue
             prev = (s - 1) % self.pp
             if s > 0 and prev != me:
-                h = _recv(dist.get_global_rank(self.pp_group, prev), h.device)
+                h = recv_tensor(dist.get_global_rank(self.pp_group, prev), h.device, dtype=torch.float32)
             with self.precision.autocast():
                 h = self.parts[self.stage_ids.index(s)](h)
             nxt = (s + 1) % self.pp
             if s < self.num_stages - 1 and nxt != me:
-                _send(h, dist.get_global_rank(self.pp_group, nxt))
+                send_tensor(h, dist.get_global_rank(self.pp_group, nxt))
         out = torch.zeros(2, dtype=torch.float64, device=x.device)
         if self.last:
             out[0] = self.loss_fn(h, y).double()
@@ -341,18 +342,3 @@ def build(b: Build) -> PipelineStrategy:
 
 
 SCHEME = Scheme("pipeline", applies=lambda cfg: cfg.parallel.pp > 1, check=check, strategy=build)
-
-
-def _send(t: torch.Tensor, dst: int) -> None:
-    header = torch.tensor([t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=t.device)
-    dist.send(header, dst)
-    dist.send(t.contiguous().float(), dst)
-
-
-def _recv(src: int, device) -> torch.Tensor:
-    header = torch.empty(9, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    shape = header[1:1 + int(header[0])].tolist()
-    out = torch.empty(shape, dtype=torch.float32, device=device)
-    dist.recv(out, src)
-    return out

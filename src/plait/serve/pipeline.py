@@ -2,13 +2,16 @@
 
 Stage r holds `pipeline_stage(model, stage_bounds(model, K), r)` — the same cut as pipeline
 training. The server puts micro-batches on stage 0's queue; each stage runs its part and
-sends the activations to the next with point-to-point gloo messages (a small header tensor
-with the shape, then the data); the last stage returns results on a queue. A stage works on
-micro-batch i+1 while the next one works on micro-batch i, so a batch split into K micro-batches
-keeps every stage busy, and several batches may be in the pipeline at once.
+sends the activations to the next with point-to-point gloo messages (plait.comm.p2p: a header
+with the message's tags, dtype and shape, then the data); the last stage returns results on a
+queue. A stage works on micro-batch i+1 while the next one works on micro-batch i, so a batch
+split into K micro-batches keeps every stage busy, and several batches may be in the pipeline at once.
 
-Generation through a pipeline recomputes each row's window every token (there is no KV cache
-across stages); rows travel as separate micro-batches, so they overlap in the stages.
+Generation through a pipeline keeps a KV cache per row in every stage (the model's own cached
+forward, each stage for its blocks): a row's prompt goes down once, then one token per step,
+until the row outgrows the context and its window is recomputed each step, as in
+plait.serve.kvcache. The server drops a request's caches when it ends. Rows travel as separate
+micro-batches, so they overlap in the stages.
 A stage that dies fails the requests in flight with a 503 and the server reports not-ready.
 """
 
@@ -27,14 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from plait.serve.kvcache import GenRow, sample_next
+from plait.models.sampling import sample
+from plait.procs import CONTEXT, spawn
+from plait.serve.kvcache import GenRow
 from plait.serve.model import ModelRef, ServedModel
 from plait.serve.protocol import RequestError, ServeError
 
 STAGE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-HEADER = 10  # flag, task id, micro-batch, dtype code, ndim, up to 5 dims
-DATA, STOP, SKIP = 0, 1, 2
-DTYPES = ["float32", "int64", "float16", "bfloat16"]
+# A message's tags: (flag, task id, micro-batch, cache id); cache id -1: a plain forward without a cache.
+DATA, STOP, SKIP, DROP = 0, 1, 2, 3
+NO_CACHE = -1
 
 
 def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, outbox, status, threads: int) -> None:
@@ -42,6 +47,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
     import torch
     import torch.distributed as dist
 
+    from plait.comm.p2p import recv_message, send_tensor
     from plait.parallel.split import pipeline_stage, stage_bounds
     from plait.serve.model import load_model
 
@@ -58,50 +64,40 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
         status.put(("failed", rank, traceback.format_exc()))
         return
     pending: list = []
+    caches: dict[int, dict] = {}  # generation rows' KV caches for this stage's blocks, until the server drops them
 
-    def send(flag: int, task_id: int, mb: int, t=None) -> None:
+    def send(tags: tuple, t=None) -> None:
         for w in pending:  # at most one message in flight: its buffers must live until it is sent
             w.wait()
-        pending.clear()
-        head = torch.zeros(HEADER, dtype=torch.int64)
-        head[:3] = torch.tensor([flag, task_id, mb])
-        if t is not None:
-            head[3], head[4] = DTYPES.index(str(t.dtype).removeprefix("torch.")), t.dim()
-            head[5:5 + t.dim()] = torch.tensor(t.shape)
-        pending.append(dist.isend(head, rank + 1))
-        if t is not None:
-            pending.append(dist.isend(t.contiguous(), rank + 1))
+        pending[:] = send_tensor(t, rank + 1, tags=tags, async_op=True)
 
     last = rank == world - 1
     with torch.inference_mode():
         while True:
             if rank == 0:
                 msg = inbox.get()
-                flag, (task_id, mb, x) = (STOP, (0, 0, None)) if msg is None else (DATA, msg)
+                (flag, task_id, mb, cid), x = ((STOP, 0, 0, NO_CACHE), None) if msg is None else msg
                 x = None if x is None else torch.from_numpy(x)
             else:
-                head = torch.zeros(HEADER, dtype=torch.int64)
-                dist.recv(head, rank - 1)
-                flag, task_id, mb, code, ndim = (int(v) for v in head[:5])
-                x = None
-                if flag == DATA:
-                    x = torch.empty(head[5:5 + ndim].tolist(), dtype=getattr(torch, DTYPES[code]))
-                    dist.recv(x, rank - 1)
+                (flag, task_id, mb, cid), x = recv_message(rank - 1, "cpu")
             if flag == STOP:
                 if not last:
-                    send(STOP, 0, 0)
+                    send((STOP, 0, 0, NO_CACHE))
                 break
-            if flag == DATA:
+            y = None
+            if flag == DROP:
+                caches.pop(cid, None)
+            elif flag == DATA:
                 try:
-                    y = part(x)
+                    y = part(x) if cid == NO_CACHE else part(x, caches.setdefault(cid, {}))
                 except Exception as e:
                     status.put(("error", task_id, f"stage {rank}: {type(e).__name__}: {e}"))
-                    flag, y = SKIP, None
+                    flag = SKIP
             if last:
                 if flag == DATA:
                     outbox.put((task_id, mb, y.float().numpy()))
             else:
-                send(flag, task_id, mb, y if flag == DATA else None)
+                send((flag, task_id, mb, cid), y)
     for w in pending:
         w.wait()
     dist.destroy_process_group()
@@ -124,6 +120,7 @@ class PipelineExecutor:
         self.capacity = stages
         self._timeout = start_timeout_s
         self._ids = itertools.count()
+        self._cache_ids = itertools.count()
         self._tasks: dict[int, tuple[asyncio.Future, list]] = {}
         self._ready: set[int] = set()
         self._broken: str | None = None
@@ -133,28 +130,14 @@ class PipelineExecutor:
         self.pids: list[int | None] = [None] * stages
 
     async def start(self) -> None:
-        import torch.multiprocessing as mp
-
         self._loop = asyncio.get_running_loop()
-        ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="plait-pp-")
-        self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        saved = {k: os.environ.get(k) for k in STAGE_ENV}
-        os.environ.update(STAGE_ENV)  # the children read these before importing torch
-        try:
-            self._procs = [ctx.Process(target=stage_main, daemon=True, name=f"plait-stage-{r}",
-                                       args=(r, self.k, os.path.join(self._dir, "store"), self.ref,
-                                             self._inbox if r == 0 else None, self._outbox if r == self.k - 1 else None,
-                                             self._status, self.threads))
-                           for r in range(self.k)]
-            for p in self._procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        self._inbox, self._outbox, self._status = CONTEXT.Queue(), CONTEXT.Queue(), CONTEXT.Queue()
+        self._procs = []
+        for r in range(self.k):  # appended one by one: stop() ends those started before a failed start
+            self._procs.append(spawn(stage_main, (r, self.k, os.path.join(self._dir, "store"), self.ref,
+                                                  self._inbox if r == 0 else None, self._outbox if r == self.k - 1 else None,
+                                                  self._status, self.threads), name=f"plait-stage-{r}", env=STAGE_ENV))
         self._started = self._loop.create_future()
         self._threads = [threading.Thread(target=fn, daemon=True, name=name)
                          for fn, name in ((self._read_status, "plait-pp-status"), (self._read_results, "plait-pp-results"))]
@@ -229,15 +212,16 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ work
 
-    async def _through(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
-        """Send micro-batches into the pipeline; their outputs, in order."""
+    async def _through(self, chunks: list[np.ndarray], cache_ids: list[int] | None = None) -> list[np.ndarray]:
+        """Send micro-batches into the pipeline (each through its cache, if given); their outputs, in order."""
         if self._broken:
             raise RequestError(503, self._broken.splitlines()[0])
         task_id = next(self._ids)
         fut = self._loop.create_future()
         self._tasks[task_id] = (fut, [None] * len(chunks))
         for mb, c in enumerate(chunks):
-            self._inbox.put((task_id, mb, np.ascontiguousarray(c)))
+            cid = NO_CACHE if cache_ids is None else cache_ids[mb]
+            self._inbox.put(((DATA, task_id, mb, cid), np.ascontiguousarray(c)))
         return await fut
 
     async def run(self, task: tuple, on_event=None, cancelled=None) -> Any:
@@ -256,18 +240,33 @@ class PipelineExecutor:
         seqs = [list(r.prompt) for r in rows]
         out: list[list[int]] = [[] for _ in rows]
         gens = [torch.Generator().manual_seed(int(r.seed)) for r in rows]
-        while True:
-            active = [i for i, r in enumerate(rows) if len(out[i]) < r.max_new_tokens and not (cancelled and cancelled(i))]
-            if not active:
-                return out
-            windows = [np.array([seqs[i][-ctx:]], dtype=np.int64) for i in active]
-            logits = await self._through(windows)
-            for i, y in zip(active, logits):
-                tok = sample_next(torch.from_numpy(y[0, -1]), rows[i], gens[i])
-                out[i].append(tok)
-                seqs[i].append(tok)
-                if on_event is not None:
-                    on_event(i, len(out[i]) - 1, tok)
+        cids = [next(self._cache_ids) for _ in rows]
+        cached: set[int] = set()  # rows whose prompt is in their caches: from now on they send one token
+        try:
+            while True:
+                active = [i for i, r in enumerate(rows) if len(out[i]) < r.max_new_tokens and not (cancelled and cancelled(i))]
+                if not active:
+                    return out
+                windows, keys = [], []
+                for i in active:
+                    if len(seqs[i]) <= ctx:
+                        windows.append(seqs[i][-1:] if i in cached else seqs[i])
+                        keys.append(cids[i])
+                        cached.add(i)
+                    else:  # positions have shifted: the cached keys are stale
+                        windows.append(seqs[i][-ctx:])
+                        keys.append(NO_CACHE)
+                logits = await self._through([np.array([w], dtype=np.int64) for w in windows], keys)
+                for i, y in zip(active, logits):
+                    tok = int(sample(torch.from_numpy(y[0, -1]), rows[i].temperature, rows[i].top_k, gens[i]))
+                    out[i].append(tok)
+                    seqs[i].append(tok)
+                    if on_event is not None:
+                        on_event(i, len(out[i]) - 1, tok)
+        finally:
+            if not self._closing and self._broken is None:  # a stopped or broken pipeline's queues are closed
+                for i in cached:
+                    self._inbox.put(((DROP, 0, 0, cids[i]), None))
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.procs import CONTEXT, spawn
 from plait.serve.model import ModelRef
 from plait.serve.protocol import RequestError, ServeError
 
@@ -100,22 +101,9 @@ class ReplicaPool:
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, index: int, first: bool = False) -> _Replica:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        saved = {k: os.environ.get(k) for k in WORKER_ENV}
-        os.environ.update(WORKER_ENV)  # read by the child's OpenMP before torch is imported
-        try:
-            proc = ctx.Process(target=replica_main, args=(child, self.ref, self.pad_to, self.threads), daemon=True,
-                               name=f"plait-replica-{index}")
-            proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        parent, child = CONTEXT.Pipe()
+        # OMP_NUM_THREADS is read by the child's OpenMP before torch is imported.
+        proc = spawn(replica_main, (child, self.ref, self.pad_to, self.threads), name=f"plait-replica-{index}", env=WORKER_ENV)
         child.close()  # so that the child's death is end-of-file here
         assert self._loop is not None
         r = _Replica(index, proc, parent, started=self._loop.create_future() if first else None)
