@@ -84,8 +84,8 @@ import torch
 import torch.distributed as dist
 
 from plait.config import load_config
-from plait.testing import RankPool
 from plait.plan.bench_memory import formula_bytes
+from plait.testing import RankPool
 
 MIB = 1024 * 1024
 

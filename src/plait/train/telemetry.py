@@ -73,9 +73,9 @@ class Telemetry:
         self.loop_t0 = time.perf_counter()
         self._counting = counting(self.comm)
 
-    def _window_reset(self) -> None:
+    def _window_reset(self, t0: float | None = None) -> None:
         self.window_loss = torch.zeros((), device=self.rt.device)
-        self.window_steps, self.window_t0 = 0, time.perf_counter()
+        self.window_steps, self.window_t0 = 0, time.perf_counter() if t0 is None else t0
         self.window_comm = self.window_wait = 0.0
 
     # ---- the loop
@@ -141,7 +141,8 @@ class Telemetry:
         if not self.logs(step):
             self.progress.update(step, None, None)
             return self.watchdog.stop_requested and not self.rt.distributed
-        step_time = (time.perf_counter() - self.window_t0) / self.window_steps
+        now = time.perf_counter()  # the next window starts here: this step's logging is part of its time
+        step_time = (now - self.window_t0) / self.window_steps
         mean_loss, stopping, compute = self._agree(self.window_loss / self.window_steps, step_time)
         if self.initial_loss is None and step == self.start + 1:
             self.initial_loss = mean_loss
@@ -163,7 +164,7 @@ class Telemetry:
         record.update(self.strategy.step_metrics(record))
         self.writer.write(record)
         self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
-        self._window_reset()
+        self._window_reset(now)
         return stopping
 
     def _agree(self, loss: torch.Tensor, step_time: float) -> tuple[float, bool, list[float]]:
