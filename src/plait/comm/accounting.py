@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -35,6 +37,8 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from plait import faults
 
 
 def _nbytes(t) -> int:
@@ -95,8 +99,6 @@ class CommCounter:
 
 def _call_site() -> str:
     """The innermost frame outside torch and this module: where the collective was asked for."""
-    import sys
-
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
@@ -112,8 +114,6 @@ _local = threading.local()
 
 
 def _faults_active() -> bool:
-    import os
-
     return "at=comm" in os.environ.get("PLAIT_FAULTS", "")
 
 
@@ -142,8 +142,6 @@ def _wrap(op: str, fn):
         t0 = time.perf_counter()
         try:
             if outer and _faults_active():  # a slow link, for tests of the bottleneck report
-                from plait import faults
-
                 faults.maybe_fire("comm", dist.get_rank(), -1)
             result = fn(*args, **kwargs)
         finally:

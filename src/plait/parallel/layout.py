@@ -21,7 +21,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from plait.errors import ConfigError
+from plait.ps.rpc import join
 from plait.runtime import Runtime, init_process_group, pick_device
 
 AXES = ("pp", "dp", "tp")
@@ -141,10 +144,6 @@ class Layout:
                        {"pp": self.pp, "dp": self.dp, "tp": self.tp})
 
     def _init_ps(self, launch_cfg) -> Runtime:
-        import torch
-
-        from plait.ps.rpc import join
-
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.check_world(world)
         role = self.role(rank)

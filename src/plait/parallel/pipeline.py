@@ -251,7 +251,7 @@ class PipelineStrategy(Strategy):
         """The measured bubble next to the theory, micro-batches in flight per stage, and the timeline plot."""
         summary = pipeline_summary(reports, self.schedule_name, self.pp, self.microbatches, self.virtual)
         if run_dir is not None:
-            from plait.report.pipeline import plot_timeline
+            from plait.report.pipeline import plot_timeline  # lazily: only rank 0 at the end needs matplotlib
 
             plot_timeline(reports, summary, run_dir / "pipeline.png")
         return {"pipeline": summary}

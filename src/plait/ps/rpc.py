@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from plait.errors import ConfigError
+from plait.runtime import attempt_store
 
 _RENDEZVOUS: dict = {}
 SCHEME = "plaitps"
@@ -40,8 +41,6 @@ def _handler(url: str, **kwargs):
 
 
 def _store(rank: int, world: int, timeout: datetime.timedelta):
-    from plait.runtime import attempt_store
-
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         return attempt_store(world, timeout)
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

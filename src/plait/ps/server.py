@@ -213,7 +213,7 @@ def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Pat
     """Staleness of every update against its order, one colour per worker, and its histogram."""
     if not log:
         return None
-    from plait.report.plots import plt, save
+    from plait.report.plots import plt, save  # lazily: only server 0 at the end needs matplotlib
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for w in sorted({w for w, _, _ in log}):

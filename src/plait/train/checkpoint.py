@@ -29,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from plait import faults
 from plait.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
@@ -166,8 +167,6 @@ class Checkpointer:
         if self.rt.is_main:
             _write_json(tmp / STATE_FILE, state)
             write_manifest(tmp)
-            from plait import faults
-
             faults.maybe_fire("publish", self.rt.rank, state["step"])
             if final.exists():  # re-saving a step (a resumed run that ends where it began)
                 trash = self.root / f".trash-{final.name}"

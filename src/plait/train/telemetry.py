@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from plait import faults
 from plait.comm import CommCounter, counting
+from plait.comm.fingerprint import Fingerprinter
 from plait.config import dump_config
-from plait.report import write_report
 from plait.train.evaluate import evaluate, generate_sample
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
@@ -39,8 +39,6 @@ from plait.train.watchdog import STRAGGLER_FACTOR, Watchdog, stragglers
 def _fingerprinter(cfg, rt):
     if not (cfg.launch.check_collectives and rt.distributed):
         return None
-    from plait.comm.fingerprint import Fingerprinter
-
     return Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
 
@@ -246,6 +244,8 @@ class Telemetry:
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             if cfg.log.report:
+                from plait.report import write_report  # lazily: only rank 0 at the end needs matplotlib
+
                 write_report(run_dir)
         rate = summary.get(self.rate_key)
         unit = "tok/s" if self.lm else "samples/s"
