@@ -93,7 +93,11 @@ class ShardedEmbeddings(nn.Module):
                 if zeros is None:
                     zeros = torch.zeros(everyone.shape[0], self.dim, device=ids.device)
                 cols.append(zeros)
-        return _ReduceScatterBatch.apply(torch.stack(cols, 1), self.group, self.n)
+        partial = torch.stack(cols, 1)
+        if torch.is_grad_enabled() and not partial.requires_grad:
+            # A rank that holds no rows still has to join backward's all-gather with the others.
+            partial.requires_grad_()
+        return _ReduceScatterBatch.apply(partial, self.group, self.n)
 
 
 def apply_embedding_sharding(model: nn.Module, mode: str, dp_mesh) -> nn.Module:

@@ -92,7 +92,7 @@ def clip_grads(whole: list[torch.Tensor], max_norm: float, *, partial: list[torc
             dist.all_reduce(shard_sq, group=group)
         sq = sq + shard_sq
     norm = sq.sqrt().float()
-    if max_norm > 0:
+    if max_norm > 0 and every:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_([_local(g) for g in every], coef.to(device))
     return norm
