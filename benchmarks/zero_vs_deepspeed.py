@@ -246,7 +246,7 @@ def ds_run(zero: int, world: int, steps: int, warmup: int, micro: int, adam: str
         import deepspeed
     from deepspeed.utils import logger as ds_logger
 
-    from plait.comm import CommCounter, counting
+    from plait.comm.accounting import CommCounter, counting
     from plait.data import build_data
     from plait.data.loader import StepLoader
     from plait.data.sampler import GlobalBatchSampler

@@ -17,11 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-from plait.errors import ConfigError, PlaitError
+from plait.config import dump_config, format_config, load_config
+from plait.errors import CheckpointError, ConfigError, PlaitError
 
 
 def _default_run_dir() -> Path:
-    from plait.runtime import under_torchrun
+    from plait.runtime import under_torchrun  # lazily: plait --help must not import torch
 
     if under_torchrun():  # every rank must agree on the name
         return Path("runs") / f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
@@ -34,7 +35,7 @@ def _default_run_dir() -> Path:
 
 
 def cmd_train(a) -> int:
-    from plait.config import dump_config
+    # lazily: plait --help must not import torch
     from plait.parallel.layout import Layout
     from plait.runtime import under_torchrun
     from plait.train.job import load_job
@@ -55,7 +56,7 @@ def cmd_train(a) -> int:
                 f"--out {run_dir} already holds a run; continue it with --resume {run_dir} or choose another --out"
             )
     if under_torchrun():
-        from plait.train.trainer import train
+        from plait.train.trainer import train  # lazily: only a torchrun worker trains; the launcher needs no trainer
 
         train(cfg, run_dir, resume=bool(a.resume))
         return 0
@@ -67,20 +68,18 @@ def cmd_train(a) -> int:
         print(f"run it with: torchrun --nproc_per_node {layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)} "
               f"-m plait.worker {run_dir}")
         return 0
-    from plait.launch import launch
+    from plait.launch import launch  # lazily: plait --help must not import torch
 
     return launch(cfg, run_dir, resume=bool(a.resume))
 
 
 def cmd_config_show(a) -> int:
-    from plait.config import format_config, load_config
-
     print(format_config(load_config(a.config, a.set)))
     return 0
 
 
 def cmd_export(a) -> int:
-    from plait.export import export
+    from plait.export import export  # lazily: plait --help must not import torch
 
     out = export(a.run_dir, a.output)
     print(f"wrote {out}")
@@ -88,8 +87,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_bench_memory(a) -> int:
-    from plait.config import load_config
-    from plait.plan.bench_memory import bench_memory
+    from plait.plan.bench_memory import bench_memory  # lazily: plait --help must not import torch
 
     base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
     out = a.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -98,7 +96,7 @@ def cmd_bench_memory(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from plait.errors import CheckpointError
+    # lazily: plait --help must not import matplotlib
     from plait.report import write_report
     from plait.report.bottleneck import breakdown, format_report
 

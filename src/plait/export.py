@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from plait.config import load_config
+from plait.config import ModelConfig, load_config
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError
 from plait.models import build_model
@@ -64,8 +64,6 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict]:
     """Rebuild the model from an exported file's metadata and load its weights; returns (model, metadata)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from plait.config import ModelConfig
 
     path = Path(path)
     if not path.is_file():

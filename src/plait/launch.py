@@ -16,6 +16,7 @@ from pathlib import Path
 
 from plait.config import Config
 from plait.parallel.layout import Layout
+from plait.train.checkpoint import latest_checkpoint
 
 USER_ERROR_EXIT = 2
 DISTRIBUTED_FAILURE_EXIT = 3  # a hang or mismatched collectives, explained by the worker (plait.train.watchdog)
@@ -106,8 +107,6 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
 def report_preemption(run_dir: Path, e) -> int:
     """SIGTERM to the job: the workers checkpointed and stopped; say so and exit 0 (or 1 if nothing was saved)."""
     import json
-
-    from plait.train.checkpoint import latest_checkpoint
 
     summary = run_dir / "summary.json"
     preempted = summary.is_file() and json.loads(summary.read_text()).get("preempted")

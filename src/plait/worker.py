@@ -15,7 +15,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from plait.errors import PlaitError
+from plait.config import load_config
+from plait.errors import ConfigError, PlaitError
+from plait.parallel.layout import Layout
+from plait.train.job import check_job
+from plait.train.trainer import train
 
 
 def fit_to_world(cfg, world: int):
@@ -24,9 +28,6 @@ def fit_to_world(cfg, world: int):
     The checkpoint is layout-free, so the run continues on the same trajectory at the new size.
     """
     import copy
-
-    from plait.errors import ConfigError
-    from plait.train.job import check_job
 
     p, t = cfg.parallel, cfg.train
     if world % (p.tp * p.pp):
@@ -47,10 +48,6 @@ def fit_to_world(cfg, world: int):
 
 
 def run_worker(run_dir: Path, resume: bool) -> None:
-    from plait.config import load_config
-    from plait.parallel.layout import Layout
-    from plait.train.trainer import train
-
     cfg = load_config(run_dir / "config.toml")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     asked = Layout.from_config(cfg)

@@ -17,7 +17,7 @@ def hook_bytes(kind):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from plait.comm import CommCounter, counting
+    from plait.comm.accounting import CommCounter, counting
     from plait.comm.compression import Compression, register_compression
 
     torch.manual_seed(0)

@@ -1,5 +1,3 @@
-"""Communication: byte accounting of collectives (and, later, compression and collective algorithms)."""
-
-from plait.comm.accounting import CommCounter, counting
-
-__all__ = ["CommCounter", "counting"]
+"""Communication: byte accounting of collectives (accounting), gradient compression (compression), plait's own
+collective algorithms and their benchmark (algorithms, bench), who owns which tensor (placement) and
+point-to-point tensor framing (p2p). The package imports nothing itself, so `plait --help` stays free of torch."""

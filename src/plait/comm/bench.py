@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.comm import algorithms as alg
 from plait.errors import ConfigError
+from plait.testing import RankPool
 
 # op -> algorithms available for it
 ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -105,8 +107,6 @@ class BenchOptions:
 
 def _call(op: str, algo: str, buf, out, local_size: int):
     import torch.distributed as dist
-
-    from plait.comm import algorithms as alg
 
     if op == "allreduce":
         if algo == "native":
@@ -191,7 +191,7 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from plait.report.plots import plt, save
+    from plait.report.plots import plt, save  # lazily: the ranks import this module and need no matplotlib
 
     ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
@@ -211,8 +211,6 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def run_collectives(opts: BenchOptions, echo=print) -> list[dict]:
     """Run the sweep on opts.ranks local gloo processes; print the table and write CSV + PNG to opts.out."""
-    from plait.testing import RankPool
-
     opts.validate()
     with RankPool(opts.ranks, timeout_s=600) as pool:
         rows = pool.run(bench_rank, opts)[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cmd_bench_collectives(a) -> int:
-    from plait.comm.bench import BenchOptions, parse_sizes, run_collectives
+    from plait.comm.bench import BenchOptions, parse_sizes, run_collectives  # lazily: plait --help must not import torch
 
     opts = BenchOptions(ops=_names(a.ops), algos=_names(a.algos), sizes=parse_sizes(a.sizes, a.factor), ranks=a.ranks,
                         iters=a.iters, warmup=a.warmup, max_seconds=a.max_seconds, local_size=a.local_size,

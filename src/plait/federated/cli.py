@@ -19,15 +19,14 @@ import secrets
 import time
 from pathlib import Path
 
+from plait.config import load_config
 from plait.errors import ConfigError
 
 TOKEN_ENV = "PLAIT_FED_TOKEN"
+SIM_DEFAULTS = ["model.name='mlp'", "data.name='digits'"]  # what `plait fed` runs with no config
 
 
 def _config(a):
-    from plait.config import load_config
-    from plait.federated.simulate import SIM_DEFAULTS
-
     extra = []
     if getattr(a, "clients", None) is not None:
         extra.append(f"federated.clients={a.clients}")
@@ -58,14 +57,14 @@ def _read_token_file(path: str) -> str:
 
 
 def cmd_simulate(a) -> int:
+    # lazily: plait --help must not import torch
     from plait.federated.simulate import compare, simulate
+    from plait.federated.strategies import STRATEGIES
 
     cfg = _config(a)
     out = _run_dir(a)
     if a.compare:
         names = [s.strip() for s in a.compare.split(",") if s.strip()]
-        from plait.federated.strategies import STRATEGIES
-
         unknown = [n for n in names if n not in STRATEGIES]
         if unknown or not names:
             raise ConfigError(f"--compare {a.compare!r}: strategies must be among {', '.join(STRATEGIES)}")
@@ -77,6 +76,7 @@ def cmd_simulate(a) -> int:
 
 
 def cmd_server(a) -> int:
+    # lazily: plait --help must not import torch or FastAPI
     from plait.federated.server import serve
     from plait.federated.transport import parse_tokens
 
@@ -102,7 +102,7 @@ def cmd_server(a) -> int:
 
 
 def cmd_client(a) -> int:
-    from plait.federated.client import run_client
+    from plait.federated.client import run_client  # lazily: plait --help must not import torch
 
     cfg = _config(a)
     if a.token_file:

@@ -21,11 +21,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from plait.data import build_data
 from plait.errors import ConfigError
+from plait.federated.partition import partition
 from plait.federated.secagg import MaskingClient
 from plait.federated.strategies.base import ClientUpdate
 from plait.federated.tensors import Weights, clip, flatten, get_weights, set_weights
-from plait.runtime import mix_seed
+from plait.federated.transport import FedHTTPClient
+from plait.models import build_model
+from plait.runtime import mix_seed, pick_device
+from plait.train.loss import loss_for
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -44,9 +49,6 @@ class FederatedData:
 
 def federated_data(cfg: Config) -> FederatedData:
     """Load the configured data and partition its training set over federated.clients clients."""
-    from plait.data import build_data
-    from plait.federated.partition import partition
-
     bundle = build_data(cfg.data, cfg.model)
     if bundle.spec.task != "classification" or not isinstance(getattr(bundle.train, "y", None), torch.Tensor):
         raise ConfigError(
@@ -143,10 +145,6 @@ class Client:
 
 def build_client(cfg: Config, data: FederatedData, client_id: int) -> Client:
     """The client `client_id` of the configured run (model initialised like the server's; weights come from it)."""
-    from plait.models import build_model
-    from plait.runtime import pick_device
-    from plait.train.loss import loss_for
-
     if not 0 <= client_id < len(data.parts):
         raise ConfigError(f"--client-id {client_id} must be in 0..{len(data.parts) - 1} (federated.clients = {len(data.parts)})")
     torch.manual_seed(cfg.train.seed)
@@ -157,8 +155,6 @@ def build_client(cfg: Config, data: FederatedData, client_id: int) -> Client:
 def run_client(cfg: Config, server: str, client_id: int, token: str, ca_file: str | None = None, poll_s: float = 0.2,
                connect_timeout_s: float = 60.0) -> int:
     """The `plait fed client` process: register, then train whenever the server has a task, until it says done."""
-    from plait.federated.transport import FedHTTPClient
-
     data = federated_data(cfg)
     client = build_client(cfg, data, client_id)
     client.warm_up()

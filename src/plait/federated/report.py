@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plait.config import dump_config
+from plait.federated.partition import label_histograms
+from plait.federated.transport import FederatedError
+from plait.models import model_metadata
 from plait.report import read_metrics
 from plait.report.plots import plt, save
 from plait.train.metrics import MetricsWriter
@@ -37,10 +41,6 @@ class RunRecorder:
     """Writes a federated run directory as the rounds go."""
 
     def __init__(self, run_dir: str | Path | None, cfg: Config, data: FederatedData):
-        from plait.config import dump_config
-        from plait.federated.partition import label_histograms
-        from plait.federated.transport import FederatedError
-
         self.cfg, self.records, self.t0 = cfg, [], time.perf_counter()
         self.spec = data.bundle.spec
         self.hist = label_histograms(data.labels, data.parts, data.bundle.spec.num_classes)
@@ -84,8 +84,6 @@ class RunRecorder:
         self.writer.close()
         if self.run_dir is not None:
             from safetensors.torch import save_file
-
-            from plait.models import model_metadata
 
             meta = {"plait": json.dumps(model_metadata(self.cfg.model, self.spec))}
             save_file({k: v.contiguous() for k, v in weights.items()}, str(self.run_dir / "model.safetensors"), metadata=meta)

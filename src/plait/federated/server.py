@@ -21,24 +21,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from plait.federated.client import FederatedData, federated_data, fingerprint
+from plait.federated.report import RunRecorder
 from plait.federated.secagg import MaskedSum
-from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy
-from plait.federated.tensors import Weights, encode
+from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, build_strategy
+from plait.federated.tensors import Weights, encode, get_weights, set_weights
+from plait.federated.transport import FederatedError, HTTPServerThread, make_app
 from plait.federated.validate import check_update
+from plait.models import build_model
+from plait.runtime import pick_device
+from plait.train.loss import loss_for
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from plait.config import Config, FederatedConfig
-    from plait.federated.client import FederatedData
 
 Evaluate = Callable[[Weights], tuple[float, float]]
 
 
 def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 512) -> Evaluate:
     """(mean loss, accuracy) of given weights on a held-out dataset."""
-    from plait.federated.tensors import set_weights
-
     device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -258,12 +261,6 @@ class Coordinator:
 
 def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generator | None = None) -> Coordinator:
     """A configured run's coordinator: initial model (seeded by train.seed), strategy (DP noise from `generator`), evaluator."""
-    from plait.federated.strategies import build_strategy
-    from plait.federated.tensors import get_weights
-    from plait.models import build_model
-    from plait.runtime import pick_device
-    from plait.train.loss import loss_for
-
     fed = cfg.federated
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, data.bundle.spec).to(pick_device(cfg.launch.device, 0))
@@ -284,10 +281,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 
 def serve(cfg: Config, run_dir: str | Path, tokens: dict, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
           log: Callable[[str], None] = print) -> dict:
     """The `plait fed server` process: HTTP on federated.host:port, rounds until federated.rounds; returns the summary."""
-    from plait.federated.client import federated_data, fingerprint
-    from plait.federated.report import RunRecorder
-    from plait.federated.transport import FederatedError, HTTPServerThread, make_app
-
     fed = cfg.federated
     data = federated_data(cfg)
     coord = build_coordinator(cfg, data)

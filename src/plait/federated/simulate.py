@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from plait.config import validate_config
 from plait.federated.client import Client, FederatedData, build_client, federated_data
 from plait.federated.report import RunRecorder, write_compare_report
 from plait.federated.server import Coordinator, build_coordinator, round_line
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from plait.config import Config
-
-SIM_DEFAULTS = ["model.name='mlp'", "data.name='digits'"]  # what `plait fed simulate` runs with no config
 
 
 def run_round(coord: Coordinator, clients: dict[int, Client], available: list[int], drop_rng: np.random.Generator,
@@ -93,8 +92,6 @@ def simulate(cfg: Config, run_dir: str | Path | None, data: FederatedData | None
 
 def compare(cfg: Config, out_dir: str | Path, strategies: list[str], log: Callable | None = print) -> dict:
     """The same data, partition, model and seed under each strategy; writes out_dir/<strategy>/ and a combined report."""
-    from plait.config import validate_config
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = federated_data(cfg)

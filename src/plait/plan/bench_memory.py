@@ -22,6 +22,7 @@ from plait.config import Config, dump_config
 from plait.errors import ConfigError
 from plait.launch import launch
 from plait.parallel.layout import Layout
+from plait.report.plots import plt, save
 from plait.train.job import check_job
 
 MIB = 1024 * 1024
@@ -110,8 +111,6 @@ def print_table(rows: list[dict]) -> None:
 
 def plot(rows: list[dict], out: Path) -> Path:
     """Left: model state per rank, stacked, with the formula; right: peak activations (a different scale)."""
-    from plait.report.plots import plt, save
-
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [3, 1.4]})
     stages = [r["zero"] for r in rows]
     bottom = [0.0] * len(rows)

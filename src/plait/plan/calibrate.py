@@ -21,7 +21,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from plait.plan.cost import Hardware
+from plait.data.spec import DataSpec
+from plait.models import build_model
+from plait.parallel.fsdp import apply_fsdp
+from plait.parallel.gradsync import align_grads
+from plait.parallel.tp import apply_tp
+from plait.plan.cost import Hardware, flops_per_step
+from plait.plan.memory import Shape
+from plait.testing import RankPool
+from plait.train.loss import lm_loss
 
 SIZES = [1 << k for k in range(14, 23)]  # 16 KiB .. 4 MiB
 
@@ -104,12 +112,6 @@ def _collectives(group, n: int) -> dict:
 
 def _model_efficiency(model_cfg, vocab: int, micro: int, peak: float) -> tuple[float, float]:
     """(efficiency at large micro-batches, fixed seconds per micro-batch), from forward + backward at two sizes."""
-    from plait.data.spec import DataSpec
-    from plait.models import build_model
-    from plait.plan.cost import flops_per_step
-    from plait.plan.memory import Shape
-    from plait.train.loss import lm_loss
-
     spec = DataSpec(name="calibrate", task="lm", vocab_size=vocab, tokens_per_sample=model_cfg.context)
     model = build_model(model_cfg, spec)
     shape = Shape.from_config(model_cfg, vocab)
@@ -151,13 +153,6 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
-
-    from plait.data.spec import DataSpec
-    from plait.models import build_model
-    from plait.parallel.fsdp import apply_fsdp
-    from plait.parallel.gradsync import align_grads
-    from plait.parallel.tp import apply_tp
-    from plait.train.loss import lm_loss
 
     world = dist.get_world_size()
     tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
@@ -246,8 +241,6 @@ def measure(model_cfg, vocab: int, micro: int) -> dict:
 
 def calibrate(model_cfg, vocab: int, micro: int, world: int = 2) -> Hardware:
     """Measure `world` local processes and return (not yet saved) the device profile."""
-    from plait.testing import RankPool
-
     with RankPool(world, timeout_s=600) as pool:
         m = pool.run(measure, model_cfg, vocab, micro)[0]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world

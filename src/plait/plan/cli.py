@@ -12,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+from plait.config import load_config
 from plait.errors import ConfigError
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
@@ -35,7 +36,7 @@ def parse_rate(text: str, what: str) -> float:
 
 
 def hardware(a):
-    from plait.plan.cost import PROFILE_PATH, Hardware
+    from plait.plan.cost import PROFILE_PATH, Hardware  # lazily: plait --help must not import torch
 
     hw = Hardware.load(Path(a.profile)) if a.profile else (Hardware.load() if PROFILE_PATH.is_file() and not any(
         (a.device_memory, a.device_flops, a.link_bandwidth)) else Hardware())
@@ -54,7 +55,8 @@ def hardware(a):
 
 
 def _model(a):
-    from plait.config import load_config
+    # lazily: plait --help must not import torch
+    from plait.data import build_data
     from plait.plan.memory import Shape
 
     cfg = load_config(a.config, a.set, validate=False)
@@ -62,8 +64,6 @@ def _model(a):
         raise ConfigError(f"plait plan models GPTs; model.name = {cfg.model.name!r} is not one")
     vocab = cfg.model.vocab_size
     if not vocab:
-        from plait.data import build_data
-
         vocab = build_data(cfg.data, cfg.model).spec.vocab_size
     return cfg, Shape.from_config(cfg.model, vocab)
 
@@ -72,12 +72,12 @@ def cmd_plan(a) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # lazily: plait --help must not import torch or matplotlib
+    from plait.plan.calibrate import calibrate
     from plait.plan.search import explain_no_fit, plan, plot, table
 
     cfg, shape = _model(a)
     if a.calibrate:
-        from plait.plan.calibrate import calibrate
-
         with Console(stderr=True).status(f"calibrating {a.world} local processes: matmuls, the model, collectives, "
                                          "sharded layers, the optimizer (a minute or two) ..."):
             hw = calibrate(cfg.model, shape.vocab, cfg.train.micro_batch_size, a.world)
@@ -117,7 +117,7 @@ def cmd_plan(a) -> int:
 
 
 def cmd_simulate(a) -> int:
-    from plait.plan.simulate import plot_scaling, scaling
+    from plait.plan.simulate import plot_scaling, scaling  # lazily: plait --help must not import torch or matplotlib
 
     cfg, shape = _model(a)
     hw = hardware(a)

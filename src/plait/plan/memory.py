@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.data.spec import DataSpec
+from plait.models import build_model
+from plait.parallel.split import pipeline_stage, stage_bounds
+
 TP_SPLIT = re.compile(r"blocks\.\d+\.(attn\.(q|k|v)\.(weight|bias)|attn\.proj\.weight|mlp\.up\.(weight|bias)|mlp\.down\.weight)$")
 
 
@@ -85,9 +89,6 @@ class Shape:
 
     @classmethod
     def from_config(cls, model_cfg, vocab: int) -> Shape:
-        from plait.data.spec import DataSpec
-        from plait.models import build_model
-
         spec = DataSpec(name="plan", task="lm", vocab_size=vocab, tokens_per_sample=model_cfg.context)
         with torch.device("meta"):
             model = build_model(model_cfg, spec)
@@ -101,8 +102,6 @@ class Shape:
         """Parameters each pipeline rank holds (one tensor-parallel shard), from the real module."""
         key = (layout.pp, layout.virtual, layout.tp)
         if key not in self.stage_params:
-            from plait.parallel.split import pipeline_stage, stage_bounds
-
             model = self.stage_params["model"]
             stages = layout.pp * layout.virtual
             if ("parts", stages) not in self.stage_params:  # splitting copies the model: once per stage count
@@ -152,8 +151,6 @@ def _layers_per_stage(shape: Shape, layout: Layout) -> list[int]:
     if stages == 1:
         return [shape.layers]
     if ("bounds", stages) not in shape.stage_params:
-        from plait.parallel.split import stage_bounds
-
         shape.stage_params[("bounds", stages)] = stage_bounds(shape.stage_params["model"], stages)
     return [b - a for a, b in shape.stage_params[("bounds", stages)]]
 

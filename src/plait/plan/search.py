@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from plait.config import Config
 from plait.errors import ConfigError
+from plait.parallel import check_config
 from plait.plan.cost import Hardware, predict
 from plait.plan.memory import Layout, Shape
+from plait.report.plots import plt, save
 
 GB = 1e9
 
@@ -16,8 +19,24 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def supported(lay: Layout, shape: Shape, global_batch: int) -> bool:
+    """Whether plait's schemes accept this layout (asked of the schemes' own checks, as `plait train` would)."""
+    cfg = Config()
+    cfg.model.layers, cfg.model.heads = shape.layers, shape.heads
+    p = cfg.parallel
+    p.dp, p.tp, p.pp, p.zero, p.sequence_parallel = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
+    p.pp_schedule, p.virtual_stages = lay.schedule, lay.virtual
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, lay.micro
+    cfg.train.activation_checkpointing = lay.ac
+    try:
+        check_config(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
 def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
-    """The layouts plait's strategies support for this model, device count and global batch."""
+    """The layouts plait's schemes support for this model, device count and global batch."""
     out = []
     for tp in _divisors(devices):
         if shape.heads % tp or shape.vocab % tp:
@@ -30,16 +49,15 @@ def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
                 continue
             local = global_batch // dp
             for micro in [m for m in _divisors(local) if m <= 64]:
-                mbs = local // micro
-                zeros = [0] if dp == 1 else [z for z in (0, 1, 2, 3) if not (z == 1 and (tp > 1 or pp > 1))
-                                              and not (z >= 2 and pp > 1)]
-                schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + (
-                    [("interleaved-1f1b", 2)] if mbs % pp == 0 and pp * 2 <= shape.layers else [])
-                for zero in zeros:
+                schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
+                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
                     for schedule, virtual in schedules:
+                        lay = Layout(dp, tp, pp, zero, micro, schedule, virtual)
+                        if not supported(lay, shape, global_batch):
+                            continue
                         for ac in (False, True):
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                out.append(Layout(dp, tp, pp, zero, micro, schedule, virtual, ac, sp))
+                                out.append(replace(lay, ac=ac, sp=sp))
     return out
 
 
@@ -87,8 +105,6 @@ def table(preds: list[dict], top: int = 10) -> list[list[str]]:
 
 
 def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
-    from plait.report.plots import plt, save
-
     chosen = preds[:top]
     labels = [p["layout"].label() for p in chosen]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(chosen) + 1.5), sharey=True)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plait.plan.cost import Hardware, model_flops, predict
+from plait.config import ModelConfig
+from plait.plan.cost import Hardware, model_flops, predict, predict_time
 from plait.plan.memory import Layout, Shape
+from plait.plan.search import plan
+from plait.report.plots import plt, save
 
 
 def scaling(shape: Shape, global_batch: int, hw: Hardware, max_devices: int, fixed: dict | None = None,
             weak: bool = False, elem: int = 4) -> list[dict]:
-    from plait.plan.search import plan
-
     fixed = fixed or {}
     mp = fixed.get("tp", 1) * fixed.get("pp", 1)
     n = max(8, mp)
@@ -48,8 +49,6 @@ def scaling(shape: Shape, global_batch: int, hw: Hardware, max_devices: int, fix
 
 
 def _with_elem(shape, lay, gb, hw, elem):
-    from plait.plan.cost import predict_time
-
     return predict_time(shape, lay, gb, hw, elem)
 
 
@@ -64,8 +63,6 @@ def megatron_2019() -> tuple[Shape, Hardware, dict, int]:
     activations; gradient all-reduce after backward, half of it hidden behind it. Reported: 77 %
     scaling efficiency (15.1 PFLOP/s).
     """
-    from plait.config import ModelConfig
-
     cfg = ModelConfig(layers=72, heads=32, width=3072, context=1024, vocab_size=51200, tie_embeddings=False)
     shape = Shape.from_config(cfg, 51200)
     hw = Hardware(name="Megatron-LM 2019: DGX-2H V100", memory_bytes=32e9, flops=125e12, efficiency=39 / 125,
@@ -75,8 +72,6 @@ def megatron_2019() -> tuple[Shape, Hardware, dict, int]:
 
 
 def plot_scaling(rows: list[dict], out: Path) -> Path:
-    from plait.report.plots import plt, save
-
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["devices"] for r in rows]
     ax.plot(xs, [r["efficiency"] * 100 for r in rows], "o-", label="scaling efficiency")

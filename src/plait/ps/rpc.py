@@ -16,12 +16,10 @@ import warnings
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
 
 from plait.errors import ConfigError
 from plait.runtime import attempt_store
-
-_RENDEZVOUS: dict = {}
-SCHEME = "plaitps"
 
 
 def worker_name(i: int) -> str:
@@ -34,10 +32,6 @@ def server_name(k: int) -> str:
 
 def rank_name(rank: int, dp: int) -> str:
     return worker_name(rank) if rank < dp else server_name(rank - dp)
-
-
-def _handler(url: str, **kwargs):
-    yield _RENDEZVOUS["store"], _RENDEZVOUS["rank"], _RENDEZVOUS["world"]
 
 
 def _store(rank: int, world: int, timeout: datetime.timedelta):
@@ -56,22 +50,17 @@ def join(rank: int, world: int, dp: int, timeout_s: float) -> None:
                           "run inside an existing process group; launch it with `plait train` or torchrun")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore("plait/ps", _store(rank, world, timeout))
-    from torch.distributed.rendezvous import register_rendezvous_handler
 
-    if SCHEME not in _RENDEZVOUS.get("registered", ()):
-        register_rendezvous_handler(SCHEME, _handler)
-        _RENDEZVOUS["registered"] = (SCHEME,)
-    _RENDEZVOUS.update(store=store, rank=rank, world=world)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{SCHEME}://", rpc_timeout=timeout_s, num_worker_threads=max(16, 4 * world),
-                                           _transports=["uv"], _channels=["basic"])
+    def handler(url: str, **kwargs):
+        yield store, rank, world
+
+    # RPC meets through a URL scheme: one of its own for this store, so no module state holds it.
+    scheme = f"plaitps{id(store)}"
+    register_rendezvous_handler(scheme, handler)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{scheme}://", rpc_timeout=timeout_s,
+                                           num_worker_threads=max(16, 4 * world), _transports=["uv"], _channels=["basic"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RPC's internal gloo group triggers a deprecation warning
         rpc.init_rpc(rank_name(rank, dp), rank=rank, world_size=world, rpc_backend_options=opts)
-    _RENDEZVOUS["joined"] = True
-    atexit.register(leave)
-
-
-def leave() -> None:
-    """Stop this rank's RPC agent without waiting for the others (some may be gone)."""
-    if _RENDEZVOUS.pop("joined", False):
-        rpc.shutdown(graceful=False)
+    # Stop this rank's agent at exit without waiting for the others (some may be gone).
+    atexit.register(rpc.shutdown, graceful=False)

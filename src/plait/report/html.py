@@ -6,6 +6,8 @@ import html
 import json
 from pathlib import Path
 
+from plait.report.bottleneck import breakdown
+from plait.report.bottleneck import html as bottleneck_html
 from plait.report.plots import loss_curve, step_time_breakdown
 from plait.report.runfiles import read_metrics
 
@@ -33,9 +35,6 @@ def write_report(run_dir: str | Path) -> Path:
     )
     plots += [run_dir / name for name in ("pipeline.png",) if (run_dir / name).is_file()]
     imgs = "\n".join(f'<img src="{p.name}" alt="{p.stem}">' for p in plots if p is not None)
-    from plait.report.bottleneck import breakdown
-    from plait.report.bottleneck import html as bottleneck_html
-
     where = bottleneck_html(breakdown(run_dir))
     sample = f"<h2>sample</h2><pre>{html.escape(summary['sample'])}</pre>" if summary.get("sample") else ""
     page = f"""<!doctype html>

@@ -24,7 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.report.plots import plt, save
+from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import ServeError
+from plait.serve.runner import Runner
+from plait.serve.service import ServeOptions
 
 MAX_OUTSTANDING = 512  # open loop: arrivals beyond this many unanswered requests are counted as dropped
 
@@ -198,9 +202,7 @@ class ServerProcess:
 
 def request_body(served, binary_outputs: bool = True) -> bytes:
     """One row of the model's input as a JSON infer request; binary outputs are the cheaper answer to encode."""
-    from plait.serve.model import example_input
-
-    x = example_input(served, 1).numpy()
+    x = served.example_input(1).numpy()
     spec = served.inputs[0]
     return json.dumps({"inputs": [{"name": spec.name, "shape": list(x.shape), "datatype": spec.datatype,
                                    "data": x.reshape(-1).tolist()}],
@@ -211,13 +213,9 @@ def batch_compute_ms(served, rows: int, repeats: int = 30) -> float:
     """Median time of one forward of a full batch (padded as the server pads it), in this process."""
     import torch
 
-    from plait.serve.model import example_input
-    from plait.serve.runner import Runner
-    from plait.serve.service import ServeOptions
-
     torch.set_num_threads(ServeOptions().threads_per(1, in_process=True))  # as `plait serve` runs it
     runner = Runner(served, rows)
-    x = example_input(served, rows).numpy()
+    x = served.example_input(rows).numpy()
     runner.infer(x)
     times = []
     for _ in range(repeats):
@@ -229,8 +227,6 @@ def batch_compute_ms(served, rows: int, repeats: int = 30) -> float:
 
 def run_bench(model: str, opts: BenchOptions) -> int:
     """Measure every configuration, print the table and the target checks, write the plot and JSON."""
-    from plait.serve.model import ModelRef, load_model
-
     served = load_model(ModelRef(model))
     body = request_body(served)
     compute_ms = batch_compute_ms(served, opts.max_batch_size)
@@ -307,8 +303,6 @@ def target_checks(points: list[Point], opts: BenchOptions, compute_ms: float) ->
 
 
 def plot(points: list[Point], out: Path) -> Path:
-    from plait.report.plots import plt, save
-
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for config in dict.fromkeys(p.config for p in points):
         closed = [p for p in points if p.config == config and p.concurrency is not None]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def cmd_serve(a) -> int:
+    # lazily: plait --help must not import torch or FastAPI
     from plait.serve.server import run
     from plait.serve.service import ServeOptions
 
@@ -18,7 +19,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_bench_serve(a) -> int:
-    from plait.serve.bench import BenchOptions, run_bench
+    from plait.serve.bench import BenchOptions, run_bench  # lazily: plait --help must not import torch or matplotlib
 
     opts = BenchOptions(concurrency=a.concurrency, rate=a.rate, duration_s=a.duration, max_batch_size=a.max_batch_size,
                         max_delay_ms=a.max_delay_ms, replicas=a.replicas, out=a.out, warmup_s=a.warmup)

@@ -18,7 +18,11 @@ import torch.nn as nn
 
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
+from plait.export import load_exported, rebuild_model
+from plait.models.gpt import GPT
 from plait.serve.protocol import ServeError, TensorSpec
+from plait.serve.quantize import quantize_int8
+from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -46,8 +50,6 @@ class ServedModel:
     @property
     def can_generate(self) -> bool:
         """Text generation needs a tokenizer and a GPT built from plait's blocks (see plait.serve.kvcache)."""
-        from plait.models.gpt import GPT
-
         return self.is_lm and self.tokenizer is not None and isinstance(self.module, GPT)
 
     @property
@@ -71,6 +73,14 @@ class ServedModel:
         head = getattr(self.module, "head", None)
         return int(head.out_features) if isinstance(head, nn.Linear) else int(self.spec.vocab_size)
 
+    def example_input(self, rows: int, seed: int = 0) -> torch.Tensor:
+        """A deterministic input batch of the model's input shape (start-up checks and benchmarks)."""
+        g = torch.Generator().manual_seed(seed)
+        if self.is_lm:
+            t = max(1, min(self.context, 16))
+            return torch.randint(0, self.vocab_size, (rows, t), generator=g)
+        return torch.randn(rows, *self.spec.input_shape, generator=g)
+
 
 def _registry_name(model_cfg: dict) -> str:
     if model_cfg.get("factory"):
@@ -82,9 +92,6 @@ def load_model(ref: ModelRef) -> ServedModel:
     """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
     path = Path(ref.path)
     if path.is_dir():
-        from plait.export import rebuild_model
-        from plait.train.checkpoint import latest_checkpoint, load_model_weights
-
         if not (path / "config.toml").is_file():
             raise ServeError(f"{path} is not a plait run directory (no config.toml); pass a run's --out or a model.safetensors")
         ckpt = latest_checkpoint(path)
@@ -96,8 +103,6 @@ def load_model(ref: ModelRef) -> ServedModel:
         tokenizer = CharTokenizer.from_json(tok_file.read_text()) if tok_file.is_file() else None
         served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name)
     elif path.is_file():
-        from plait.export import load_exported
-
         module, meta = load_exported(path)
         spec = DataSpec(**json.loads(meta["plait.spec"]))
         tokenizer = CharTokenizer.from_json(meta["plait.tokenizer"]) if "plait.tokenizer" in meta else None
@@ -109,8 +114,6 @@ def load_model(ref: ModelRef) -> ServedModel:
     for p in served.module.parameters():
         p.requires_grad_(False)
     if ref.quantize:
-        from plait.serve.quantize import quantize_int8
-
         served.module = quantize_int8(served.module)
     return served
 
@@ -119,12 +122,3 @@ def check_name(name: str) -> str:
     if not NAME_RE.match(name):
         raise ServeError(f"--name {name!r} must be letters, digits, '_', '.' or '-' (it becomes part of URLs)")
     return name
-
-
-def example_input(served: ServedModel, rows: int, seed: int = 0) -> torch.Tensor:
-    """A deterministic input batch of the model's input shape (start-up checks and benchmarks)."""
-    g = torch.Generator().manual_seed(seed)
-    if served.is_lm:
-        t = max(1, min(served.context, 16))
-        return torch.randint(0, served.vocab_size, (rows, t), generator=g)
-    return torch.randn(rows, *served.spec.input_shape, generator=g)

@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from plait.comm.p2p import recv_message, send_tensor
 from plait.models.sampling import sample
 from plait.procs import CONTEXT, spawn
 from plait.serve.kvcache import GenRow
-from plait.serve.model import ModelRef, ServedModel
+from plait.serve.model import ModelRef, ServedModel, load_model
 from plait.serve.protocol import RequestError, ServeError
 
 STAGE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -47,9 +48,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
     import torch
     import torch.distributed as dist
 
-    from plait.comm.p2p import recv_message, send_tensor
-    from plait.parallel.split import pipeline_stage, stage_bounds
-    from plait.serve.model import load_model
+    from plait.parallel.split import pipeline_stage, stage_bounds  # lazily: the serving process needs no plait.parallel (~0.5 s)
 
     torch.set_num_threads(threads)
     try:

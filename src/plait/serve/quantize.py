@@ -15,13 +15,17 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from plait.config import load_config
+from plait.data import build_data
+from plait.data.datasets import eval_batches
+from plait.models.gpt import GPT
+from plait.train.loss import loss_for
+
 QUANTIZE_CHOICES = ("int8",)
 
 
 def quantize_int8(module: nn.Module) -> nn.Module:
     """A copy of `module` whose nn.Linear layers run in int8 (weights per tensor, activations dynamic)."""
-    from plait.models.gpt import GPT
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
         from torch.ao.quantization import quantize_dynamic
@@ -40,16 +44,9 @@ def quantize_int8(module: nn.Module) -> nn.Module:
 @torch.inference_mode()
 def accuracy_change(fp32: nn.Module, int8: nn.Module, served, source: str) -> str:
     """One line comparing the fp32 and int8 models: validation loss/accuracy, or top-1 agreement."""
-    from plait.serve.model import example_input
-
     path = Path(source)
     if path.is_dir():
         try:
-            from plait.config import load_config
-            from plait.data import build_data
-            from plait.data.datasets import eval_batches
-            from plait.train.loss import loss_for
-
             cfg = load_config(path / "config.toml", validate=False)
             bundle = build_data(cfg.data, cfg.model)
             loss_fn = loss_for(bundle.spec)
@@ -74,7 +71,7 @@ def accuracy_change(fp32: nn.Module, int8: nn.Module, served, source: str) -> st
             note = f" (validation data unavailable: {e})"
     else:
         note = ""
-    x = example_input(served, 256)
+    x = served.example_input(256)
     a, b = fp32(x), int8(x)
     agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
     return (f"int8: top-1 agreement with fp32 {agree:.4f}, max |logit change| {float((a - b).abs().max()):.4f} "

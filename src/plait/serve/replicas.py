@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.procs import CONTEXT, spawn
-from plait.serve.model import ModelRef
+from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import RequestError, ServeError
+from plait.serve.runner import Runner
 
 ATTEMPTS = 2  # a batch whose replica crashes is retried once
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -32,9 +33,6 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
 
     torch.set_num_threads(threads)
     try:
-        from plait.serve.model import load_model
-        from plait.serve.runner import Runner
-
         runner = Runner(load_model(ref), pad_to)
         runner.prepare()
         conn.send(("ready", os.getpid()))

@@ -19,7 +19,9 @@ import threading
 import uvicorn
 
 from plait.serve.app import create_app
+from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import ServeError
+from plait.serve.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 
 GRACEFUL_S = 30  # how long in-flight requests may take to finish after SIGTERM
@@ -88,9 +90,6 @@ def run(path: str, opts: ServeOptions) -> int:
         service = Service(path, opts)
         s = service.served
         if opts.quantize:
-            from plait.serve.model import ModelRef, load_model
-            from plait.serve.quantize import accuracy_change
-
             fp32 = load_model(ModelRef(path)).module
             print(accuracy_change(fp32, s.module, s, path), flush=True)
         host, port = sock.getsockname()[:2]

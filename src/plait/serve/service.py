@@ -26,7 +26,11 @@ from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.kvcache import GenRow
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
+from plait.serve.pipeline import PipelineExecutor
 from plait.serve.protocol import RequestError, ServeError
+from plait.serve.quantize import QUANTIZE_CHOICES
+from plait.serve.replicas import ReplicaPool
+from plait.serve.runner import LocalExecutor, Runner
 
 
 @dataclass
@@ -58,8 +62,6 @@ class ServeOptions:
         return max(1, cores - 1) if in_process else max(1, cores // processes)
 
     def validate(self) -> ServeOptions:
-        from plait.serve.quantize import QUANTIZE_CHOICES
-
         for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1), ("--threads", self.threads, 0),
                                  ("--max-batch-size", self.max_batch_size, 1), ("--max-queue", self.max_queue, 1),
                                  ("--max-new-tokens", self.max_new_tokens, 1)):
@@ -102,16 +104,10 @@ class Service:
     def _executor(self):
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
         if self.opts.pp > 1:
-            from plait.serve.pipeline import PipelineExecutor
-
             return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp))
         if self.opts.replicas > 1:
-            from plait.serve.replicas import ReplicaPool
-
             return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts,
                                self.opts.threads_per(self.opts.replicas))
-        from plait.serve.runner import LocalExecutor, Runner
-
         return LocalExecutor(Runner(self.served, pad_to))
 
     @property

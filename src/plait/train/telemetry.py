@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait import faults
-from plait.comm import CommCounter, counting
+from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
 from plait.config import dump_config
 from plait.train.evaluate import evaluate, generate_sample
@@ -72,9 +72,21 @@ class Telemetry:
         self._counting = counting(self.comm)
 
     def _window_reset(self, t0: float | None = None) -> None:
+        """A new metrics window starts: its clock and the bytes and wait counted from here."""
         self.window_loss = torch.zeros((), device=self.rt.device)
         self.window_steps, self.window_t0 = 0, time.perf_counter() if t0 is None else t0
-        self.window_comm = self.window_wait = 0.0
+        self.window_sent0, self.window_wait0 = self.comm.bytes_sent, self.comm.wait_s
+
+    @contextlib.contextmanager
+    def _aside(self):
+        """Work that is not a training step (checkpoints, evaluation): its time and traffic leave the window."""
+        t0, sent, wait = time.perf_counter(), self.comm.bytes_sent, self.comm.wait_s
+        try:
+            yield
+        finally:
+            self.window_t0 += time.perf_counter() - t0
+            self.window_sent0 += self.comm.bytes_sent - sent
+            self.window_wait0 += self.comm.wait_s - wait
 
     # ---- the loop
     def __enter__(self) -> Telemetry:
@@ -108,7 +120,6 @@ class Telemetry:
         self.watchdog.at(step, "data")
         self.profiler.begin(step)
         faults.maybe_fire("step", self.rt.rank, step, group=self.rt.axis_group("dp"))
-        self._sent, self._waited = self.comm.bytes_sent, self.comm.wait_s
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -129,8 +140,6 @@ class Telemetry:
     def end(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Account for the finished step; on logging steps write its record. Returns whether every rank is to stop."""
         self.watchdog.at(step, "sync")
-        self.window_comm += self.comm.bytes_sent - self._sent
-        self.window_wait += self.comm.wait_s - self._waited
         self.timer.steps += 1
         self.window_loss += loss
         self.window_steps += 1
@@ -139,9 +148,12 @@ class Telemetry:
         if not self.logs(step):
             self.progress.update(step, None, None)
             return self.watchdog.stop_requested and not self.rt.distributed
-        now = time.perf_counter()  # the next window starts here: this step's logging is part of its time
-        step_time = (now - self.window_t0) / self.window_steps
-        mean_loss, stopping, compute = self._agree(self.window_loss / self.window_steps, step_time)
+        # The next window starts now: this step's logging (its collective included) is part of the next one's time.
+        now, sent, wait = time.perf_counter(), self.comm.bytes_sent, self.comm.wait_s
+        n = self.window_steps
+        step_time = (now - self.window_t0) / n
+        comm_bytes, comm_wait = (sent - self.window_sent0) / n, (wait - self.window_wait0) / n
+        mean_loss, stopping, compute = self._agree(self.window_loss / n, step_time, comm_wait)
         if self.initial_loss is None and step == self.start + 1:
             self.initial_loss = mean_loss
         self.final_loss = mean_loss
@@ -152,8 +164,7 @@ class Telemetry:
         record = {
             "step": step, "loss": mean_loss, "lr": self.strategy.optimizer.param_groups[0]["lr"],
             self.rate_key: cfg.train.global_batch_size * self.per_sample / step_time, "step_time_s": step_time,
-            "time": self.timer.window(), "comm_bytes": self.window_comm / self.window_steps,
-            "comm_wait_s": self.window_wait / self.window_steps, "rank_compute_s": compute,
+            "time": self.timer.window(), "comm_bytes": comm_bytes, "comm_wait_s": comm_wait, "rank_compute_s": compute,
         }
         if slow:
             record["stragglers"] = slow
@@ -163,11 +174,12 @@ class Telemetry:
         self.writer.write(record)
         self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
         self._window_reset(now)
+        self.window_sent0, self.window_wait0 = sent, wait
         return stopping
 
-    def _agree(self, loss: torch.Tensor, step_time: float) -> tuple[float, bool, list[float]]:
+    def _agree(self, loss: torch.Tensor, step_time: float, comm_wait: float) -> tuple[float, bool, list[float]]:
         """One all-gather: the mean loss over ranks, whether any rank was asked to stop, each rank's compute time."""
-        compute = step_time - self.window_wait / self.window_steps
+        compute = step_time - comm_wait
         mine = torch.stack([loss.detach().double().reshape(()),
                             torch.tensor(float(self.watchdog.stop_requested), dtype=torch.float64, device=loss.device),
                             torch.tensor(compute, dtype=torch.float64, device=loss.device)])
@@ -179,13 +191,17 @@ class Telemetry:
         # tp and pp ranks hold their dp rank's loss: the mean over all ranks is the mean over dp.
         return float(rows[:, 0].mean()), bool(rows[:, 1].max() > 0), rows[:, 2].tolist()
 
-    def checkpointed(self, step: int, stall: float) -> None:
+    def checkpoint(self, step: int, checkpointer) -> None:
+        """Save step `step` outside the step-time window; log how long training stalled for it."""
+        self.at(step, "checkpoint")
+        with self._aside():
+            stall = checkpointer.save(self.strategy, step, {"precision": self.strategy.precision.state_dict()})
         self.writer.write({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": self.cfg.checkpoint.async_})
-        self.window_t0 += stall  # a checkpoint's stall is not step time
 
     def evaluate(self, step: int) -> dict:
         self.watchdog.at(step, "eval")
-        out = evaluate(self.strategy, self.bundle.val, self.cfg, self.rt, self.bundle.spec.task)
+        with self._aside():
+            out = evaluate(self.strategy, self.bundle.val, self.cfg, self.rt, self.bundle.spec.task)
         self.writer.write({"step": step, **out})
         return out
 

@@ -83,8 +83,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                 step += 1
                 stopping = tel.end(step, loss, grad_norm)
                 if ckpt is not None and (step == stop or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
-                    tel.at(step, "checkpoint")
-                    tel.checkpointed(step, ckpt.save(strategy, step, {"precision": strategy.precision.state_dict()}))
+                    tel.checkpoint(step, ckpt)
                     saved_at = step
                 if stopping:
                     break
