@@ -20,19 +20,6 @@ def cfg(*more):
     return load_config(None, DEEPFM + list(more))
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return params_after(cfg("parallel.dp=1", "train.steps=5"), None)
-
-
-@pytest.mark.parametrize("mode", ["table", "row"])
-def test_sharded_tables_match_the_unsharded_model(pool2, reference, mode):
-    got = pool2.run(rank0_params, cfg("parallel.dp=2", f"parallel.embedding_sharding='{mode}'", "train.steps=5"), None)[0]
-    assert max_diff(reference, got) <= 1e-4
-    plain = pool2.run(rank0_params, cfg("parallel.dp=2", "train.steps=5"), None)[0]  # DDP, tables replicated
-    assert max_diff(reference, plain) <= 1e-4
-
-
 def held(run_dir, mode):
     """Pool task: the bytes of embedding parameters this rank holds after a short run."""
     from plait.train.trainer import train

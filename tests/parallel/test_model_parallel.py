@@ -1,12 +1,13 @@
-"""Pipeline and tensor parallel (and their mixes with dp) against the single-process reference."""
+"""Pipeline and tensor parallel: resuming across layouts and the configuration errors.
 
-import json
+That every layout follows the single-process trajectory is tests/parallel/test_equivalence.py's, with plain SGD;
+the pipeline bubble against theory is tests/parallel/test_bubble.py's.
+"""
 
 import pytest
 
 from helpers import max_diff, params_after, rank0_params, tiny_gpt_config
 from plait.errors import ConfigError
-from plait.testing import RankPool
 from plait.train.job import load_job
 
 # The tiny corpus has 159 characters; tensor parallel splits the vocabulary, so round it up.
@@ -15,48 +16,6 @@ BASE = ("model.vocab_size=160", "model.layers=4", "train.global_batch_size=8", "
 
 def cfg(corpus, *more):
     return tiny_gpt_config(corpus, *BASE, *more)
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4, timeout_s=120) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_text):
-    return params_after(cfg(tiny_text, "parallel.dp=1", "train.steps=5"), None)
-
-
-@pytest.mark.parametrize("layout", [
-    ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='gpipe'"),
-    ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='1f1b'"),
-    ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'", "parallel.virtual_stages=2"),
-    ("parallel.dp=1", "parallel.tp=2"),
-    ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"),
-], ids=["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "tp2", "tp2-sp"])
-def test_two_rank_layouts_match_one_process(pool2, tiny_text, reference, layout):
-    got = pool2.run(rank0_params, cfg(tiny_text, "train.steps=5", *layout), None)[0]
-    assert max_diff(reference, got) <= 1e-4
-
-
-@pytest.mark.parametrize("layout", [
-    ("parallel.dp=2", "parallel.pp=2"),
-    ("parallel.dp=2", "parallel.tp=2"),
-    ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2"),
-    ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
-    ("parallel.dp=2", "parallel.tp=2", "parallel.zero=3"),
-], ids=["dp2xpp2", "dp2xtp2", "pp2xtp2", "pp2xtp2-sp", "dp2xtp2-zero3"])
-def test_four_rank_hybrids_match_one_process(pool4, tiny_text, reference, layout):
-    got = pool4.run(rank0_params, cfg(tiny_text, "train.steps=5", *layout), None)[0]
-    assert max_diff(reference, got) <= 1e-4
-
-
-def test_untied_embeddings_under_pipeline_and_tensor_parallel(pool4, tiny_text):
-    ref = params_after(cfg(tiny_text, "parallel.dp=1", "train.steps=4", "model.tie_embeddings=false"), None)
-    got = pool4.run(rank0_params, cfg(tiny_text, "parallel.dp=1", "parallel.pp=2", "parallel.tp=2", "train.steps=4",
-                                      "model.tie_embeddings=false"), None)[0]
-    assert max_diff(ref, got) <= 1e-4
 
 
 @pytest.mark.parametrize("first, then", [
@@ -71,20 +30,6 @@ def test_resume_across_layouts(pool2, tiny_text, tmp_path, first, then):
     else:
         got = params_after(cfg(tiny_text, "parallel.dp=1", "train.steps=10"), tmp_path, resume=True)
     assert max_diff(straight, got) <= 1e-4
-
-
-def test_pipeline_reports_its_bubble_and_draws_the_timeline(pool2, tiny_text, tmp_path):
-    for schedule, m in (("gpipe", 4), ("1f1b", 4)):
-        run = tmp_path / schedule
-        pool2.run(rank0_params, cfg(tiny_text, "parallel.dp=1", "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
-                                    "train.steps=4", f"parallel.microbatches={m}", "train.global_batch_size=8"), run)
-        p = json.loads((run / "summary.json").read_text())["pipeline"]
-        assert p["bubble_fraction_theory"] == pytest.approx((2 - 1) / (m + 2 - 1))
-        assert 0.0 < p["bubble_fraction"] < 1.0
-        # GPipe holds every micro-batch's activations on the first stage; 1F1B at most p
-        expected_first = m if schedule == "gpipe" else 2
-        assert p["peak_inflight_per_rank"][0] == expected_first
-        assert (run / "pipeline.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -81,7 +81,7 @@ class PipelineStrategy(Strategy):
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
         self._setup_tied(tied)
         self.events: list[tuple] = []
-        self.step_stats: list[tuple[float, int]] = []  # (bubble fraction, peak in-flight) per step
+        self.step_stats: list[tuple[float, float, float, int]] = []  # (first start, last end, busy s, peak in-flight)
         self.last_timeline: list[tuple] = []
         self._last_forward = None
         for st in self.stages:
@@ -244,7 +244,9 @@ class PipelineStrategy(Strategy):
         for _, kind, _, _, _ in sorted(self.events, key=lambda e: e[3]):
             inflight += 1 if kind == "F" else -1
             peak = max(peak, inflight)
-        self.step_stats.append((max(0.0, 1.0 - busy / span) if span > 0 else 0.0, peak))
+        first = min((e[3] for e in self.events), default=t0)
+        last = max((e[4] for e in self.events), default=t0 + span)
+        self.step_stats.append((first, last, busy, peak))
         self.last_timeline = list(self.events)  # absolute times; the plot lines ranks up
 
     def figures(self, reports: list[dict], run_dir) -> dict:
@@ -257,26 +259,36 @@ class PipelineStrategy(Strategy):
         return {"pipeline": summary}
 
     def report(self) -> dict:
-        """This rank's pipeline figures (steps after the first, which includes setup)."""
+        """This rank's pipeline figures per step (steps after the first, which includes setup); wall-clock times."""
         stats = self.step_stats[1:] or self.step_stats
         return {
             "pp_rank": dist.get_rank(self.pp_group),
             "stages": self.stage_ids,
-            "bubble_fraction": sum(b for b, _ in stats) / max(1, len(stats)),
-            "peak_inflight": max((p for _, p in stats), default=0),
+            "steps": [(first, last, busy) for first, last, busy, _ in stats],
+            "peak_inflight": max((p for *_, p in stats), default=0),
             "timeline": self.last_timeline,
         }
 
 
 def pipeline_summary(per_rank: list[dict], schedule: str, p: int, m: int, v: int) -> dict:
-    """Measured bubble (mean over one pipeline's ranks) next to the theory, and in-flight micro-batches per stage."""
+    """Measured bubble next to the theory, and in-flight micro-batches per stage.
+
+    The bubble is the theory's: each step spans one pipeline from its first forward on any stage to
+    its last backward on any stage, and every stage's idle share of that span counts (a stage's own
+    schedule call ends before the pipeline does, so its own span would hide part of its idling).
+    """
     first: dict[int, dict] = {}  # one pipeline: the first rank (in rank order) of each pp rank
     for r in per_rank:
         first.setdefault(r["pp_rank"], r)
     one = [first[k] for k in sorted(first)]
+    bubbles = []
+    for step in zip(*(r["steps"] for r in one)):
+        span = max(last for _, last, _ in step) - min(start for start, _, _ in step)
+        if span > 0:
+            bubbles.append(1.0 - sum(busy for _, _, busy in step) / len(step) / span)
     return {
         "schedule": schedule, "stages": p * v, "microbatches": m,
-        "bubble_fraction": sum(r["bubble_fraction"] for r in one) / len(one),
+        "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else 0.0,
         "bubble_fraction_theory": theoretical_bubble(p, m, v),
         "peak_inflight_per_rank": [r["peak_inflight"] for r in one],
     }

@@ -76,8 +76,9 @@ class ZeroOneStrategy(Strategy):
         self.precision.unscale(self.optimizer, self.group)
         if max_norm <= 0 and not need_norm:
             return None
-        lo = self.rank * self.segment
-        return clip_grads([], max_norm, partial=[self.flat_grads[lo:lo + self.segment]], group=self.group)
+        # Per owned tensor (their gradients are views of this rank's averaged segment), as torch's clip does:
+        # one float32 norm over a whole segment loses precision as the segment grows.
+        return clip_grads([], max_norm, partial=[p.grad for p in self.owned], group=self.group)
 
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
