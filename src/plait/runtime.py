@@ -29,6 +29,7 @@ class Runtime:
     role: str = "trainer"  # "trainer", or a parameter server's "worker" / "server" (plait.parallel.layout)
     coords: dict = field(default_factory=dict)  # this rank's coordinate on each axis (the layout's, mesh or not)
     degrees: dict = field(default_factory=dict)  # each axis's size in the layout
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -41,7 +42,11 @@ class Runtime:
 
     def axis_group(self, axis: str):
         """The process group of one mesh axis (None when single-process or without a mesh)."""
-        return None if self.mesh is None else self.mesh[axis].get_group()
+        if self.mesh is None:
+            return None
+        if axis not in self._groups:  # slicing a DeviceMesh builds a sub-mesh: hundreds of microseconds, once
+            self._groups[axis] = self.mesh[axis].get_group()
+        return self._groups[axis]
 
     def axis_rank(self, axis: str) -> int:
         """This rank's coordinate on `axis` in the layout."""

@@ -148,7 +148,9 @@ def _wrap(op: str, fn):
             _local.depth = depth
         if outer:
             counters = list(_active)
-            if result is not None and hasattr(result, "get_future"):  # async: count until it completes
+            if getattr(_local, "caller_waits", False):
+                pass  # the caller times its own completion (ddp_allreduce_hook): no second callback
+            elif result is not None and hasattr(result, "get_future"):  # async: count until it completes
                 try:
                     result.get_future().add_done_callback(lambda fut: [c.add_wait(time.perf_counter() - t0)
                                                                        for c in counters])
@@ -161,6 +163,25 @@ def _wrap(op: str, fn):
 
     wrapper.__plait_counted__ = fn
     return wrapper
+
+
+def ddp_allreduce_hook(group, bucket):
+    """DDP's average of a gradient bucket (as torch's default hook), counted, its wait timed in the one callback DDP needs."""
+    tensor = bucket.buffer().div_(dist.get_world_size(group))
+    counters, t0 = list(_active), time.perf_counter()
+    _local.caller_waits = True
+    try:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    finally:
+        _local.caller_waits = False
+
+    def done(fut):
+        elapsed = time.perf_counter() - t0
+        for c in counters:
+            c.add_wait(elapsed)
+        return fut.value()[0]
+
+    return work.get_future().then(done)
 
 
 _installed: dict[tuple[object, str], object] = {}

@@ -108,16 +108,18 @@ class Strategy:
         accumulated gradient is that of the rank's mean; data-parallel averaging then
         gives the global-batch mean whatever the accumulation count and dp.
         """
-        total = torch.zeros((), device=micro_batches[0][0].device)
+        total = None
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync() if i < last else contextlib.nullcontext()
             meter = self.activation_meter.measure() if self.activation_meter else contextlib.nullcontext()
             with ctx:
                 with meter, self.precision.autocast():
-                    loss = self.loss_fn(self.model(x), y) * (len(x) / self.local_batch)
+                    loss = self.loss_fn(self.model(x), y)
+                    if len(x) != self.local_batch:  # one micro-batch of the whole local batch needs no scale
+                        loss = loss * (len(x) / self.local_batch)
                 self.precision.backward(loss)
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         self.after_backward()
         return total
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 
 import torch.nn as nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from plait.comm.accounting import ddp_allreduce_hook
 from plait.comm.compression import Compression, register_compression
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
@@ -22,9 +22,9 @@ from plait.parallel.scheme import Build, Scheme
 def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None = None) -> DDP:
     """Wrap the model in DDP on the dp axis's process group (gradients averaged across replicas).
 
-    The all-reduce goes through torch's Python default hook (the same average as DDP's built-in
-    one) so that plait.comm.accounting sees, and counts, every bucket. With `compression` the hook
-    is plait.comm.compression's instead; its state is kept as `ddp.plait_compression`.
+    The all-reduce goes through a Python hook (the same average as DDP's built-in one) so that
+    plait.comm.accounting sees, counts and times every bucket. With `compression` the hook is
+    plait.comm.compression's instead; its state is kept as `ddp.plait_compression`.
     """
     group = dp_mesh.get_group()
     ddp = DDP(
@@ -36,7 +36,7 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
     if compression is not None and compression.kind != "none":
         ddp.plait_compression = register_compression(ddp, group, compression)
     else:
-        ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+        ddp.register_comm_hook(group, ddp_allreduce_hook)
     return ddp
 
 
