@@ -29,9 +29,16 @@ def no_process_group():
     assert not dist.is_initialized(), "a test left the default process group initialised"
 
 
-@pytest.fixture(scope="module")
+# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them.
+@pytest.fixture(scope="session")
 def pool2():
     with RankPool(2, timeout_s=90) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    with RankPool(4, timeout_s=120) as pool:
         yield pool
 
 

@@ -33,13 +33,25 @@ def plait(*args: str, cwd: Path | None = None, timeout: float = 240) -> subproce
         (["nothere.toml"], "config file 'nothere.toml' does not exist"),
     ],
 )
-def test_bad_config_exits_2_before_any_worker_starts(tmp_path, args, message):
+def test_bad_config_exits_2_before_any_worker_starts(tmp_path, monkeypatch, capsys, args, message):
+    # In-process (the same main() the console script runs); the process boundary is checked once below.
+    from plait.cli import main
+
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    r = plait("train", *args, "--out", out, cwd=tmp_path, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.startswith("error: ") and message in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    assert main(["train", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert not out.exists()  # nothing was started or written
+
+
+def test_a_bad_config_exits_2_as_a_process(tmp_path):
+    r = plait("train", "--set", "parallel.dp=3", "--out", tmp_path / "run", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: train.global_batch_size (32) must be divisible")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "run").exists()
 
 
 def test_config_show_prints_every_key_with_its_doc(tmp_path):

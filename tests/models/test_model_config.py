@@ -1,8 +1,6 @@
 """The model registry's own checks, and what a model can do, asked before any worker starts."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -67,12 +65,13 @@ def test_layouts_a_model_cannot_take_are_refused_before_launch(overrides, messag
     bad(overrides, message)
 
 
-def test_the_cli_exits_2_before_any_worker_starts(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "plait", "train", "--set", "model.name=mlp", "--set", "data.name=digits",
-                        "--set", "parallel.pp=2", "--set", "parallel.dp=1", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
+def test_the_cli_exits_2_before_any_worker_starts(tmp_path, capsys):
+    from plait.cli import main
+
+    code = main(["train", "--set", "model.name=mlp", "--set", "data.name=digits", "--set", "parallel.pp=2",
+                 "--set", "parallel.dp=1", "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "error: parallel.pp = 2 cuts the model into stages, but model.name = 'mlp' has no pipeline cut points (a "
         "`pipeline_parts()` method naming its blocks, see plait.models.gpt); set parallel.pp=1"]
     assert not (tmp_path / "run" / "logs").exists()  # no worker was started

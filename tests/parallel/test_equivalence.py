@@ -26,7 +26,7 @@ import torch
 
 from helpers import ENV, TINY_GPT, params_after
 from plait.config import dump_config, load_config
-from plait.testing import RankPool, run_distributed
+from plait.testing import run_distributed
 
 STEPS = 4
 # lr 0.3: halving the gradient (a dp average taken twice) then moves the step-2 loss by 5 %, the step-1 gradient
@@ -93,12 +93,6 @@ def assert_same_trajectory(ref: Trajectory, got: Trajectory) -> None:
     e = errors(ref, got)
     detail = f"errors {e}; loss {ref.loss} vs {got.loss}; grad_norm {ref.grad_norm} vs {got.grad_norm}"
     assert e["loss"] <= RTOL and e["grad_norm"] <= RTOL and e["weights"] <= ATOL, detail
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4, timeout_s=120) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,7 @@ import pytest
 
 from helpers import max_diff, params_after, rank0_params, tiny_gpt_config
 from plait.errors import ConfigError
-from plait.testing import RankPool
 from plait.train.job import load_job
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4, timeout_s=120) as pool:
-        yield pool
 
 
 def cfg(corpus, world, zero, *more):
