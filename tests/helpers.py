@@ -82,3 +82,11 @@ def process_tree(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 pass
     return [pid] + [p for c in children for p in process_tree(c)]
+
+
+def reset_compiler() -> None:
+    """Forget what torch.compile compiled earlier in this (long-lived) process: its guards would make a new model
+    recompile against every earlier one, seconds of work that a fresh run does not pay."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

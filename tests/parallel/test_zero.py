@@ -104,7 +104,10 @@ def test_offload_on_cpu_is_a_one_line_note(tiny_text, tmp_path, capfd):
 
 
 def test_zero3_with_bf16_mixed_precision_and_compile(pool2, tiny_text, tmp_path):
+    from helpers import reset_compiler
+
     more = ("train.steps=4", "precision.dtype='bf16'")
+    pool2.run(reset_compiler)
     ref = pool2.run(rank0_params, cfg(tiny_text, 2, 0, *more), tmp_path / "z0")[0]
     got = pool2.run(rank0_params, cfg(tiny_text, 2, 3, *more, "train.compile=true"), tmp_path / "z3")[0]
     # FSDP2 casts whole parameters to bf16 where autocast picks per op: close, not equal

@@ -97,6 +97,9 @@ def test_loss_is_a_global_batch_mean_whatever_the_split():
 
 @pytest.mark.slow
 def test_compile_keeps_the_trajectory(tiny_text):
+    from helpers import reset_compiler
+
+    reset_compiler()
     plain = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=3"), None)
     compiled = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=3", "train.compile=true"), None)
     assert max_diff(plain, compiled) <= 1e-4  # inductor fuses ops: float rounding differs, training does not
