@@ -54,6 +54,7 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout probability (0 keeps trajectories layout-independent)")
     depth: int = opt(2, "mlp and deepfm: hidden layers; cnn: convolution blocks")
     embedding_dim: int = opt(8, "deepfm: embedding width per categorical field")
+    projection_dim: int = opt(32, "train.objective = contrastive: width of the projection head on top of the encoder")
 
 
 @dataclass
@@ -72,6 +73,8 @@ class DataConfig:
     clicks_cardinalities: list = opt([8, 64, 512, 4096, 32768], "clicks: categories per categorical field")
     clicks_dense: int = opt(4, "clicks: real-valued features per sample")
     prefetch: int = opt(2, "batches prepared ahead of compute by a background thread (0: none)")
+    augment_shift: int = opt(1, "contrastive views of images: random shift of up to this many pixels (0: none)")
+    augment_noise: float = opt(0.1, "contrastive views: std of the Gaussian noise added to every input")
 
 
 @dataclass
@@ -88,6 +91,10 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile each block")
     sample_tokens: int = opt(200, "gpt: characters to generate as a sample at the end (0: none)")
     sample_prompt: str = opt("def ", "gpt: prompt for the generated sample")
+    objective: str = opt("supervised", "supervised (the data's labels) or contrastive (two augmented views per sample, "
+                                       "NT-Xent against the whole global batch, a linear probe at the end)",
+                         ("supervised", "contrastive"))
+    temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
 
 
 @dataclass
@@ -458,7 +465,8 @@ def validate_config(cfg: Config) -> Config:
     for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
                 "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "log.every", "launch.timeout_s", "data.synthetic_samples", "data.synthetic_features",
-                "data.synthetic_classes", "model.width", "model.depth", "model.embedding_dim", "data.clicks_dense"):
+                "data.synthetic_classes", "model.width", "model.depth", "model.embedding_dim", "data.clicks_dense",
+                "model.projection_dim"):
         _positive(cfg, key)
     for key in ("train.eval_every", "train.eval_samples", "checkpoint.every", "launch.nproc_per_node",
                 "launch.max_restarts", "launch.node_rank", "optim.warmup_steps", "optim.weight_decay",
@@ -470,6 +478,11 @@ def validate_config(cfg: Config) -> Config:
             raise ConfigError(f"{key} = {getattr(cfg.optim, name)} must be a finite number")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr = {cfg.optim.lr} must be > 0")
+    if cfg.data.augment_shift < 0 or not 0.0 <= cfg.data.augment_noise < math.inf:
+        raise ConfigError(f"data.augment_shift = {cfg.data.augment_shift} and data.augment_noise = {cfg.data.augment_noise} "
+                          "must be >= 0 (and finite)")
+    if not 0.0 < cfg.train.temperature < math.inf:
+        raise ConfigError(f"train.temperature = {cfg.train.temperature} must be > 0, e.g. 0.5")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
     if not 0.0 <= cfg.model.dropout < 1.0:

@@ -26,8 +26,9 @@ class StepLoader:
     def _make(self, step: int) -> list[Batch]:
         idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
         out = []
+        at = getattr(self.dataset, "fetch_at", None)  # datasets whose samples depend on the step (augmented views)
         for mb in micro_batches(idx, self.micro):
-            x, y = self.dataset.fetch(mb)
+            x, y = at(mb, step) if at is not None else self.dataset.fetch(mb)
             if self.pin:
                 x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))

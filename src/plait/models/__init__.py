@@ -16,6 +16,7 @@ import torch.nn as nn
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.cnn import build_cnn
+from plait.models.contrastive import Contrastive
 from plait.models.deepfm import build_deepfm
 from plait.models.gpt import build_gpt
 from plait.models.mlp import build_mlp
@@ -37,7 +38,13 @@ def load_factory(path: str) -> Callable:
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
-    """Build the configured model on the current default device, parameters initialised from torch's RNG."""
+    """Build the configured model on the current default device, parameters initialised from torch's RNG.
+
+    For a contrastive task (spec.task == "contrastive") the configured model is the encoder (registered
+    models output model.width features instead of classes) under a projection head (models.contrastive).
+    """
+    if spec.task == "contrastive":
+        return _contrastive(model_cfg, spec)
     if model_cfg.factory:
         model = load_factory(model_cfg.factory)(**model_cfg.options)
         if not isinstance(model, nn.Module):
@@ -46,6 +53,23 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     if model_cfg.name not in MODELS:
         raise ConfigError(f"model.name = {model_cfg.name!r} is not one of: {', '.join(sorted(MODELS))}")
     return MODELS[model_cfg.name](model_cfg, spec)
+
+
+def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
+    import dataclasses
+
+    import torch
+
+    inner = dataclasses.replace(spec, task="classification", num_classes=model_cfg.width)
+    encoder = build_model(model_cfg, inner)
+    with torch.no_grad():  # the encoder's output width, from one sample
+        out = encoder(torch.zeros(1, *spec.input_shape))
+    if out.dim() != 2:
+        what = model_cfg.factory or f"model.name = {model_cfg.name!r}"
+        raise ConfigError(f"train.objective = 'contrastive' needs a model that outputs one embedding per sample "
+                          f"(batch, features), but {what} outputs shape {tuple(out.shape)}; use an encoder model or "
+                          "set train.objective='supervised'")
+    return Contrastive(encoder, out.shape[1], model_cfg.projection_dim)
 
 
 # What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).

@@ -72,3 +72,32 @@ def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
     module.eval()
     out = module.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=20, generator=g)
     return tok.decode(out[0].tolist())
+
+
+def linear_probe(strategy, bundle: DataBundle, cfg, rt, samples: int = 2000) -> float | None:
+    """Contrastive runs: accuracy of a logistic regression on the frozen encoder's features (train split -> val split).
+
+    The weights are gathered into a plain model first (a collective: every rank calls this); rank 0 fits
+    scikit-learn's LogisticRegression on the un-augmented training samples and scores the validation ones.
+    """
+    if bundle.spec.task != "contrastive":
+        return None
+    weights = strategy.full_model_state_dict()
+    if not rt.is_main:
+        return None
+    from sklearn.linear_model import LogisticRegression  # lazily: only rank 0 at the end needs scikit-learn
+
+    module = build_model(cfg.model, bundle.spec)
+    module.load_state_dict(weights)
+    module.eval()
+
+    def features(views) -> tuple:
+        data = views.dataset  # the plain samples under the views
+        idx = torch.arange(min(samples, len(data)))
+        x, y = data.fetch(idx)
+        with torch.no_grad():
+            return module.embed(x).numpy(), y.numpy()
+
+    (xt, yt), (xv, yv) = features(bundle.train), features(bundle.val)
+    probe = LogisticRegression(max_iter=2000).fit(xt, yt)
+    return float(probe.score(xv, yv))

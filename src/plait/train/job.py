@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from plait.config import Config, load_config, validate_config
+from plait.errors import ConfigError
 from plait.models import check_config as check_model
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
@@ -22,7 +23,30 @@ def check_job(cfg: Config) -> Layout:
     """Validate cfg for training; returns its Layout."""
     validate_config(cfg)
     check_model(cfg.model, cfg.data.name)
-    return check_layout(cfg)
+    layout = check_layout(cfg)
+    check_objective(cfg, layout)
+    return layout
+
+
+def check_objective(cfg: Config, layout: Layout) -> None:
+    """train.objective = 'contrastive': image or vector data, plain data parallel, negatives from the whole batch."""
+    if cfg.train.objective != "contrastive":
+        return
+    if cfg.data.name not in ("digits", "synthetic", "tensors"):
+        raise ConfigError(f"train.objective = 'contrastive' makes two augmented views of image or vector inputs; "
+                          f"data.name = {cfg.data.name!r} has none: use digits, synthetic or tensors, or "
+                          "train.objective='supervised'")
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1 or p.sync != "allreduce" or p.embedding_sharding != "none":
+        raise ConfigError(f"train.objective = 'contrastive' gathers every rank's embeddings over the dp axis: it needs "
+                          f"tp = pp = 1, sync = 'allreduce' and no embedding_sharding (here tp = {p.tp}, pp = {p.pp}, "
+                          f"sync = {p.sync!r}); change the layout or train.objective")
+    if layout.grad_accum != 1:
+        raise ConfigError(
+            f"train.objective = 'contrastive' takes its negatives from the whole global batch, which must be one "
+            f"micro-batch per rank: train.micro_batch_size ({cfg.train.micro_batch_size}) * parallel.dp ({p.dp}) must "
+            f"equal train.global_batch_size ({cfg.train.global_batch_size}); set "
+            f"train.micro_batch_size={cfg.train.global_batch_size // p.dp}")
 
 
 def load_job(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -1,10 +1,12 @@
-"""Losses by task; each is a mean over the micro-batch's samples (lm: over its tokens)."""
+"""Losses by task; each is a mean over the micro-batch's samples (lm: over its tokens; contrastive: over its views)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
@@ -22,5 +24,32 @@ def binary_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.reshape(-1).float(), targets.reshape(-1).float())
 
 
-def loss_for(spec: DataSpec) -> Callable:
+def nt_xent(z: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
+    """NT-Xent (SimCLR, Chen et al. 2020) of this rank's views against every view of the global batch.
+
+    z: (batch, 2, d), the two views' projections of this rank's samples. With a process group (and
+    gradients on), the embeddings of every rank are all-gathered with autograd, so the negatives are
+    the whole global batch and each rank's loss is the mean over its own 2 * batch anchors: the mean
+    of the ranks' losses is the one-process loss, and DDP's average of their gradients its gradient
+    (the all-gather's backward sums what every rank's loss sends back). Without a group (one process,
+    or evaluation, which never communicates) the batch is its own world. This rank's slice of the
+    similarity matrix is (2 * batch) x (2 * global batch) floats.
+    """
+    b = z.shape[0]
+    local = F.normalize(z.float().reshape(2 * b, -1), dim=1)  # rows: sample 0 view 0, sample 0 view 1, ...
+    rank, everyone = 0, local
+    if group is not None and torch.is_grad_enabled() and dist.get_world_size(group) > 1:
+        rank = dist.get_rank(group)
+        everyone = torch.cat(dist_nn.all_gather(local, group=group))
+    sim = local @ everyone.T / temperature
+    mine = torch.arange(2 * b, device=z.device) + rank * 2 * b  # each anchor's own column
+    sim = sim.masked_fill(F.one_hot(mine, everyone.shape[0]).bool(), float("-inf"))
+    positive = mine ^ 1  # the other view of the same sample
+    return F.cross_entropy(sim, positive)
+
+
+def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
+    """The loss of the data's task; contrastive: NT-Xent at `temperature` against the views of every rank of `group`."""
+    if spec.task == "contrastive":
+        return lambda z, _labels: nt_xent(z, temperature, group)
     return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss}[spec.task]

@@ -28,7 +28,7 @@ from plait import faults
 from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
 from plait.config import dump_config
-from plait.train.evaluate import evaluate, generate_sample
+from plait.train.evaluate import evaluate, generate_sample, linear_probe
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.profile import StepProfiler
@@ -224,6 +224,7 @@ class Telemetry:
         per_rank = _gather([memory, self.comm.bytes_sent / self.loop_steps if self.loop_steps else 0.0], rt)
         final_eval = self.evaluate(step) if rt.role != "worker" else {}
         sample = generate_sample(strategy, self.bundle, cfg, rt) if rt.role != "worker" else None
+        probe = linear_probe(strategy, self.bundle, cfg, rt) if rt.role != "worker" else None
         reports = _gather(strategy.report(), rt)
         layout = self.layout
         summary = {
@@ -248,6 +249,10 @@ class Telemetry:
             summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
         if sample is not None:
             summary["sample"] = sample
+        if self.bundle.spec.task == "contrastive":
+            local, world = cfg.train.micro_batch_size, cfg.train.global_batch_size
+            summary["contrastive"] = {"linear_probe_accuracy": probe, "temperature": cfg.train.temperature,
+                                      "similarity_bytes_per_rank": (2 * local) * (2 * world) * 4}
         if rt.is_main and reports[0] is not None:
             summary.update(strategy.figures(reports, self.run_dir))
         self.writer.close()
@@ -274,6 +279,8 @@ class Telemetry:
                 line += f" (the generating model's own: {summary['ground_truth_val_loss']:.4f})"
             if "val_accuracy" in summary:
                 line += f", val accuracy {summary['val_accuracy']:.3f}"
+            if summary.get("contrastive", {}).get("linear_probe_accuracy") is not None:
+                line += f", linear-probe accuracy {summary['contrastive']['linear_probe_accuracy']:.3f}"
             lines.append(line)
         if summary.get("sample"):
             lines.append("sample:\n" + summary["sample"])

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from plait.config import Config
 from plait.data import build_data
+from plait.data.augment import two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import GlobalBatchSampler
 from plait.models import build_model
@@ -45,10 +46,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     rt = layout.init_runtime(cfg.launch)
     run_dir = Path(run_dir) if run_dir is not None else None
     bundle = build_data(cfg.data, cfg.model)
+    if cfg.train.objective == "contrastive":
+        bundle = two_views(bundle, cfg.data, cfg.train.seed)
     seed_all(cfg.train.seed)  # the same initial parameters on every rank
     b = Build(cfg, rt, layout, build_model(cfg.model, bundle.spec).to(rt.device),
-              lambda m, only=None: build_optimizer(m, cfg.optim, only), loss_for(bundle.spec),
-              Precision(cfg.precision.dtype, rt.device), SCHEMES)
+              lambda m, only=None: build_optimizer(m, cfg.optim, only),
+              loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp")), Precision(cfg.precision.dtype, rt.device), SCHEMES)
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)
