@@ -91,6 +91,8 @@ def test_the_linear_probe_beats_the_untrained_encoder(tmp_path):
     (["parallel.sync=gossip"], "gathers every rank's embeddings over the dp axis"),
     (["train.global_batch_size=32", "train.micro_batch_size=8"],
      "must equal train.global_batch_size (32); set train.micro_batch_size=16"),
+    (["model.factory=torch.nn:Identity"], "needs a model that outputs one embedding per sample (batch, features), but "
+                                          "torch.nn:Identity outputs shape (1, 1, 8, 8)"),
 ])
 def test_bad_contrastive_configs(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from plait.config import Config, load_config, validate_config
+from plait.data import build_data
+from plait.data.augment import two_views
 from plait.errors import ConfigError
+from plait.models import build_model
 from plait.models import check_config as check_model
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
@@ -41,6 +46,10 @@ def check_objective(cfg: Config, layout: Layout) -> None:
         raise ConfigError(f"train.objective = 'contrastive' gathers every rank's embeddings over the dp axis: it needs "
                           f"tp = pp = 1, sync = 'allreduce' and no embedding_sharding (here tp = {p.tp}, pp = {p.pp}, "
                           f"sync = {p.sync!r}); change the layout or train.objective")
+    if cfg.model.factory:  # a user's model must output one embedding per sample: ask it on the meta device
+        spec = two_views(build_data(cfg.data, cfg.model), cfg.data, cfg.train.seed).spec
+        with torch.device("meta"):
+            build_model(cfg.model, spec)
     if layout.grad_accum != 1:
         raise ConfigError(
             f"train.objective = 'contrastive' takes its negatives from the whole global batch, which must be one "
