@@ -54,6 +54,12 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout probability (0 keeps trajectories layout-independent)")
     depth: int = opt(2, "mlp and deepfm: hidden layers; cnn: convolution blocks")
     embedding_dim: int = opt(8, "deepfm: embedding width per categorical field")
+    moe_experts: int = opt(0, "gpt: experts per mixture-of-experts block (0: dense feed-forward blocks)")
+    moe_top_k: int = opt(1, "gpt MoE: experts each token is routed to (1: Switch; 2: GShard, Mixtral)")
+    moe_every: int = opt(1, "gpt MoE: every k-th block is a mixture of experts (1: all; 2: blocks 1, 3, ...)")
+    moe_capacity_factor: float = opt(0.0, "gpt MoE: training capacity per expert and sequence = factor * tokens * "
+                                          "top_k / experts; extra assignments are dropped (0: dropless)")
+    moe_aux_weight: float = opt(0.01, "gpt MoE: weight of the Switch load-balancing loss added to the training loss")
     projection_dim: int = opt(32, "train.objective = contrastive: width of the projection head on top of the encoder")
 
 
@@ -139,6 +145,8 @@ class ParallelConfig:
     embedding_sharding: str = opt("none", "deepfm: shard embedding tables over dp ranks: none, table (whole tables) "
                                           "or row (rows of every table); the dense part stays data parallel",
                                   ("none", "table", "row"))
+    ep: int = opt(1, "expert-parallel degree: each MoE layer's experts split over ep data-parallel ranks "
+                     "(ep divides dp and model.moe_experts); the dense part stays data parallel")
 
 
 @dataclass

@@ -108,6 +108,36 @@ def test_step_time_model_orders_what_it_should():
         0.005 * shape.layers)
 
 
+def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
+    cfg = load_config(None, ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_every=2"])
+    dense = Shape.from_config(load_config(None).model, 114)
+    shape = Shape.from_config(cfg.model, 114)
+    h, e, k, layers = 128, 8, 2, 2  # default width; 4 blocks, every 2nd an MoE block
+    mlp = 8 * h * h + 5 * h  # one expert = the dense MLP: up, down and their biases
+    assert (shape.experts, shape.top_k, shape.moe_layers) == (e, k, layers)
+    assert shape.expert_params == layers * e * mlp
+    assert shape.params == dense.params + layers * ((e - 1) * mlp + h * e)  # + the routers
+    assert shape.matmul_params == dense.matmul_params + layers * ((k - 1) * 8 * h * h + h * e)  # k experts a token
+    # memory: ZeRO shards the dense part over dp, expert parallel splits the experts over ep
+    lay = Layout(dp=4, zero=3, micro=8, ep=2)
+    mem = predict_memory(shape, lay, 32)
+    held = shape.params - shape.expert_params
+    assert shape.device_params(lay) == [held + shape.expert_params // 2]
+    assert mem["params"] == pytest.approx(4 * held / 4 + 4 * shape.expert_params / 2)
+    assert mem["optimizer"] == pytest.approx(8 * held / 4 + 8 * shape.expert_params / 2)
+    # the all-to-all: 4 per MoE layer and micro-batch, each (ep-1) latencies + (ep-1)/ep of k b s h floats over the link
+    hw = Hardware()
+    t = predict_time(shape, lay, 32, hw)
+    rows = k * 8 * 128 * h * 4
+    one = (2 - 1) * hw.latency_s + (2 - 1) / 2 * rows / hw.intra_bw
+    assert t["ep_comm_s"] == pytest.approx(4 * layers * 1 * one)
+    assert predict_time(shape, Layout(dp=4, zero=3, micro=8), 32, hw)["ep_comm_s"] == 0.0
+    # the planner offers expert parallel where the experts and dp allow it, as valid configs (MoE runs with tp = pp = 1)
+    assert {(lay.dp, lay.tp, lay.pp, lay.ep) for lay in layouts(shape, 4, 32)} == {(4, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4)}
+    load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro=8).sets().split("--set ")[1:]] + [
+        "model.moe_experts=8", "model.moe_every=2"])
+
+
 def run_and_judge(cfg, run_dir, faults):
     """Pool task: a run with injected slowness; rank 0 returns the report's verdict."""
     import torch.distributed as dist

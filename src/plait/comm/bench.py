@@ -8,7 +8,8 @@ nccl-tests does (its doc/PERFORMANCE.md):
 
     algbw = size / time
     busbw = algbw * 2 (n-1)/n   all-reduce
-            algbw * (n-1)/n     all-gather, reduce-scatter (size = the whole gathered buffer)
+            algbw * (n-1)/n     all-gather, reduce-scatter (size = the whole gathered buffer), all-to-all
+                                (size = one rank's input, n equal chunks)
             algbw * 1           broadcast
 
 busbw is the figure comparable across rank counts and with the link's bandwidth. The table is
@@ -32,6 +33,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "allgather": ("native", "ring"),
     "reduce_scatter": ("native", "ring"),
     "broadcast": ("native", "tree"),
+    "alltoall": ("native",),  # what expert parallel's token exchange runs (plait.models.moe), with equal splits here
 }
 ELEMENT_BYTES = 4  # float32
 
@@ -39,7 +41,7 @@ ELEMENT_BYTES = 4  # float32
 def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth correction for op on n ranks."""
     return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}[op]
+            "broadcast": 1.0, "alltoall": (n - 1) / n}[op]
 
 
 def parse_size(text: str) -> int:
@@ -118,6 +120,8 @@ def _call(op: str, algo: str, buf, out, local_size: int):
         return dist.all_gather_single(out, buf) if algo == "native" else alg.ring_all_gather(out, buf)
     if op == "reduce_scatter":
         return dist.reduce_scatter_single(out, buf) if algo == "native" else alg.ring_reduce_scatter(out, buf)
+    if op == "alltoall":
+        return dist.all_to_all_single(out, buf)
     return dist.broadcast(buf, 0) if algo == "native" else alg.tree_broadcast(buf, 0)
 
 
@@ -126,12 +130,14 @@ def _buffers(op: str, nbytes: int, n: int, seed: int):
     import torch
 
     count = max(n, nbytes // ELEMENT_BYTES)
-    count -= count % n if op in ("allgather", "reduce_scatter") else 0
+    count -= count % n if op in ("allgather", "reduce_scatter", "alltoall") else 0
     g = torch.Generator().manual_seed(seed)
     if op == "allgather":
         return torch.randint(-8, 8, (count // n,), generator=g).float(), torch.empty(count)
     if op == "reduce_scatter":
         return torch.randint(-8, 8, (count,), generator=g).float(), torch.empty(count // n)
+    if op == "alltoall":
+        return torch.randint(-8, 8, (count,), generator=g).float(), torch.empty(count)
     return torch.randint(-8, 8, (count,), generator=g).float(), None
 
 

@@ -25,7 +25,7 @@ def add_parsers(sub, bench) -> None:
     c = bench.add_parser("collectives", help="nccl-tests-style table of collectives: time, algbw, busbw per size and algorithm",
                          description="Time collectives on local gloo ranks (NCCL under torchrun on GPUs is not driven "
                                      "from here); print size, time, algbw and busbw, write collectives.csv and .png.")
-    c.add_argument("--ops", default="allreduce", help="comma-separated: allreduce, allgather, reduce_scatter, broadcast")
+    c.add_argument("--ops", default="allreduce", help="comma-separated: allreduce, allgather, reduce_scatter, broadcast, alltoall")
     c.add_argument("--algos", default="native,ring,tree",
                    help="comma-separated: native (torch.distributed), ring, tree (halving-doubling; binomial for broadcast), "
                         "hierarchical (allreduce)")

@@ -9,8 +9,10 @@ later sharding can work per block without knowing the model.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from plait.data.spec import DataSpec
@@ -20,6 +22,7 @@ from plait.models.contrastive import Contrastive
 from plait.models.deepfm import build_deepfm
 from plait.models.gpt import build_gpt
 from plait.models.mlp import build_mlp
+from plait.models.moe import moe_layers
 
 MODELS: dict[str, Callable] = {"gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "deepfm": build_deepfm}
 
@@ -114,6 +117,11 @@ def check_config(model_cfg, data_name: str) -> None:
             raise ConfigError(
                 f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
                 f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
+        check_moe(model_cfg)
+    elif model_cfg.moe_experts:
+        raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
+                          f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
+                          "use plait.models.moe.MoE through model.factory)")
     token_data = data_name in ("stdlib-text", "text")
     wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
         model_cfg.name, "digits, synthetic or tensors")
@@ -121,6 +129,39 @@ def check_config(model_cfg, data_name: str) -> None:
     if not fits:
         raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
                           "change model.name or data.name")
+
+
+def check_moe(model_cfg) -> None:
+    """The gpt's mixture-of-experts keys (model.moe_*)."""
+    m = model_cfg
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts = {m.moe_experts} must be >= 0 (0: dense blocks)")
+    for key in ("moe_capacity_factor", "moe_aux_weight"):
+        value = getattr(m, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"model.{key} = {value} must be a finite number >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = {m.moe_experts}; "
+                          f"set --set model.moe_top_k={min(max(1, m.moe_top_k), m.moe_experts)}")
+    if not 1 <= m.moe_every <= m.layers:
+        raise ConfigError(f"model.moe_every = {m.moe_every} must be between 1 and model.layers = {m.layers} (every "
+                          "k-th block is a mixture of experts); set --set model.moe_every=1")
+
+
+def expert_counts(model_cfg) -> list[int]:
+    """Experts of each mixture-of-experts layer the configured model has (empty: none).
+
+    A user's factory is called on the meta device and its plait.models.moe.MoE layers counted.
+    """
+    if model_cfg.factory:
+        with torch.device("meta"):
+            model = load_factory(model_cfg.factory)(**model_cfg.options)
+        return [m.experts for m in moe_layers(model)]
+    if model_cfg.name != "gpt" or model_cfg.moe_experts <= 0 or model_cfg.moe_every < 1:
+        return []
+    return [model_cfg.moe_experts] * (model_cfg.layers // model_cfg.moe_every)
 
 
 def model_metadata(model_cfg, spec: DataSpec) -> dict:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
+from plait.models.moe import MoE, MoEHooks
 from plait.models.sampling import sample
 
 
@@ -83,12 +84,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, dropout: float):
+    def __init__(self, width: int, heads: int, dropout: float, moe: dict | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads, dropout)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = MLP(width)
+        # An MoE block's experts are MLPs of the dense block's shape: top-1 routing has the dense block's active parameters.
+        self.mlp = MoE(width, 4 * width, **moe) if moe else MLP(width)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,20 +99,28 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(nn.Module):
-    """Token + learned position embeddings, `layers` blocks, final LayerNorm, linear head."""
+class GPT(MoEHooks, nn.Module):
+    """Token + learned position embeddings, `layers` blocks, final LayerNorm, linear head.
+
+    moe_experts > 0 makes every moe_every-th block (blocks moe_every - 1, 2 moe_every - 1, ...) a mixture of
+    experts (plait.models.moe); moe_aux_weight scales their load-balancing loss in the training loss.
+    """
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int,
-                 tie_embeddings: bool = True, dropout: float = 0.0):
+                 tie_embeddings: bool = True, dropout: float = 0.0, moe_experts: int = 0, moe_top_k: int = 1,
+                 moe_every: int = 1, moe_capacity_factor: float = 0.0, moe_aux_weight: float = 0.0):
         super().__init__()
         self.context = context
         self.tie_embeddings = tie_embeddings
+        self.moe_aux_weight = moe_aux_weight
+        moe = {"experts": moe_experts, "top_k": moe_top_k, "capacity_factor": moe_capacity_factor} if moe_experts else None
         self.tok_emb = nn.Embedding(vocab_size, width)
         self.pos_emb = nn.Embedding(context, width)
         self.drop = nn.Dropout(dropout)
         # A ModuleDict keyed "0", "1", ...: a pipeline stage deletes the blocks it does not own and the
         # remaining ones keep their names (blocks.5.*), so checkpoints stay layout-free.
-        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout) for i in range(layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout, moe if (i + 1) % moe_every == 0 else None)
+                                     for i in range(layers)})
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         if tie_embeddings:
@@ -119,9 +129,11 @@ class GPT(nn.Module):
 
     def _init(self, layers: int) -> None:
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            elif name.endswith(("proj.weight", "down.weight")):
+            if name.endswith(("bias", "mlp.b1", "mlp.b2")):  # an MoE block's expert biases are stacked, (E, n)
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("proj.weight", "down.weight", "mlp.w2")):
                 # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
             else:
@@ -233,4 +245,5 @@ def build_gpt(cfg, spec: DataSpec) -> GPT:
             f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
             "set model.vocab_size=0 to take the data's size"
         )
-    return GPT(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout)
+    return GPT(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout,
+               cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_capacity_factor, cfg.moe_aux_weight)

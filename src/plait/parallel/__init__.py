@@ -6,8 +6,8 @@
 SCHEMES fixes the order once (see plait.parallel.scheme): module transforms run in this order
 (tensor parallel -> sharded embeddings -> activation checkpointing -> compile -> FSDP -> DDP), and
 the step belongs to the first scheme in it that applies and builds a strategy (pipeline, then the
-parameter server and gossip, which replace the all-reduce, then sharded embeddings, ZeRO-1, FSDP,
-DDP, and a single replica last). Adding a scheme is its file and one line here.
+parameter server and gossip, which replace the all-reduce, then sharded embeddings, expert parallel,
+ZeRO-1, FSDP, DDP, and a single replica last). Adding a scheme is its file and one line here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from plait.parallel import (
     compiling,
     ddp,
     embedding,
+    expert,
     fsdp,
     gossip,
     pipeline,
@@ -35,6 +36,7 @@ SCHEMES: list[Scheme] = [
     gossip.SCHEME,
     tp.SCHEME,
     embedding.SCHEME,
+    expert.SCHEME,
     zero.SCHEME,
     checkpointing.SCHEME,
     compiling.SCHEME,

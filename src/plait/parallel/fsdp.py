@@ -22,12 +22,15 @@ from plait.parallel.scheme import Build, Scheme
 SHARDABLE_OPTIMIZERS = ("adamw", "sgd")
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32", offload: bool = False) -> nn.Module:
-    """Shard each of model.blocks, then the root; stage 3 reshards after forward, stage 2 does not."""
+def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32", offload: bool = False,
+               ignored_params: set | None = None) -> nn.Module:
+    """Shard each of model.blocks, then the root; stage 3 reshards after forward, stage 2 does not.
+
+    ignored_params stay as they are (expert parallel keeps its experts out and synchronises them itself)."""
     mp = None
     if param_dtype != "fp32":
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": stage == 3}
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": stage == 3, "ignored_params": ignored_params}
     if mp is not None:
         kwargs["mp_policy"] = mp
     if offload:

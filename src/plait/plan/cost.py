@@ -12,6 +12,10 @@ Per step and device:
     tensor parallel  4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward), plus
                      the profile's measured fixed cost of a tensor-parallel layer (DTensor dispatch)
     pipeline         2 sends of b s h per micro-batch and stage boundary; bubble (p-1)/(m+p-1) [/ v]
+    expert parallel  per MoE layer and micro-batch 4 all-to-alls over ep ranks (dispatch and combine, forward
+                     and backward; 6 under activation checkpointing) of the k b s h routed rows, each
+                     (ep-1) steps of latency and (ep-1)/ep of its bytes on the link; the experts' gradients
+                     all-reduced over their dp/ep replicas, the dense ones over dp
     optimizer        parameters the device updates x the profile's seconds per parameter (ZeRO 2/3:
                      plus the profile's measured fixed cost of a fully_shard layer)
 """
@@ -71,7 +75,7 @@ class Hardware:
         lat, bw = self.link(span)
         if op == "all_reduce":
             return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
-        if op in ("all_gather", "reduce_scatter"):
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):
             return (n - 1) * lat + (n - 1) / n * nbytes / bw
         return lat + nbytes / bw  # send
 
@@ -108,8 +112,13 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
         fixed, per_sample = hw.layer_overhead_s.get("tp_sp" if layout.sp else "tp", (0.0, 0.0))
         extra = fixed + per_sample * layout.micro
         tp_comm = (4 * per + extra) * (shape.layers / p) * m
-    grad_bytes = elem * busiest
+    experts = shape.local_expert_params(layout)
+    grad_bytes = elem * (busiest - experts)  # the dense part; the experts are averaged over their replicas only
     z = layout.zero
+    ep_comm = 0.0
+    if shape.moe_layers and layout.ep > 1:
+        a2a = hw.collective("all_to_all", act * shape.top_k, layout.ep, layout.ep)
+        ep_comm = (6 if layout.ac else 4) * a2a * shape.moe_layers * m
     if d > 1:
         if z == 0:
             dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span)
@@ -120,17 +129,19 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
                 dp_comm += hw.collective("all_gather", grad_bytes, d, dp_span) * (m if m > 1 else 1)
     else:
         dp_comm = 0.0
+    dp_comm += hw.collective("all_reduce", elem * experts, d // layout.ep, dp_span)
     exposed_dp = max(0.0, dp_comm - hw.overlap * backward)
     pp_comm = 2 * m * v * hw.collective("send", act / (t if layout.sp else 1), 2, d * t * 2) if p > 1 else 0.0
     bubble = 0.0
     if p > 1:
         bubble = (compute + tp_comm) * (p - 1) / m / v
-    optimizer = hw.optimizer_s_per_param * busiest / (d if z >= 1 else 1)
+    optimizer = hw.optimizer_s_per_param * ((busiest - experts) / (d if z >= 1 else 1) + experts)
     if d > 1 and z >= 2:  # fully_shard's hooks, copies and sharded optimizer step, per layer
         optimizer += hw.layer_overhead_s.get("fsdp", 0.0) * shape.layers / p
-    step = compute + tp_comm + pp_comm + bubble + exposed_dp + optimizer
+    step = compute + tp_comm + pp_comm + ep_comm + bubble + exposed_dp + optimizer
     return {
-        "step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "bubble_s": bubble,
+        "step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "ep_comm_s": ep_comm,
+        "bubble_s": bubble,
         "dp_comm_s": dp_comm, "dp_exposed_s": exposed_dp, "optimizer_s": optimizer,
         "mfu": model_flops(shape, global_batch) / (step * layout.devices * hw.flops) if step > 0 else 0.0,
     }

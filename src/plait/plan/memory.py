@@ -20,6 +20,12 @@ the tensors autograd saves in forward (flash attention, so no s x s scores):
 A pipeline stage holds the micro-batches in flight: m under GPipe, at most p - stage under 1F1B
 (per model chunk; an interleaved rank holds v chunks). `activations_per_microbatch` is one chunk's
 share of one micro-batch, what plait's accounting reports as activations_peak_bytes.
+
+Mixture of experts (model.moe_experts = E, top-k routing, expert parallel ep): a device holds the
+dense parameters and E/ep of each MoE layer's experts; ZeRO shards only the dense part (the experts
+are already split over ep). An MoE block's feed-forward activations are those of its k experts per
+token, each with a copy of its input and its output on the way there and back, plus the router's
+probabilities: e s b (k (8 h + 2 h) + 2 E) in place of the dense MLP's e s b 8 h.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from plait.data.spec import DataSpec
 from plait.models import build_model
+from plait.models.moe import EXPERT_PARAMS
 from plait.parallel.split import pipeline_stage, stage_bounds
 
 TP_SPLIT = re.compile(r"blocks\.\d+\.(attn\.(q|k|v)\.(weight|bias)|attn\.proj\.weight|mlp\.up\.(weight|bias)|mlp\.down\.weight)$")
@@ -47,6 +54,7 @@ class Layout:
     virtual: int = 1
     ac: bool = False
     sp: bool = False
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp ranks
 
     @property
     def devices(self) -> int:
@@ -62,6 +70,8 @@ class Layout:
                 parts.append(f"parallel.virtual_stages={self.virtual}")
         if self.sp:
             parts.append("parallel.sequence_parallel=true")
+        if self.ep > 1:
+            parts.append(f"parallel.ep={self.ep}")
         if self.ac:
             parts.append("train.activation_checkpointing=true")
         return " ".join(f"--set {p}" for p in parts)
@@ -70,7 +80,7 @@ class Layout:
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "")
-        return s + (" sp" if self.sp else "") + (" ac" if self.ac else "")
+        return s + (" sp" if self.sp else "") + (" ac" if self.ac else "") + (f" ep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass
@@ -84,8 +94,12 @@ class Shape:
     vocab: int
     tied: bool
     params: int  # distinct parameters
-    matmul_params: int  # parameters used in matrix multiplies (the head counts even when tied)
-    stage_params: dict  # (pp, virtual, tp) -> [parameters per device of each pipeline rank]
+    matmul_params: int  # parameters one token meets in matrix multiplies (the head counts even when tied; MoE: k experts)
+    stage_params: dict  # (pp, virtual, tp, ep) -> [parameters per device of each pipeline rank]
+    experts: int = 0  # experts per MoE layer (0: dense)
+    top_k: int = 1
+    moe_layers: int = 0
+    expert_params: int = 0  # parameters of every MoE layer's experts together (the router is dense)
 
     @classmethod
     def from_config(cls, model_cfg, vocab: int) -> Shape:
@@ -95,12 +109,21 @@ class Shape:
         h, L = model_cfg.width, model_cfg.layers
         params = sum(p.numel() for p in model.parameters())
         matmul = 12 * h * h * L + h * model.head.out_features
+        e, k = model_cfg.moe_experts, model_cfg.moe_top_k
+        moe = model_cfg.layers // model_cfg.moe_every if e > 0 else 0
+        # A token meets k of an MoE block's experts (8 h^2 each, the dense MLP's shape) and the router (h E).
+        matmul += moe * ((k - 1) * 8 * h * h + h * e)
+        experts = sum(p.numel() for n, p in model.named_parameters() if _is_expert(n))
         return cls(L, h, model_cfg.heads, model_cfg.context, model.head.out_features, model_cfg.tie_embeddings,
-                   params, matmul, {"model": model})
+                   params, matmul, {"model": model}, e if moe else 0, k, moe, experts)
+
+    def local_expert_params(self, layout: Layout) -> int:
+        """Expert parameters one device holds (E/ep of each MoE layer's)."""
+        return self.expert_params // layout.ep
 
     def device_params(self, layout: Layout) -> list[int]:
         """Parameters each pipeline rank holds (one tensor-parallel shard), from the real module."""
-        key = (layout.pp, layout.virtual, layout.tp)
+        key = (layout.pp, layout.virtual, layout.tp, layout.ep)
         if key not in self.stage_params:
             model = self.stage_params["model"]
             stages = layout.pp * layout.virtual
@@ -121,18 +144,25 @@ class Shape:
             for s, held in enumerate(self.stage_params[("parts", stages)]):
                 for name, numel in held:
                     split = TP_SPLIT.search(name) or (name == "head.weight") or (name == "tok_emb.weight" and self.tied)
-                    per_rank[s % layout.pp] += numel // layout.tp if split else numel
+                    per_rank[s % layout.pp] += numel // layout.ep if _is_expert(name) else numel // layout.tp if split \
+                        else numel
             self.stage_params[key] = per_rank
         return self.stage_params[key]
+
+
+def _is_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_PARAMS
 
 
 def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[int]]:
     """Activations one micro-batch leaves saved in each model chunk a pipeline rank holds (bytes)."""
     s, b, h, a, t = shape.context, layout.micro, shape.width, shape.heads, layout.tp
+    # MoE blocks (tp = 1 and pp = 1, as plait runs them) in place of that many dense ones: see the module docstring
+    moe_extra = shape.moe_layers * elem * s * b * (shape.top_k * 10 * h + 2 * shape.experts - 8 * h) / shape.layers
     if layout.ac:
         block = elem * s * b * h
     elif t == 1:
-        block = elem * s * b * (16 * h + 4 + a)
+        block = elem * s * b * (16 * h + 4 + a) + moe_extra
     elif not layout.sp:
         block = elem * s * b * (4 * h + 12 * h / t + 4 + a / t)
     else:
@@ -173,9 +203,11 @@ def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k:
     for r in range(layout.pp):
         n = per_rank_params[r]
         z, d = layout.zero, layout.dp
-        params = 4 * n / (d if z >= 2 else 1)
-        grads = 4 * n / (d if z >= 2 else 1)
-        optim = optimizer_k * n / (d if z >= 1 else 1)
+        experts = shape.local_expert_params(layout)  # split over ep already; ZeRO shards the dense rest
+        dense = n - experts
+        params = 4 * dense / (d if z >= 2 else 1) + 4 * experts
+        grads = 4 * dense / (d if z >= 2 else 1) + 4 * experts
+        optim = optimizer_k * dense / (d if z >= 1 else 1) + optimizer_k * experts
         act = sum(per_mb[r]) * inflight(layout, m, r)
         if layout.ac:  # one block's full activations while it is recomputed in backward
             act += elem * shape.context * layout.micro * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)

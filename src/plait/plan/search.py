@@ -23,9 +23,12 @@ def supported(lay: Layout, shape: Shape, global_batch: int) -> bool:
     """Whether plait's schemes accept this layout (asked of the schemes' own checks, as `plait train` would)."""
     cfg = Config()
     cfg.model.layers, cfg.model.heads = shape.layers, shape.heads
+    if shape.moe_layers:
+        cfg.model.moe_experts, cfg.model.moe_top_k = shape.experts, shape.top_k
+        cfg.model.moe_every = shape.layers // shape.moe_layers
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.zero, p.sequence_parallel = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
-    p.pp_schedule, p.virtual_stages = lay.schedule, lay.virtual
+    p.pp_schedule, p.virtual_stages, p.ep = lay.schedule, lay.virtual, lay.ep
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, lay.micro
     cfg.train.activation_checkpointing = lay.ac
     try:
@@ -52,12 +55,14 @@ def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
                 schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
                 for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
                     for schedule, virtual in schedules:
-                        lay = Layout(dp, tp, pp, zero, micro, schedule, virtual)
-                        if not supported(lay, shape, global_batch):
-                            continue
-                        for ac in (False, True):
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                out.append(replace(lay, ac=ac, sp=sp))
+                        # expert parallel: every degree that divides dp and the experts (the checks say which)
+                        for ep in [k for k in _divisors(dp) if shape.experts % k == 0] if shape.experts else [1]:
+                            lay = Layout(dp, tp, pp, zero, micro, schedule, virtual, ep=ep)
+                            if not supported(lay, shape, global_batch):
+                                continue
+                            for ac in (False, True):
+                                for sp in ((False, True) if tp > 1 else (False,)):
+                                    out.append(replace(lay, ac=ac, sp=sp))
     return out
 
 
@@ -98,8 +103,9 @@ def table(preds: list[dict], top: int = 10) -> list[list[str]]:
     rows = []
     for p in preds[:top]:
         t, m = p["time"], p["memory"]
+        comm = t["dp_exposed_s"] + t["tp_comm_s"] + t["pp_comm_s"] + t["ep_comm_s"]
         rows.append([p["layout"].label(), f"{m['total'] / GB:.3f}", f"{t['step_s'] * 1000:.1f}",
-                     f"{t['compute_s'] * 1000:.1f}", f"{(t['dp_exposed_s'] + t['tp_comm_s'] + t['pp_comm_s']) * 1000:.1f}",
+                     f"{t['compute_s'] * 1000:.1f}", f"{comm * 1000:.1f}",
                      f"{t['bubble_s'] * 1000:.1f}", f"{t['mfu'] * 100:.1f}", "yes" if p["fits"] else "NO"])
     return rows
 
@@ -110,6 +116,7 @@ def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(chosen) + 1.5), sharey=True)
     left = [0.0] * len(chosen)
     for key, name in (("compute_s", "compute"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "pipeline comm"),
+                      ("ep_comm_s", "expert all-to-all"),
                       ("bubble_s", "bubble"), ("dp_exposed_s", "exposed dp comm"), ("optimizer_s", "optimizer")):
         vals = [p["time"][key] * 1000 for p in chosen]
         ax.barh(labels, vals, left=left, label=name)

@@ -1,4 +1,4 @@
-"""report.html: the summary as a table, the loss curve and the step-time breakdown."""
+"""report.html: the summary as a table, the loss curve, the step-time breakdown (and an MoE run's expert load)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from plait.report.bottleneck import breakdown
 from plait.report.bottleneck import html as bottleneck_html
-from plait.report.plots import loss_curve, step_time_breakdown
+from plait.report.plots import expert_load, loss_curve, step_time_breakdown
 from plait.report.runfiles import read_metrics
 
 
@@ -28,6 +28,7 @@ def write_report(run_dir: str | Path) -> Path:
     plots = [
         loss_curve(metrics, run_dir / "loss.png", summary.get("unigram_val_loss")),
         step_time_breakdown(metrics, run_dir / "step_time.png"),
+        expert_load(metrics, run_dir / "expert_load.png"),
     ]
     rows = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"

@@ -62,3 +62,30 @@ def step_time_breakdown(metrics: list[dict], out: Path) -> Path | None:
     ax.grid(alpha=0.3, axis="y")
     save(fig, out)
     return out
+
+
+def expert_load(metrics: list[dict], out: Path, max_layers: int = 4) -> Path | None:
+    """Each expert's share of its MoE layer's routed tokens over the steps (one panel per layer, the first few),
+    against the uniform share 1/E; the share of dropped assignments, if any, on the first panel."""
+    rows = [m for m in metrics if m.get("moe_tokens_per_expert")]
+    if not rows:
+        return None
+    layers = min(max_layers, len(rows[0]["moe_tokens_per_expert"]))
+    steps = [m["step"] for m in rows]
+    fig, axes = plt.subplots(1, layers, figsize=(4 * layers, 3.5), squeeze=False, sharey=True)
+    for i, ax in enumerate(axes[0]):
+        loads = [m["moe_tokens_per_expert"][i] for m in rows]
+        experts = len(loads[0])
+        for e in range(experts):
+            ax.plot(steps, [row[e] / max(1e-12, sum(row)) for row in loads], lw=1, label=f"expert {e}")
+        ax.axhline(1 / experts, ls="--", c="gray", lw=1)
+        if i == 0 and any(m.get("moe_dropped") for m in rows):
+            ax.plot(steps, [m.get("moe_dropped", 0.0) for m in rows], c="black", lw=1.5, label="dropped share")
+        ax.set_title(f"MoE layer {i}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of routed tokens")
+    if len(axes[0][0].get_lines()) <= 17:
+        axes[0][0].legend(fontsize=7)
+    save(fig, out)
+    return out

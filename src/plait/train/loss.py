@@ -53,3 +53,22 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
     if spec.task == "contrastive":
         return lambda z, _labels: nt_xent(z, temperature, group)
     return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss}[spec.task]
+
+
+def with_extra_loss(loss_fn: Callable, model) -> Callable:
+    """loss_fn plus the model's own training term when it has one: `model.extra_loss()` after each forward.
+
+    A model hook rather than code in a strategy, so that every layout adds the term the same way: an MoE
+    model's load-balancing loss (plait.models.moe) is returned by its layers' last training forward, so it
+    is part of the micro-batch loss that every strategy scales and averages. Evaluation adds nothing
+    (the hook returns None after an evaluation forward).
+    """
+    extra = getattr(model, "extra_loss", None)
+    if not callable(extra):
+        return loss_fn
+
+    def loss(outputs, targets):
+        value, term = loss_fn(outputs, targets), extra()
+        return value if term is None else value + term
+
+    return loss

@@ -171,11 +171,27 @@ class Telemetry:
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         record.update(self.strategy.step_metrics(record))
+        record.update(self._model_metrics(n))
         self.writer.write(record)
         self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
         self._window_reset(now)
         self.window_sent0, self.window_wait0 = sent, wait
         return stopping
+
+    def _model_metrics(self, steps: int) -> dict:
+        """The model's own figures for the window (an MoE model's expert load): `module.window_metrics(reduce, ranks,
+        steps)`, where reduce sums a tensor over the data-parallel ranks (one collective, on logging steps only)."""
+        hook = getattr(self.strategy.module, "window_metrics", None)
+        if not callable(hook):
+            return {}
+        group, ranks = self.rt.axis_group("dp"), self.rt.group_size("dp")
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            if ranks > 1:
+                dist.all_reduce(t, group=group)
+            return t
+
+        return hook(reduce, ranks, steps)
 
     def _agree(self, loss: torch.Tensor, step_time: float, comm_wait: float) -> tuple[float, bool, list[float]]:
         """One all-gather: the mean loss over ranks, whether any rank was asked to stop, each rank's compute time."""

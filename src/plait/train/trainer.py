@@ -27,7 +27,7 @@ from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, 
 from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.job import check_job
-from plait.train.loss import loss_for
+from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.telemetry import Telemetry
 
@@ -49,9 +49,10 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     if cfg.train.objective == "contrastive":
         bundle = two_views(bundle, cfg.data, cfg.train.seed)
     seed_all(cfg.train.seed)  # the same initial parameters on every rank
-    b = Build(cfg, rt, layout, build_model(cfg.model, bundle.spec).to(rt.device),
-              lambda m, only=None: build_optimizer(m, cfg.optim, only),
-              loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp")), Precision(cfg.precision.dtype, rt.device), SCHEMES)
+    model = build_model(cfg.model, bundle.spec).to(rt.device)
+    b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
+              with_extra_loss(loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp")), model),
+              Precision(cfg.precision.dtype, rt.device), SCHEMES)
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)

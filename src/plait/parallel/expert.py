@@ -1,0 +1,169 @@
+"""Expert parallel (`parallel.ep = K`): each MoE layer's E experts spread over K data-parallel ranks, E/K on each.
+
+The ep axis reuses data-parallel ranks, as DeepSpeed-MoE and torchtitan do: the dp ranks are cut
+into a (dp/K, K) mesh,
+
+    ep          K consecutive ranks that split the experts between them (one all-to-all group; consecutive,
+                so it stays on a machine's fastest links when it can)
+    ep_replica  the dp/K ranks that hold the same experts (one per ep group)
+
+and one step is
+
+    forward     each MoE layer sends its tokens to their experts' ranks and back (plait.models.moe)
+    dense part  data parallel as without experts: DDP (zero = 0) or FSDP2 (zero = 2, 3), experts left out
+    experts     after backward, summed over ep_replica and divided by dp
+
+Why divide by dp and not by the dp/K replicas: rank r's loss L_r is its share of the global mean
+L = (1/dp) sum_r L_r, so a dense gradient is averaged over dp. Expert e processed the tokens of
+every rank of its ep group, so after backward its gradient is already sum_{s in group} dL_s/de;
+the sum over the replicas is then sum_{all dp ranks} dL_s/de, and dL/de is that divided by dp.
+
+The expert weights become DTensors (Replicate over ep_replica, Shard(0) over ep) under the plain
+model's names. That gives the rest for free: DCP writes each expert once with its global offsets
+and reads it back at any ep (1 included, and back), full_model_state_dict gathers them, the
+summary counts the model's parameters and the memory figures this rank's E/K share, and the
+global gradient norm counts each expert once (its norm is reduced over the ep group,
+plait.parallel.gradsync). Routing and the load-balancing loss are computed on each token's own
+rank, so they are what one process computes.
+
+ZeRO: stages 2 and 3 shard the dense part (FSDP2, the experts its ignored parameters); stage 1 is
+refused (its flat buffers would take the experts in). Activation checkpointing composes: the
+recomputed forward repeats its all-to-alls, every rank recomputing the same blocks in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from plait.errors import ConfigError
+from plait.models import expert_counts
+from plait.models.moe import EXPERT_PARAMS, MoE, moe_layers
+from plait.parallel.base import Strategy
+from plait.parallel.fsdp import apply_fsdp
+from plait.parallel.gradsync import allreduce_grads
+from plait.parallel.scheme import Build, Scheme
+
+
+def shard_experts(model: nn.Module, mesh) -> list[str]:
+    """Keep this rank's E/K experts of every MoE layer (DTensors on `mesh`) and route over its ep group; their names."""
+    ep = mesh["ep"]
+    k, rank = ep.size(), ep.get_local_rank()
+    names = []
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, MoE):
+            continue
+        n = layer.experts // k
+        for name in EXPERT_PARAMS:
+            # Every rank starts from the same full weights (same seed): slicing needs no communication.
+            local = getattr(layer, name).detach()[rank * n:(rank + 1) * n].clone()
+            setattr(layer, name, nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)))
+            names.append(f"{prefix}.{name}" if prefix else name)
+        layer.set_expert_parallel(ep.get_group())
+    return names
+
+
+class ExpertParallelStrategy(Strategy):
+    sharded = True  # expert gradients differ between ranks (the step's clip and norm see them whole, via DTensor)
+
+    def __init__(self, *args, experts: list, replica_group, dp: int, ep: int, zero: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.experts, self.replica_group, self.dp = experts, replica_group, dp
+        self.name = f"ep{ep}+" + (f"zero{zero}" if zero else "ddp")
+
+    def no_sync(self):
+        if isinstance(self.model, DDP):
+            return self.model.no_sync()
+        return _fsdp_no_sync(self.model)
+
+    def after_backward(self) -> None:
+        # The replicas' sum over dp (see the module docstring): one flat all-reduce over ep_replica.
+        allreduce_grads(self.experts, self.replica_group, self.dp)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def applies(cfg) -> bool:
+    return cfg.parallel.ep > 1
+
+
+def check(cfg) -> None:
+    p = cfg.parallel
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep = {p.ep} must be >= 1 (1: experts replicated on every rank); set parallel.ep=1")
+    if p.ep == 1 and p.pp == 1 and p.tp == 1:
+        return
+    experts = expert_counts(cfg.model)
+    if experts and p.pp > 1:
+        raise ConfigError(
+            f"model.moe_experts ({experts[0]}) with parallel.pp = {p.pp}: mixture-of-experts blocks do not run in "
+            "pipeline stages in this version of plait (the load-balancing loss of earlier stages would not reach the "
+            "loss); set parallel.pp=1 (parallel.ep spreads the experts instead) or model.moe_experts=0")
+    if experts and p.tp > 1:
+        raise ConfigError(
+            f"model.moe_experts ({experts[0]}) with parallel.tp = {p.tp}: tensor parallel splits dense blocks, not "
+            "experts; set parallel.tp=1 and spread the experts with parallel.ep")
+    if p.ep == 1:
+        return
+    if not experts:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} spreads mixture-of-experts layers over ranks, but the model has none; set "
+            f"model.moe_experts (a multiple of {p.ep}) or parallel.ep=1")
+    if p.dp % p.ep:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide parallel.dp = {p.dp}: expert-parallel groups are made of data-parallel "
+            f"ranks; set parallel.ep to a divisor of {p.dp} or change parallel.dp")
+    for e in sorted(set(experts)):
+        if e % p.ep:
+            raise ConfigError(
+                f"parallel.ep = {p.ep} must divide model.moe_experts = {e}: each rank holds moe_experts / ep experts; "
+                f"set model.moe_experts to a multiple of {p.ep} or parallel.ep to a divisor of {e}")
+    if p.zero == 1:
+        raise ConfigError(
+            f"parallel.zero = 1 with parallel.ep = {p.ep}: ZeRO-1's flat buffers would take the experts in; use "
+            "parallel.zero=2 or 3 (FSDP2 shards the dense part) or zero=0")
+    if p.sync != "allreduce":
+        raise ConfigError(
+            f"parallel.ep = {p.ep} averages the experts over their replicas by all-reduce; parallel.sync = {p.sync!r} "
+            "replaces the all-reduce: set parallel.sync='allreduce' or parallel.ep=1")
+    if cfg.precision.dtype == "fp16":
+        raise ConfigError(
+            f"precision.dtype = 'fp16' with parallel.ep = {p.ep}: fp16 loss scaling does not unscale the experts' "
+            "DTensor gradients together with the dense ones; set precision.dtype='bf16' (no loss scaling) or 'fp32'")
+
+
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    p = b.cfg.parallel
+    mesh = init_device_mesh(b.rt.device.type, (p.dp // p.ep, p.ep), mesh_dim_names=("ep_replica", "ep"))
+    names = shard_experts(model, mesh)
+    # DDP (zero = 0, applied after this transform) then averages the dense part alone.
+    DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+    return model
+
+
+def build(b: Build) -> Strategy:
+    p = b.cfg.parallel
+    # This transform, activation checkpointing, compile and DDP in SCHEMES order; FSDP2 below, told about the experts.
+    model = replace(b, schemes=[s for s in b.schemes if s.name != "fsdp"]).parallelize(b.module)
+    experts = [getattr(layer, name) for layer in moe_layers(b.module) for name in EXPERT_PARAMS]
+    if p.zero >= 2:
+        offload = p.offload != "none" and b.rt.device.type != "cpu"
+        model = apply_fsdp(model, b.rt.mesh["dp"], p.zero, b.cfg.precision.dtype, offload, ignored_params=set(experts))
+    return ExpertParallelStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
+                                  experts=experts, replica_group=experts[0].device_mesh["ep_replica"].get_group(),
+                                  dp=p.dp, ep=p.ep, zero=p.zero)
+
+
+SCHEME = Scheme("expert", applies=applies, check=check, transform=transform, strategy=build)
