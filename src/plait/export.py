@@ -2,6 +2,13 @@
 
 The metadata carries what it takes to rebuild the model (`plait.model`, `plait.spec`,
 and `plait.tokenizer` for text models), so `load_exported` needs nothing else.
+
+An exported file may come from someone else (docs/security.md): `load_exported` builds a
+registered model from its metadata, but a `model.factory` named there is code, imported and
+called only when the caller passes `trust_factory=True` (`plait serve --trust-factory`).
+Before any weights are loaded the model is built on the meta device and its tensor names,
+shapes and dtypes are compared with the file's, so a file cannot make plait allocate more
+than it holds; weights that are not finite are refused. Every problem is a CheckpointError.
 """
 
 from __future__ import annotations
@@ -10,11 +17,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from plait.config import ModelConfig, load_config
 from plait.data.spec import DataSpec
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, PlaitError
 from plait.models import build_model
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
@@ -29,8 +37,12 @@ def rebuild_model(run_dir: Path):
     return cfg, spec, build_model(cfg.model, spec)
 
 
-def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str | Path | None = None) -> Path:
-    """Write the latest (or the given) checkpoint's weights as safetensors; returns the file written."""
+def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str | Path | None = None,
+           trust_checkpoint: bool = False) -> Path:
+    """Write the latest (or the given) checkpoint's weights as safetensors; returns the file written.
+
+    `trust_checkpoint` accepts a checkpoint without a manifest (plait 0.1 wrote none).
+    """
     from safetensors.torch import save_file
 
     run_dir = Path(run_dir)
@@ -40,7 +52,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
     cfg, spec, model = rebuild_model(run_dir)
-    load_model_weights(model, ckpt)
+    load_model_weights(model, ckpt, trust=trust_checkpoint or None)
     # Tied weights share storage; safetensors wants each name to own its tensor.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
     meta = {
@@ -60,23 +72,112 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
     return out
 
 
-def load_exported(path: str | Path) -> tuple[nn.Module, dict]:
-    """Rebuild the model from an exported file's metadata and load its weights; returns (model, metadata)."""
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _from_meta(path: Path, meta: dict) -> tuple[ModelConfig, DataSpec]:
+    """The ModelConfig and DataSpec an exported file describes, checked as data (nothing is imported here)."""
+    def obj(key: str) -> dict:
+        try:
+            value = json.loads(meta[key])
+        except KeyError:
+            raise CheckpointError(f"{path} has no {key} metadata; export it with `plait export RUN_DIR`") from None
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path}: metadata {key} is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path}: metadata {key} must be a JSON object")
+        return value
+
+    model, spec = obj("plait.model"), obj("plait.spec")
+    for cls, key, value in ((ModelConfig, "plait.model", model), (DataSpec, "plait.spec", spec)):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise CheckpointError(f"{path}: metadata {key} has unknown keys {unknown[:5]} (written by another plait "
+                                  "version?); export the run again with this one")
+    if not isinstance(model.get("factory", ""), str) or not isinstance(model.get("options", {}), dict):
+        raise CheckpointError(f"{path}: metadata plait.model has a malformed factory or options")
+    shape = spec.get("input_shape", [])
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 1 << 20 for d in shape)):
+        raise CheckpointError(f"{path}: metadata plait.spec has a malformed input_shape {str(shape)[:60]}")
+    return ModelConfig(**model), DataSpec(**spec)
+
+
+def load_exported(path: str | Path, trust_factory: bool = False) -> tuple[nn.Module, dict]:
+    """Rebuild the model from an exported file's metadata and load its weights; returns (model, metadata).
+
+    A file whose metadata names a `model.factory` is refused unless `trust_factory` (the factory is code).
+    """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            shapes = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as e:  # safetensors' own error types for files that are not safetensors
+        raise CheckpointError(f"{path} is not a readable safetensors file ({_first_line(e)})") from None
     if "plait.model" not in meta:
         raise CheckpointError(f"{path} has no plait metadata; export it with `plait export RUN_DIR`")
-    model_cfg = ModelConfig(**json.loads(meta["plait.model"]))
-    spec = DataSpec(**json.loads(meta["plait.spec"]))
-    model = build_model(model_cfg, spec)
-    model.load_state_dict(load_file(str(path)))
+    model_cfg, spec = _from_meta(path, meta)
+    if model_cfg.factory and not trust_factory:
+        raise CheckpointError(f"{path} names model.factory = {model_cfg.factory!r}: building it would import and call "
+                              "that code with the options the file gives; pass --trust-factory only if you trust both the "
+                              "file and that code (files of registered models need no flag)")
+    try:
+        with torch.device("meta"):  # shapes first: a file cannot make plait allocate a model larger than it holds
+            skeleton = build_model(model_cfg, spec).state_dict()
+    except PlaitError as e:
+        raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({e})") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({_first_line(e)})") from None
+    _check_tensors(path, skeleton, shapes)
+    try:
+        model = build_model(model_cfg, spec)
+    except PlaitError as e:
+        raise CheckpointError(f"{path}: the model cannot be built ({e})") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: the model cannot be built ({_first_line(e)})") from None
+    tensors = _load_tensors(path)
+    model.load_state_dict(tensors)
     return model, meta
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _check_tensors(path: Path, skeleton: dict, stored: dict) -> None:
+    """The file's tensor names, shapes and dtypes against the model's (built on the meta device)."""
+    want, have = set(skeleton), set(stored)
+    if want != have:
+        missing, extra = sorted(want - have), sorted(have - want)
+        raise CheckpointError(f"{path} does not fit its model: missing tensors {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in skeleton.items():
+        shape, dtype = stored[name]
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, the model's is {list(t.shape)}")
+        if _SAFETENSORS_DTYPES.get(str(dtype)) != t.dtype:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, the model's is {str(t.dtype).removeprefix('torch.')}")
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} cannot be read ({_first_line(e)})") from None
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf; refusing to serve a model with broken weights")
+    return tensors
 
 
 __all__ = ["export", "load_exported", "rebuild_model"]

@@ -133,3 +133,40 @@ def test_a_batch_whose_retry_dies_too_gets_a_clear_503(server, model, tok):
     poll(lambda: None not in pool.pids(), 120, "both replicas replaced")
     again = httpx.post(url + "/v1/generate", json={"prompt": "x", "max_new_tokens": 3, "temperature": 0}, timeout=60)
     assert again.status_code == 200 and again.json()["tokens"] == greedy(model, tok, "x", 3)
+
+
+def test_a_dropped_stream_or_a_504_stops_the_replicas_work(server):
+    """docs/security.md row 10: with --replicas, a disconnected stream or a 504 left the replica generating."""
+    pool, url = server.service.executor, server.url
+    poll(lambda: None not in pool.pids(), 120, "both replicas up")
+    events = []
+    real = pool._on_message
+
+    def counting(r, msg):
+        if msg[0] == "event":
+            events.append(msg[1])
+        real(r, msg)
+
+    pool._on_message = counting  # the reader threads look it up on each message
+    try:
+        body = {"prompt": "def ", "max_new_tokens": 1024, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token, then the client goes away
+        poll(lambda: not any(pool.running()), 30, "the replica to give the stream up")
+        streamed = len(events)
+        events.clear()
+        server.service.opts.timeout_ms = 50.0
+        try:
+            r = httpx.post(url + "/v1/generate", json={"prompt": "x", "max_new_tokens": 1024, "temperature": 0}, timeout=60)
+        finally:
+            server.service.opts.timeout_ms = 30_000.0
+        assert r.status_code == 504
+        poll(lambda: not any(pool.running()), 30, "the replica to give the timed-out request up")
+        timed_out = len(events)
+    finally:
+        del pool._on_message
+    assert streamed < 600 and timed_out < 600, (streamed, timed_out)  # all 1024 were generated before (~150 now)
+    again = httpx.post(url + "/v1/generate", json={"prompt": "x", "max_new_tokens": 3, "temperature": 0}, timeout=60)
+    assert again.status_code == 200

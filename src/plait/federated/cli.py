@@ -14,8 +14,10 @@ a client takes `--token-file` (its first token) or $PLAIT_FED_TOKEN.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +48,24 @@ def _run_dir(a) -> Path:
     while path.exists():
         n += 1
         path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to a new file readable by its owner only (0600) and rename it over `path`: whatever was there
+    before (a world-readable file, a symbolic link) is replaced, never written through or left with its mode."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp creates it with mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
@@ -91,9 +111,7 @@ def cmd_server(a) -> int:
     else:
         out.mkdir(parents=True, exist_ok=True)
         token = secrets.token_urlsafe(24)
-        path = out / "token"
-        path.touch(mode=0o600)
-        path.write_text(token + "\n")
+        path = write_private(out / "token", token + "\n")
         tokens = {"*": token}
         print(f"no --token-file or ${TOKEN_ENV}: clients must use the token in {path}")
     summary = serve(cfg, out, tokens, a.ssl_certfile, a.ssl_keyfile)

@@ -49,6 +49,14 @@ FRAC_BITS = 24  # fixed-point resolution 2^-24 ~ 6e-8
 LIMIT = 2.0**62 / 2**FRAC_BITS  # |value| that still leaves headroom for sums without wrapping
 
 
+def check_public_key(public: int) -> None:
+    """The rule every client applies to a peer's key (1 < key < P - 1, which excludes the degenerate keys 0, 1 and
+    P - 1): the server applies the same rule at registration, so a key it accepts never stops a client's agreement.
+    (Membership in the prime-order subgroup is not checked; see docs/security.md.)"""
+    if isinstance(public, bool) or not isinstance(public, int) or not 1 < public < P - 1:
+        raise ValueError("public key is outside the group (it must be an integer with 1 < key < P - 1)")
+
+
 def keypair() -> tuple[int, int]:
     """A fresh Diffie-Hellman (secret, public) pair."""
     secret = secrets.randbits(SECRET_BITS) | (1 << (SECRET_BITS - 1))
@@ -56,9 +64,8 @@ def keypair() -> tuple[int, int]:
 
 
 def agree(secret: int, peer_public: int) -> bytes:
-    """The pair's shared key: SHA-256 of the DH shared value. Rejects degenerate public keys."""
-    if not 1 < peer_public < P - 1:
-        raise ValueError("peer public key is outside the group")
+    """The pair's shared key: SHA-256 of the DH shared value. Rejects degenerate public keys (check_public_key)."""
+    check_public_key(peer_public)
     return hashlib.sha256(pow(peer_public, secret, P).to_bytes(256, "big")).digest()
 
 

@@ -8,6 +8,15 @@ Every input from a client goes through `submit`/`submit_unmask`, which answer (a
 reason) and never raise: a hostile or broken client can waste its own slot, not stop the
 server. The transport (transport.py) and the simulation (simulate.py) only move these plain
 values around.
+
+A client's weight in the mean is its sample count, which the client reports. When the
+coordinator knows each client's partition (`sizes`: plait's server rebuilds the same partition
+as its clients) a count above the client's own partition is rejected, and under secure
+aggregation a masked sum whose total weight exceeds the survivors' samples skips the round.
+Without `sizes` (data owners with data the server cannot see) each count is capped at
+WEIGHT_CAP times the round's lower median count. Under secure aggregation the public keys are
+frozen when a round opens; a participant that registers again with another key during the
+round makes its masks unable to cancel, so that round is skipped, never summed wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 
 from plait.federated.client import FederatedData, federated_data, fingerprint
 from plait.federated.report import RunRecorder
-from plait.federated.secagg import MaskedSum
+from plait.federated.secagg import MaskedSum, check_public_key
 from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, build_strategy
 from plait.federated.tensors import Weights, encode, get_weights, set_weights
 from plait.federated.transport import FederatedError, HTTPServerThread, make_app
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
     from plait.config import Config, FederatedConfig
 
 Evaluate = Callable[[Weights], tuple[float, float]]
+WEIGHT_CAP = 4.0  # without known partition sizes: no client weighs more than this times the round's lower median count
 
 
 def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 512) -> Evaluate:
@@ -64,13 +74,17 @@ def make_evaluator(model: torch.nn.Module, dataset, loss_fn, batch_size: int = 5
 class Coordinator:
     """One federated run's server state: the global weights and the round in progress (thread-safe)."""
 
-    def __init__(self, fed: FederatedConfig, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int):
+    def __init__(self, fed: FederatedConfig, weights: Weights, strategy: Strategy, evaluate: Evaluate, seed: int,
+                 sizes: dict[int, int] | None = None):
         self.fed, self.weights, self.strategy, self.evaluate = fed, weights, strategy, evaluate
+        self.sizes = sizes  # each client's partition size, when the server knows it
         self.secure = bool(fed.secure_aggregation)
         self.length = sum(v.numel() for v in weights.values())
         self.rng = np.random.default_rng(seed)
         self.lock = threading.RLock()
         self.public_keys: dict[int, int] = {}
+        self.round_keys: dict[int, int] = {}  # the keys of the round's participants, frozen when it opens
+        self.rekeyed: set[int] = set()  # participants that registered again with another key during the round
         self.seen: dict[int, float] = {}
         self.told_done: set[int] = set()
         self.round = 0
@@ -85,8 +99,16 @@ class Coordinator:
     # ----------------------------------------------------------------- clients
 
     def register(self, client_id: int, public_key: int | None = None) -> None:
+        """A client (re)joins; raises ValueError for a public key outside the group (or none, under secure aggregation)."""
+        if public_key is not None:
+            check_public_key(public_key)
+        elif self.secure:
+            raise ValueError("secure aggregation needs the client's public key")
         with self.lock:
             if public_key is not None:
+                if (self.masked is not None and self.phase in ("train", "unmask") and client_id in self.round_keys
+                        and self.round_keys[client_id] != public_key):
+                    self.rekeyed.add(client_id)  # its masks in this round can no longer cancel
                 self.public_keys[client_id] = public_key
             self.seen[client_id] = time.monotonic()
 
@@ -113,13 +135,13 @@ class Coordinator:
             if self.phase == "train" and plan and client_id in plan.clients and not self._submitted(client_id):
                 task = {"status": "train", "round": self.round, "instructions": plan.instructions}
                 if self.secure:
-                    task["peers"] = {str(c): str(self.public_keys[c]) for c in plan.clients}
+                    task["peers"] = {str(c): str(self.round_keys[c]) for c in plan.clients}
                 return task, self.weights
             if self.phase == "unmask" and self.masked and client_id in self.masked.received \
                     and client_id not in self.masked.recovered:
                 return {"status": "unmask", "round": self.round, "dropped": self.masked.dropped,
                         "min_survivors": self.fed.min_clients,
-                        "peers": {str(c): str(self.public_keys[c]) for c in self.masked.participants}}, None
+                        "peers": {str(c): str(self.round_keys[c]) for c in self.masked.participants}}, None
             return {"status": "wait", "round": self.round}, None
 
     def _submitted(self, client_id: int) -> bool:
@@ -141,6 +163,8 @@ class Coordinator:
                 plan = RoundPlan(plan.round, plan.clients, {**plan.instructions, "clip_norm": self.fed.clip_norm})
             self.plan = plan
             self.updates, self.rejected = {}, {}
+            self.round_keys = {c: self.public_keys[c] for c in plan.clients} if self.secure else {}
+            self.rekeyed = set()
             self.masked = MaskedSum(plan.clients, self.length + 1) if self.secure else None
             self.phase, self.started = "train", time.monotonic()
             return self.plan
@@ -177,6 +201,8 @@ class Coordinator:
         loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else math.nan
         update = ClientUpdate(client_id, n, dict(tensors), loss)
         reason = check_update(update, self.weights)
+        if not reason and self.sizes is not None and n > self.sizes.get(client_id, 0):
+            reason = f"num_samples {n} is more than client {client_id}'s partition holds ({self.sizes.get(client_id, 0)})"
         if reason:
             self.rejected[client_id] = reason
             return False, reason
@@ -214,10 +240,22 @@ class Coordinator:
     def _aggregate(self) -> tuple[Weights, list[int]]:
         """The strategy's new weights from what arrived, and whose updates its norm bounds scaled down."""
         if self.masked is not None:
+            if self.rekeyed:
+                raise ValueError(f"client(s) {sorted(self.rekeyed)} registered again with a new key during the round, so "
+                                 "the masks cannot cancel; the round is skipped (never a wrong sum)")
             vec = self.masked.result()
-            return self.strategy.aggregate_sum(self.round, self.weights, vec[:-1], float(vec[-1])), []
+            total = float(vec[-1])
+            if self.sizes is not None:
+                most = sum(self.sizes.get(c, 0) for c in self.masked.received)
+                if total > most + 0.5:
+                    raise ValueError(f"the masked sum's total weight {total:.6g} is more than the {most} samples its "
+                                     "clients hold: a client claimed more than its partition")
+            return self.strategy.aggregate_sum(self.round, self.weights, vec[:-1], total), []
         # Client-id order, not arrival order: the float sum (and so the run) does not depend on network timing.
-        new = self.strategy.aggregate(self.round, self.weights, [self.updates[c] for c in sorted(self.updates)])
+        updates = [self.updates[c] for c in sorted(self.updates)]
+        if self.sizes is None:
+            updates = cap_weights(updates)
+        new = self.strategy.aggregate(self.round, self.weights, updates)
         return new, self.strategy.clipped()
 
     def close_round(self) -> dict:
@@ -259,6 +297,15 @@ class Coordinator:
             self.phase = "done"
 
 
+def cap_weights(updates: list[ClientUpdate], cap: float = WEIGHT_CAP) -> list[ClientUpdate]:
+    """Each sample count at most `cap` times the lower median count of the round (for clients whose size is unknown)."""
+    if len(updates) < 2:
+        return updates
+    counts = sorted(u.num_samples for u in updates)
+    limit = max(1, int(cap * counts[(len(counts) - 1) // 2]))
+    return [u if u.num_samples <= limit else ClientUpdate(u.client_id, limit, u.delta, u.loss) for u in updates]
+
+
 def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generator | None = None) -> Coordinator:
     """A configured run's coordinator: initial model (seeded by train.seed), strategy (DP noise from `generator`), evaluator."""
     fed = cfg.federated
@@ -266,7 +313,8 @@ def build_coordinator(cfg: Config, data: FederatedData, generator: torch.Generat
     model = build_model(cfg.model, data.bundle.spec).to(pick_device(cfg.launch.device, 0))
     weights = get_weights(model)
     evaluate = make_evaluator(model, data.bundle.val, loss_for(data.bundle.spec))
-    return Coordinator(fed, weights, build_strategy(fed, generator=generator), evaluate, seed=cfg.train.seed)
+    sizes = {c: len(p) for c, p in enumerate(data.parts)}  # the same partition the clients train on
+    return Coordinator(fed, weights, build_strategy(fed, generator=generator), evaluate, seed=cfg.train.seed, sizes=sizes)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:

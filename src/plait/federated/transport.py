@@ -12,8 +12,10 @@ server never calls out, so clients may sit behind NAT.
     GET  /v1/status               -> the round in progress (monitoring and tests)
 
 Bodies above the size of a model upload (plus slack) are refused with 413 before they are read
-in full; bodies that do not parse are answered with 400; rejected updates with 422 and the
-reason. None of these reach anything that could stop the server.
+in full; bodies that do not parse (including JSON nested too deeply, NaN/Infinity or integers
+too long to convert) are answered with 400, as are public keys outside the Diffie-Hellman
+group; rejected updates with 422 and the reason. None of these reach anything that could stop
+the server.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def frame(meta: dict, blob: bytes) -> bytes:
 def unframe(body: bytes) -> tuple[dict, bytes]:
     n = int.from_bytes(body[:8], "little")
     return json.loads(body[8:8 + n]), body[8 + n:]
+
+
+def _no_constant(token: str):
+    raise ValueError(f"{token} is not JSON")
 
 
 def parse_tokens(text: str) -> dict:
@@ -112,8 +118,8 @@ def make_app(coord: Coordinator, tokens: dict, fingerprint: str) -> FastAPI:
     async def read_json(request: Request) -> dict | None:
         body = await read_body(request)
         try:
-            obj = json.loads(body) if body is not None else None
-        except ValueError:
+            obj = json.loads(body, parse_constant=_no_constant) if body is not None else None
+        except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, long integers, NaN; too deep
             return None
         return obj if isinstance(obj, dict) else None
 
@@ -129,11 +135,16 @@ def make_app(coord: Coordinator, tokens: dict, fingerprint: str) -> FastAPI:
             return deny(400, f"client_id {cid} is outside 0..{coord.fed.clients - 1}")
         if obj.get("fingerprint") != fingerprint:
             return deny(409, "this client's config (model, data, partition, seed) differs from the server's; use the same file")
+        raw_key = obj.get("public_key")
+        if isinstance(raw_key, int) and not isinstance(raw_key, bool):
+            raw_key = str(raw_key)
+        if raw_key is not None and not (isinstance(raw_key, str) and raw_key.isascii() and raw_key.isdigit()
+                                        and len(raw_key) <= 700):
+            return deny(400, "public_key must be a non-negative integer written as a decimal string")
         try:
-            public_key = int(obj["public_key"]) if obj.get("public_key") is not None else None
-        except (TypeError, ValueError):
-            return deny(400, "public_key must be an integer (as a string)")
-        coord.register(cid, public_key)
+            coord.register(cid, int(raw_key) if raw_key is not None else None)
+        except ValueError as e:
+            return deny(400, f"registration refused: {e}")
         return {"accepted": True, "rounds": coord.fed.rounds}
 
     @app.get("/v1/task")
@@ -173,7 +184,7 @@ def make_app(coord: Coordinator, tokens: dict, fingerprint: str) -> FastAPI:
         if not isinstance(cid, int) or not authorized(tokens, request.headers.get("authorization"), cid):
             return deny(401, "missing or wrong bearer token (or no client_id)")
         seeds = obj.get("seeds")
-        if not isinstance(seeds, dict) or not isinstance(obj.get("round"), int):
+        if not isinstance(seeds, dict) or not isinstance(obj.get("round"), int) or isinstance(obj.get("round"), bool):
             return deny(400, "body must hold round (integer) and seeds (object)")
         ok, reason = coord.submit_unmask(cid, obj["round"], seeds)
         return JSONResponse({"accepted": ok, "reason": reason}, status_code=200 if ok else 422)

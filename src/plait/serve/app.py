@@ -8,7 +8,11 @@
     GET  /metrics                                    Prometheus
 
 Handlers read raw bodies (the binary framing is not JSON), so errors are the protocol's own
-`{"error": message}` with 400/401/404/413/503/504, never FastAPI's 422.
+`{"error": message}` with 400/401/404/408/413/503/504, never FastAPI's 422, and never a 500 for
+anything a client sends (docs/security.md). Bodies must arrive within --read-timeout-s per chunk;
+large ones are decoded, and large answers encoded, on the service's codec thread so that the
+event loop keeps answering. Metric labels come from the route table (anything else is `other`),
+so requests to made-up paths cannot grow the metrics.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import secrets
 import time
 
@@ -31,6 +36,7 @@ from plait.serve.protocol import (
     decode_infer_request,
     encode_infer_response,
     error_body,
+    loads,
 )
 from plait.serve.service import Service
 
@@ -77,22 +83,51 @@ def error(status: int, message: str, headers: dict | None = None) -> JSONRespons
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+# The metric label of each route; a path that matches none is `other` (bounded label values).
+ROUTE_LABELS: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), "infer"),
+    (re.compile(r"/v1/generate"), "generate"),
+    (re.compile(r"/v2/health/(live|ready)"), "health"),
+    (re.compile(r"/v2|/v2/models|/v2/repository/index|/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config)?"), "metadata"),
+    (re.compile(r"/metrics"), "metrics"),
+    (re.compile(r"/docs|/docs/oauth2-redirect|/redoc|/openapi\.json"), "docs"),
+)
+
+
 def endpoint_of(path: str) -> str:
-    """A low-cardinality label for metrics."""
-    if path.endswith("/infer"):
-        return "infer"
-    if path.startswith("/v1/generate"):
-        return "generate"
-    if path.startswith("/v2/health"):
-        return "health"
-    if path.startswith("/v2"):
-        return "metadata"
-    return path.strip("/").split("/")[0] or "root"
+    """A low-cardinality label for metrics: the route's, or `other` for paths no route serves."""
+    for pattern, label in ROUTE_LABELS:
+        if pattern.fullmatch(path):
+            return label
+    return "other"
+
+
+async def receive_body(receive, headers: dict, limit: int, timeout_s: float, flag: str = "--max-body-mb") -> bytes:
+    """The request body from ASGI `receive`: 413 over `limit` bytes (before reading it all), 408 when a chunk does not
+    come within `timeout_s`, 400 when the client goes away half-way."""
+    declared = headers.get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {limit} ({flag})")
+    chunks, size, more = [], 0, True
+    while more:
+        try:
+            message = await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s (--read-timeout-s)") from None
+        if message["type"] == "http.disconnect":
+            raise RequestError(400, "the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes ({flag})")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 async def infer_body(service: Service, body: bytes, header_length: str | None, arrived: float) -> tuple[bytes, dict]:
     """Decode, check, batch, run and encode one infer request: the answer's body and headers."""
-    req = decode_infer_request(body, header_length)
+    req = await service.off_loop(decode_infer_request, body, header_length, size=len(body))
     s = service.served
     check_inputs(req, service.name, s.inputs, service.opts.max_batch_size)
     x = req.inputs[s.inputs[0].name]
@@ -102,7 +137,8 @@ async def infer_body(service: Service, body: bytes, header_length: str | None, a
         if x.min() < 0 or x.max() >= s.vocab_size:
             raise RequestError(400, f"input 'input_ids' holds ids outside [0, {s.vocab_size}) (the vocabulary)")
     outputs = await service.infer(x, arrived)
-    return encode_infer_response(service.name, req, outputs, s.outputs)
+    values = sum(v.size for v in outputs.values())
+    return await service.off_loop(encode_infer_response, service.name, req, outputs, s.outputs, size=values)
 
 
 class Observe:
@@ -124,22 +160,9 @@ class Observe:
     async def _infer(self, scope, receive, send) -> None:
         headers = dict(scope["headers"])
         try:
-            declared = headers.get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > self.limit:
-                raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {self.limit} (--max-body-mb)")
-            chunks, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.limit:
-                    raise RequestError(413, f"request body is over the limit of {self.limit} bytes (--max-body-mb)")
-                chunks.append(chunk)
-                more = message.get("more_body", False)
+            body = await receive_body(receive, headers, self.limit, self.service.opts.read_timeout_s)
             length = headers.get(HEADER_LENGTH.lower().encode())
-            content, out_headers = await infer_body(self.service, b"".join(chunks),
+            content, out_headers = await infer_body(self.service, body,
                                                     None if length is None else length.decode("latin-1"),
                                                     scope["state"]["arrived"])
             status = 200
@@ -189,18 +212,15 @@ class Observe:
                                         f"{client[0]}:{client[1]}" if client else None, seen["bytes"]))
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over `limit` bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {limit} (--max-body-mb)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"request body is over the limit of {limit} bytes (--max-body-mb)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_body(request: Request, limit: int, timeout_s: float, flag: str = "--max-body-mb") -> bytes:
+    """The request body, refusing (413) anything over `limit` bytes before reading it all (see receive_body)."""
+    return await receive_body(request.receive, dict(request.scope["headers"]), limit, timeout_s, flag)
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone away (call once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(service: Service) -> FastAPI:
@@ -217,6 +237,10 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="plait serve", version="1", lifespan=lifespan,
                   description="Open Inference Protocol (KServe v2) and text generation for plait models.")
     limit = int(service.opts.max_body_mb * 1024 * 1024)
+    # A generate body holds a prompt of at most --max-prompt-chars characters (12 bytes each at worst: an escaped pair).
+    gen_limit = min(limit, 12 * service.opts.max_prompt_chars + 64 * 1024)
+    gen_flag = "--max-prompt-chars" if gen_limit < limit else "--max-body-mb"
+    timeout_s = service.opts.read_timeout_s
     name = service.name
 
     @app.exception_handler(RequestError)
@@ -302,7 +326,7 @@ def create_app(service: Service) -> FastAPI:
     async def infer(request: Request, model: str, version: str | None = None) -> Response:
         """Unknown models and versioned paths (the served model's own path is answered by Observe)."""
         model_or_404(model, version)
-        body = await read_body(request, limit)
+        body = await read_body(request, limit, timeout_s)
         content, headers = await infer_body(service, body, request.headers.get(HEADER_LENGTH),
                                             request.scope["state"]["arrived"])
         return Response(content, headers=headers)
@@ -320,22 +344,32 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/generate", summary="text generation", openapi_extra=_body(GENERATE_SCHEMA, "generation request"))
     async def generate(request: Request):
-        raw = await read_body(request, limit)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        raw = await read_body(request, gen_limit, timeout_s, gen_flag)
+        body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object with a 'prompt'")
         if "model" in body:
-            model_or_404(body["model"] if isinstance(body["model"], str) else repr(body["model"]))
+            model_or_404(body["model"][:200] if isinstance(body["model"], str) else "(not a string)")
         service.require_generation()
-        row, stream = service.gen_row(body)
+        row, stream, prompt_tokens = service.gen_row(body)
         arrived = request.scope["state"]["arrived"]
         tok = service.served.tokenizer
         if not stream:
-            tokens = await service.generate(row, arrived)
-            return {"model": name, "text": tok.decode(tokens), "tokens": tokens, "prompt_tokens": len(row.prompt),
+            # A client that goes away gives its request up: the batcher drops it, replicas are told to stop it.
+            job = asyncio.ensure_future(service.generate(row, arrived))
+            gone = asyncio.ensure_future(_disconnected(request.receive))
+            try:
+                await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not job.done():
+                    job.cancel()
+            if not job.done() or job.cancelled():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+            tokens = job.result()
+            return {"model": name, "text": tok.decode(tokens), "tokens": tokens, "prompt_tokens": prompt_tokens,
                     "seed": row.seed}
         return StreamingResponse(_sse(service, row, arrived), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -372,6 +406,8 @@ async def _sse(service: Service, row, arrived: float):
         yield f"event: done\ndata: {json.dumps({'text': tok.decode(tokens), 'tokens': tokens, 'seed': row.seed})}\n\n"
     except RequestError as e:
         yield f"event: error\ndata: {json.dumps({'error': str(e), 'status': e.status})}\n\n"
+    except Exception as e:  # the stream has begun (200): the failure can only be told as an event
+        yield f"event: error\ndata: {json.dumps({'error': f'internal error: {type(e).__name__}: {e}', 'status': 500})}\n\n"
     finally:
         if not job.done():
             job.cancel()

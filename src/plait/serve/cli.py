@@ -3,7 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
+
+from plait.errors import ConfigError
+
+TOKEN_ENV = "PLAIT_SERVE_TOKEN"
+
+
+def serve_token(a) -> str | None:
+    """The bearer token: --token, else --token-file (its first non-comment line), else $PLAIT_SERVE_TOKEN, else none."""
+    if a.token:
+        print("note: --token is visible to other users of this machine (ps); prefer --token-file FILE or "
+              f"${TOKEN_ENV}", file=sys.stderr)
+        return a.token
+    if a.token_file:
+        p = Path(a.token_file)
+        if not p.is_file():
+            raise ConfigError(f"--token-file {a.token_file}: no such file")
+        lines = [ln.split("#", 1)[0].strip() for ln in p.read_text().splitlines()]
+        token = next((ln for ln in lines if ln), None)
+        if token is None:
+            raise ConfigError(f"--token-file {a.token_file} holds no token")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def cmd_serve(a) -> int:
@@ -13,8 +37,11 @@ def cmd_serve(a) -> int:
 
     opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
                         max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
-                        timeout_ms=a.timeout_ms, token=a.token, quantize=a.quantize, max_body_mb=a.max_body_mb,
-                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads)
+                        timeout_ms=a.timeout_ms, token=serve_token(a), quantize=a.quantize, max_body_mb=a.max_body_mb,
+                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads,
+                        max_prompt_chars=a.max_prompt_chars, read_timeout_s=a.read_timeout_s,
+                        max_connections=a.max_connections, trust_factory=a.trust_factory,
+                        trust_checkpoint=a.trust_checkpoint)
     return run(str(a.model), opts.validate())
 
 
@@ -50,10 +77,20 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for a batch to fill")
     s.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 503 (backpressure)")
     s.add_argument("--timeout-ms", type=float, default=30_000.0, help="a request not answered by then gets 504")
-    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (health probes stay open)")
+    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (health probes stay open); visible in ps, "
+                                   f"so prefer --token-file or ${TOKEN_ENV}")
+    s.add_argument("--token-file", help=f"file whose first line is the bearer token (default: ${TOKEN_ENV}, if set)")
     s.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of linear layers (CPU)")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
+    s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")
+    s.add_argument("--read-timeout-s", type=float, default=10.0,
+                   help="a request head, and each chunk of a body, must arrive within this (else 408 or the connection closes)")
+    s.add_argument("--max-connections", type=int, default=256, help="open connections at most; more are closed at once")
+    s.add_argument("--trust-factory", action="store_true",
+                   help="build a model.factory named in an exported file: imports and runs that code (see docs/security.md)")
+    s.add_argument("--trust-checkpoint", action="store_true",
+                   help="serve a run checkpoint that has no manifest.json (plait 0.1); see docs/security.md")
     s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: cores - 1 in-process, "
                                                           "cores / N for N replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",

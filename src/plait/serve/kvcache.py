@@ -9,6 +9,9 @@ GPT uses learned absolute positions, so once a sequence outgrows the context win
 position shifts and cached keys are stale: from there on each step recomputes the last
 `context` tokens, exactly as `GPT.generate` does. The cache pays off while a prompt plus its
 continuation fits the context.
+
+A row whose sampling fails (its parameters, not the model) is answered with a `RowFailed` in its
+place and dropped from the batch; the other rows go on (one bad request fails alone).
 """
 
 from __future__ import annotations
@@ -41,9 +44,22 @@ def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.tensor([width - len(s) for s in seqs])
 
 
+@dataclass
+class RowFailed:
+    """In place of a row's tokens: why that row (alone) could not be generated."""
+
+    message: str
+
+
+def sample_row(logits: torch.Tensor, row: GenRow, generator: torch.Generator) -> int:
+    """The next token of one row; a non-finite distribution is an error of this row (ValueError)."""
+    tok = sample(logits, row.temperature, row.top_k, generator)
+    return int(tok)
+
+
 @torch.inference_mode()
 def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], None] | None = None,
-             cancelled: Callable[[int], bool] | None = None, use_cache: bool = True) -> list[list[int]]:
+             cancelled: Callable[[int], bool] | None = None, use_cache: bool = True) -> list[list[int] | RowFailed]:
     """New tokens for every row; emit(row, position, token) is called as each token is chosen.
 
     Rows that are done (or cancelled) keep a place in the batch but are no longer sampled;
@@ -53,9 +69,11 @@ def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], Non
     seqs = [list(r.prompt) for r in rows]
     out: list[list[int]] = [[] for _ in rows]
     gens = [torch.Generator().manual_seed(int(r.seed)) for r in rows]
+    failed: dict[int, RowFailed] = {}
     cache: dict[str, KVCache] | None = None
     for _ in range(max(r.max_new_tokens for r in rows)):
-        active = [i for i, r in enumerate(rows) if len(out[i]) < r.max_new_tokens and not (cancelled and cancelled(i))]
+        active = [i for i, r in enumerate(rows)
+                  if len(out[i]) < r.max_new_tokens and i not in failed and not (cancelled and cancelled(i))]
         if not active:
             break
         length = max(len(s) for s in seqs)  # rows grow in lockstep, so the padded length is shared
@@ -72,12 +90,17 @@ def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], Non
             logits = model(idx, pad=window_pad)
         last = logits[:, -1]
         for i in range(len(rows)):
+            tok = None
             if i in active:
-                tok = int(sample(last[i], rows[i].temperature, rows[i].top_k, gens[i]))
-                out[i].append(tok)
-                if emit is not None:
-                    emit(i, len(out[i]) - 1, tok)
-            else:
+                try:
+                    tok = sample_row(last[i], rows[i], gens[i])
+                except (RuntimeError, ValueError, OverflowError) as e:
+                    failed[i] = RowFailed(f"{type(e).__name__}: {str(e).strip()[:200]}")
+                else:
+                    out[i].append(tok)
+                    if emit is not None:
+                        emit(i, len(out[i]) - 1, tok)
+            if tok is None:
                 tok = seqs[i][-1]  # a placeholder that keeps the batch rectangular
             seqs[i].append(tok)
-    return out
+    return [failed.get(i, o) for i, o in enumerate(out)]

@@ -33,6 +33,8 @@ class ModelRef:
 
     path: str
     quantize: str | None = None  # None or "int8"
+    trust_factory: bool = False  # an exported file may name a model.factory (code): build it only when trusted
+    trust_checkpoint: bool = False  # accept a run's checkpoint that has no manifest (plait 0.1)
 
 
 @dataclass
@@ -88,6 +90,23 @@ def _registry_name(model_cfg: dict) -> str:
     return model_cfg["name"]
 
 
+def _tokenizer(text: str, where: str) -> CharTokenizer:
+    """A tokenizer from its JSON, checked as data (one character per entry)."""
+    try:
+        chars = json.loads(text)["chars"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ServeError(f"{where}: the tokenizer is malformed ({type(e).__name__}: {e})") from None
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+        raise ServeError(f"{where}: the tokenizer must be a list of single characters")
+    return CharTokenizer(chars)
+
+
+def _check_finite(module: nn.Module, where: str) -> None:
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ServeError(f"{where}: {name} holds NaN or Inf; refusing to serve a model with broken weights")
+
+
 def load_model(ref: ModelRef) -> ServedModel:
     """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
     path = Path(ref.path)
@@ -98,18 +117,20 @@ def load_model(ref: ModelRef) -> ServedModel:
         if ckpt is None:
             raise ServeError(f"{path} has no checkpoint yet (checkpoints/latest is missing); train it first")
         cfg, spec, module = rebuild_model(path)
-        load_model_weights(module, ckpt)
+        load_model_weights(module, ckpt, trust=ref.trust_checkpoint)
         tok_file = path / "tokenizer.json"
-        tokenizer = CharTokenizer.from_json(tok_file.read_text()) if tok_file.is_file() else None
+        tokenizer = _tokenizer(tok_file.read_text(), str(tok_file)) if tok_file.is_file() else None
         served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name)
     elif path.is_file():
-        module, meta = load_exported(path)
+        module, meta = load_exported(path, trust_factory=ref.trust_factory)
         spec = DataSpec(**json.loads(meta["plait.spec"]))
-        tokenizer = CharTokenizer.from_json(meta["plait.tokenizer"]) if "plait.tokenizer" in meta else None
+        tokenizer = _tokenizer(meta["plait.tokenizer"], str(path)) if "plait.tokenizer" in meta else None
+        checkpoint = meta.get("plait.checkpoint", "")
         served = ServedModel(module, _registry_name(json.loads(meta["plait.model"])), spec, tokenizer,
-                             meta.get("plait.checkpoint", ""))
+                             checkpoint if NAME_RE.match(checkpoint or "x") else "")
     else:
         raise ServeError(f"{path} does not exist; pass a run directory or an exported model.safetensors")
+    _check_finite(served.module, str(path))
     served.module.eval()
     for p in served.module.parameters():
         p.requires_grad_(False)

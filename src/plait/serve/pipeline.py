@@ -31,9 +31,8 @@ from typing import Any
 import numpy as np
 
 from plait.comm.p2p import recv_message, send_tensor
-from plait.models.sampling import sample
 from plait.procs import CONTEXT, spawn
-from plait.serve.kvcache import GenRow
+from plait.serve.kvcache import GenRow, RowFailed, sample_row
 from plait.serve.model import ModelRef, ServedModel, load_model
 from plait.serve.protocol import RequestError, ServeError
 
@@ -232,7 +231,7 @@ class PipelineExecutor:
             return await self._generate(payload, on_event, cancelled)
         raise ValueError(f"unknown task kind {kind!r}")
 
-    async def _generate(self, rows: list[GenRow], on_event, cancelled) -> list[list[int]]:
+    async def _generate(self, rows: list[GenRow], on_event, cancelled) -> list[list[int] | RowFailed]:
         import torch
 
         ctx = self.served.context
@@ -241,11 +240,13 @@ class PipelineExecutor:
         gens = [torch.Generator().manual_seed(int(r.seed)) for r in rows]
         cids = [next(self._cache_ids) for _ in rows]
         cached: set[int] = set()  # rows whose prompt is in their caches: from now on they send one token
+        failed: dict[int, RowFailed] = {}  # rows whose sampling failed: answered alone, the others go on
         try:
             while True:
-                active = [i for i, r in enumerate(rows) if len(out[i]) < r.max_new_tokens and not (cancelled and cancelled(i))]
+                active = [i for i, r in enumerate(rows)
+                          if len(out[i]) < r.max_new_tokens and i not in failed and not (cancelled and cancelled(i))]
                 if not active:
-                    return out
+                    return [failed.get(i, o) for i, o in enumerate(out)]
                 windows, keys = [], []
                 for i in active:
                     if len(seqs[i]) <= ctx:
@@ -257,7 +258,11 @@ class PipelineExecutor:
                         keys.append(NO_CACHE)
                 logits = await self._through([np.array([w], dtype=np.int64) for w in windows], keys)
                 for i, y in zip(active, logits):
-                    tok = int(sample(torch.from_numpy(y[0, -1]), rows[i].temperature, rows[i].top_k, gens[i]))
+                    try:
+                        tok = sample_row(torch.from_numpy(y[0, -1]), rows[i], gens[i])
+                    except (RuntimeError, ValueError, OverflowError) as e:
+                        failed[i] = RowFailed(f"{type(e).__name__}: {str(e).strip()[:200]}")
+                        continue
                     out[i].append(tok)
                     seqs[i].append(tok)
                     if on_event is not None:

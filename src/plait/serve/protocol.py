@@ -5,6 +5,12 @@ A request is a JSON header, optionally followed by raw little-endian tensor byte
 `tritonclient.http` sends by default, with no Content-Type). Responses use the same framing
 when the client asks for binary outputs. Everything a client can get wrong raises
 `RequestError` with the HTTP status and a message that names the problem.
+
+Bounds (docs/security.md): JSON is parsed strictly (no NaN/Infinity tokens; nesting deeper than
+the interpreter allows is a 400, not a RecursionError); a tensor has at most MAX_DIMS dimensions,
+each at most MAX_DIM; floating-point inputs must be finite (NaN and Inf are refused with 400),
+and an answer whose floating-point outputs are not finite cannot be sent as JSON (400, naming
+binary outputs as the way to get them), so every JSON body plait sends is valid JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ DATATYPES: dict[str, np.dtype] = {
     }.items()
 }
 NUMPY_TO_DATATYPE = {np.dtype(v).newbyteorder("="): k for k, v in DATATYPES.items()}
+MAX_DIMS = 32  # dimensions of one tensor (numpy's own limit is 64)
+MAX_DIM = 1 << 31  # size of one dimension
 
 
 class ServeError(PlaitError):
@@ -76,40 +84,103 @@ def _bad(message: str) -> RequestError:
     return RequestError(400, message)
 
 
-def _flatten(data, out: list) -> None:
-    if isinstance(data, list):
-        for d in data:
-            _flatten(d, out)
-    else:
-        out.append(data)
+def short(v, limit: int = 40) -> str:
+    """A JSON value for an error message: short, and never a deep structure's text."""
+    if isinstance(v, dict):
+        return "a JSON object"
+    if isinstance(v, list):
+        if any(isinstance(x, (list, dict)) for x in v[:limit]):
+            return "a nested JSON array"
+        v = v[:limit]
+    try:
+        text = json.dumps(v)
+    except ValueError:
+        text = repr(v)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+CHUNK = 1 << 16  # values converted per step: long conversions hand the GIL back between steps (the event loop runs)
+
+
+def _types(values: list) -> set:
+    out: set = set()
+    for i in range(0, len(values), CHUNK):
+        out |= set(map(type, values[i:i + CHUNK]))
+    return out
+
+
+def _flatten(name: str, data) -> tuple[list, set]:
+    """The values of a (possibly nested) JSON array in order and their types, without recursion; nesting is bounded."""
+    if not isinstance(data, list):
+        return [data], {type(data)}
+    types = _types(data)
+    if list not in types:
+        return data, types
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                if len(stack) >= MAX_DIMS:
+                    raise _bad(f"input '{name}': data is nested more than {MAX_DIMS} levels deep")
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out, _types(out)
 
 
 def _json_values(name: str, datatype: str, data) -> np.ndarray:
     """The flat (or nested) JSON `data` of a tensor as a numpy array of its datatype."""
-    flat: list = []
-    _flatten(data if isinstance(data, list) else [data], flat)
+    flat, types = _flatten(name, data)
     if datatype == "BOOL":
-        ok = all(isinstance(v, bool) for v in flat)
-        kind = "true/false"
+        allowed, kind = {bool}, "true/false"
     elif datatype.startswith(("INT", "UINT")):
-        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in flat)
-        kind = "integers"
+        allowed, kind = {int}, "integers"
     else:
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat)
-        kind = "numbers"
-    if not ok:
-        bad = next(v for v in flat if not (isinstance(v, (int, float, bool))))
-        raise _bad(f"input '{name}': data must hold {kind} for datatype {datatype}, found {json.dumps(bad)[:40]}")
+        allowed, kind = {int, float}, "numbers"
+    if not types <= allowed:  # type(True) is bool, so booleans are not numbers here
+        bad = next(v for v in flat if type(v) not in allowed)
+        raise _bad(f"input '{name}': data must hold {kind} for datatype {datatype}, found {short(bad)}")
+    arr = np.empty(len(flat), dtype=DATATYPES[datatype])
     try:
-        return np.array(flat, dtype=DATATYPES[datatype])
+        with np.errstate(over="ignore"):
+            for i in range(0, len(flat), CHUNK):
+                arr[i:i + CHUNK] = flat[i:i + CHUNK]
     except (OverflowError, ValueError) as e:
         raise _bad(f"input '{name}': a value does not fit datatype {datatype} ({e})") from None
+    return arr
+
+
+def _finite(name: str, datatype: str, arr: np.ndarray) -> None:
+    if datatype.startswith("FP") and not bool(np.isfinite(arr).all()):
+        raise _bad(f"input '{name}' holds NaN or Inf (or a value too large for {datatype}); inputs must be finite")
 
 
 def _shape(name: str, shape) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise _bad(f"input '{name}': shape must be a list of non-negative integers, got {json.dumps(shape)[:80]}")
+        raise _bad(f"input '{name}': shape must be a list of non-negative integers, got {short(shape, 80)}")
+    if len(shape) > MAX_DIMS:
+        raise _bad(f"input '{name}': shape has {len(shape)} dimensions; at most {MAX_DIMS} are supported")
+    if any(d > MAX_DIM for d in shape) or math.prod(d for d in shape if d) > MAX_DIM * MAX_DIM:
+        raise _bad(f"input '{name}': shape {short(shape, 80)} is too large (at most {MAX_DIM} per dimension, and not "
+                   f"more than {MAX_DIM * MAX_DIM} elements)")
     return tuple(shape)
+
+
+def _no_constant(token: str):
+    raise ValueError(f"{token} is not a JSON value (numbers must be finite)")
+
+
+def loads(data: bytes | str, what: str = "request body"):
+    """Strict JSON (no NaN/Infinity; depth bounded by the interpreter): anything else is a 400 naming the problem."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise _bad(f"{what} is nested too deeply to be parsed") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits, NaN/Infinity
+        raise _bad(f"{what} is not valid JSON: {str(e)[:200]}") from None
 
 
 def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -124,10 +195,7 @@ def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest
         head, binary = body[:n], memoryview(body)[n:]
     else:
         head, binary = body, memoryview(b"")
-    try:
-        req = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(f"request body is not valid JSON: {e}") from None
+    req = loads(head)
     if not isinstance(req, dict):
         raise _bad(f"request body must be a JSON object with 'inputs', got {type(req).__name__}")
     inputs = req.get("inputs")
@@ -150,7 +218,7 @@ def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest
             raise _bad(f"input '{name}' is given twice")
         datatype = t.get("datatype")
         if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise _bad(f"input '{name}': datatype {json.dumps(datatype)[:40]} is not supported; use one of {', '.join(DATATYPES)}")
+            raise _bad(f"input '{name}': datatype {short(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
         shape = _shape(name, t.get("shape"))
         count = math.prod(shape)
         tparams = t.get("parameters") or {}
@@ -169,10 +237,12 @@ def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest
                            f"header, {size} are declared")
             arr = np.frombuffer(binary[offset:offset + size], dtype=DATATYPES[datatype])
             offset += size
+            _finite(name, datatype, arr)
         elif "data" in t:
             arr = _json_values(name, datatype, t["data"])
             if arr.size != count:
                 raise _bad(f"input '{name}': data has {arr.size} values but shape {list(shape)} needs {count}")
+            _finite(name, datatype, arr)
         else:
             raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
         out.inputs[name] = arr.reshape(shape)
@@ -251,7 +321,11 @@ def encode_infer_response(model_name: str, req: InferRequest, outputs: dict[str,
         else:
             t["data"] = arr.reshape(-1).tolist()
         head["outputs"].append(t)
-    text = json.dumps(head, separators=(",", ":")).encode()
+    try:
+        text = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise _bad("the model's output for this input holds NaN or Inf, which JSON cannot carry; ask for the outputs as "
+                   "binary data (parameters.binary_data_output = true) to get the raw values") from None
     if not chunks:
         return text, {"content-type": "application/json"}
     return text + b"".join(chunks), {"content-type": "application/octet-stream", HEADER_LENGTH.lower(): str(len(text))}

@@ -6,6 +6,11 @@ answers tasks over a pipe, one at a time, with the code the in-process executor 
 event loop; end-of-file on the pipe means the process died. Then its in-flight batches go
 to another replica (each batch is tried at most twice), a replacement process is started,
 and a batch that fails twice gets a 503 that says so: a crash never leaves a request hanging.
+
+Cancellation reaches the process: while a generation batch runs, the pool watches which of its
+requests were given up (the client disconnected, or --timeout-ms passed) and sends
+("cancel", task, rows); a thread in the replica reads those while the model runs, and the
+generation loop drops the rows at its next token (plait.serve.kvcache).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import queue
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -24,6 +30,7 @@ from plait.serve.protocol import RequestError, ServeError
 from plait.serve.runner import Runner
 
 ATTEMPTS = 2  # a batch whose replica crashes is retried once
+CANCEL_POLL_S = 0.05  # how often a running generation batch is checked for requests given up
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -39,11 +46,28 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
+    tasks: queue.Queue = queue.Queue()
+    cancelled: dict[int, set] = {}  # task id -> rows given up (None in the set: the whole task)
+    lock = threading.Lock()
+
+    def read() -> None:  # a thread, so that cancellations arrive while a task runs
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None  # the server is gone
+            if msg is None:
+                tasks.put(None)
+                return
+            if msg[0] == "cancel":
+                with lock:
+                    cancelled.setdefault(msg[1], set()).update(msg[2])
+            else:
+                tasks.put(msg)
+
+    threading.Thread(target=read, name="plait-replica-inbox", daemon=True).start()
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the server is gone
+        msg = tasks.get()
         if msg is None:
             return
         task_id, task = msg
@@ -51,12 +75,24 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
         def emit(row: int, pos: int, tok: int, task_id=task_id) -> None:
             conn.send(("event", task_id, row, pos, tok))
 
+        def given_up(row: int, task_id=task_id) -> bool:
+            with lock:
+                rows = cancelled.get(task_id, ())
+                return row in rows or None in rows
+
         try:
-            result = runner.run(task, emit)
+            if given_up(-1):  # the whole task was given up before it started
+                result = None
+            else:
+                result = runner.run(task, emit, given_up)
         except Exception as e:
             conn.send(("error", task_id, f"{type(e).__name__}: {e}"))
         else:
             conn.send(("result", task_id, result))
+        with lock:
+            cancelled.pop(task_id, None)
+            if len(cancelled) > 1024:  # cancellations that came after their task had finished
+                cancelled.clear()
 
 
 @dataclass(eq=False)
@@ -66,6 +102,8 @@ class _Task:
     future: asyncio.Future
     on_event: Any = None
     attempts: int = 0
+    replica: Any = None  # the replica running it now
+    cancelled_rows: set = field(default_factory=set)  # rows given up (sent to whichever replica runs it)
 
 
 @dataclass(eq=False)
@@ -177,7 +215,30 @@ class ReplicaPool:
         assert self._loop is not None
         t = _Task(next(self._ids), task, self._loop.create_future(), on_event)
         self._dispatch(t)
-        return await t.future
+        if cancelled is None or task[0] != "generate":
+            return await t.future
+        watcher = self._loop.create_task(self._watch(t, cancelled, len(task[1])))
+        try:
+            return await t.future
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, t: _Task, cancelled, rows: int) -> None:
+        """Tell the replica running `t` about rows whose requests were given up (timeout, disconnect)."""
+        while not t.future.done():
+            new = {i for i in range(rows) if i not in t.cancelled_rows and cancelled(i)}
+            if new:
+                t.cancelled_rows |= new
+                self._send_cancel(t, new)
+            await asyncio.sleep(CANCEL_POLL_S)
+
+    def _send_cancel(self, t: _Task, rows: set) -> None:
+        r = t.replica
+        if r is not None and r.live and t.id in r.inflight:
+            try:
+                r.conn.send(("cancel", t.id, sorted(rows)))
+            except (OSError, ValueError):
+                pass  # the replica is dying; the reader thread re-routes its work
 
     def _dispatch(self, t: _Task) -> None:
         live = [r for r in self._replicas if r is not None and r.live]
@@ -186,11 +247,14 @@ class ReplicaPool:
             return
         r = min(live, key=lambda r: (len(r.inflight), r.index))  # least loaded
         t.attempts += 1
+        t.replica = r
         r.inflight[t.id] = t
         try:
             r.conn.send((t.id, t.task))
         except (OSError, ValueError):
             pass  # the reader thread sees the death and re-routes what was in flight
+        if t.cancelled_rows:  # a retried batch: the new replica hears what was given up
+            self._send_cancel(t, t.cancelled_rows)
 
     def _on_message(self, r: _Replica, msg: tuple) -> None:
         kind = msg[0]

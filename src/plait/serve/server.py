@@ -4,6 +4,12 @@ The service's workers start before uvicorn accepts connections, so a model that 
 is a one-line error, and stop after uvicorn has finished the requests in flight: on SIGTERM
 uvicorn stops listening, lets running requests complete (the batcher keeps cutting batches
 for them), and only then are the batcher and the worker processes shut down.
+
+Connections (docs/security.md): a request's head must arrive within --read-timeout-s of its first
+byte (or of the connection opening), else the connection is closed; at most --max-connections
+are open at once, and one more is closed as soon as it is accepted. uvicorn has neither
+setting, so both live in a subclass of its HTTP protocol (`guarded_protocol`); its own
+keep-alive timeout closes idle connections, and h11's limit bounds the size of a head.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ import sys
 import threading
 
 import uvicorn
+
+try:  # the protocol uvicorn's "auto" would choose
+    import httptools  # noqa: F401
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPBase
+except ImportError:
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPBase
 
 from plait.serve.app import create_app
 from plait.serve.model import ModelRef, load_model
@@ -63,9 +75,61 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class _Guarded:
+    """Mixin for uvicorn's HTTP protocol classes: a deadline for each request head, and a cap on open connections."""
+
+    head_timeout_s: float = 10.0
+    max_connections: int = 256
+
+    def connection_made(self, transport) -> None:
+        self._head_timer = None
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.close()  # uvicorn's connection_lost forgets it
+            return
+        self._arm()
+
+    def _waiting_for_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self._waiting_for_head() and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for_head():
+            self._arm()
+        super().data_received(data)
+        if not self._waiting_for_head():
+            self._disarm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def guarded_protocol(head_timeout_s: float, max_connections: int) -> type:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) with the head deadline and the connection cap."""
+    base = _HTTPBase
+    return type(f"Guarded{base.__name__}", (_Guarded, base),
+                {"head_timeout_s": head_timeout_s, "max_connections": max_connections})
+
+
 def uvicorn_server(service: Service) -> uvicorn.Server:
+    o = service.opts
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=30)
+                            timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=30,
+                            http=guarded_protocol(o.read_timeout_s, o.max_connections))
     return _Server(config)
 
 
@@ -90,7 +154,7 @@ def run(path: str, opts: ServeOptions) -> int:
         service = Service(path, opts)
         s = service.served
         if opts.quantize:
-            fp32 = load_model(ModelRef(path)).module
+            fp32 = load_model(ModelRef(path, None, opts.trust_factory, opts.trust_checkpoint)).module
             print(accuracy_change(fp32, s.module, s, path), flush=True)
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

@@ -13,8 +13,10 @@ decides where work runs. Executors share one small interface:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
-from plait.serve.kvcache import GenRow
+from plait.serve.kvcache import GenRow, RowFailed
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
@@ -52,6 +54,11 @@ class ServeOptions:
     max_new_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
     exact_batching: bool = True  # pad classifier batches to max_batch_size rows (bitwise batch invariance)
     threads: int = 0  # torch threads per model process; 0: the cores left after the HTTP loop (in-process), cores / N
+    max_prompt_chars: int = 65_536  # a longer /v1/generate prompt gets 413 (checked before it is tokenized)
+    read_timeout_s: float = 10.0  # request head (and each body chunk) must arrive within this, else the connection closes
+    max_connections: int = 256  # open connections at most; more are closed at once
+    trust_factory: bool = False  # build a model.factory named in an exported file (it is code)
+    trust_checkpoint: bool = False  # serve a run checkpoint that has no manifest
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -64,11 +71,12 @@ class ServeOptions:
     def validate(self) -> ServeOptions:
         for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1), ("--threads", self.threads, 0),
                                  ("--max-batch-size", self.max_batch_size, 1), ("--max-queue", self.max_queue, 1),
-                                 ("--max-new-tokens", self.max_new_tokens, 1)):
+                                 ("--max-new-tokens", self.max_new_tokens, 1),
+                                 ("--max-prompt-chars", self.max_prompt_chars, 1), ("--max-connections", self.max_connections, 1)):
             if value < low:
                 raise ServeError(f"{flag} = {value} must be >= {low}")
         for flag, value in (("--max-delay-ms", self.max_delay_ms), ("--timeout-ms", self.timeout_ms),
-                            ("--max-body-mb", self.max_body_mb)):
+                            ("--max-body-mb", self.max_body_mb), ("--read-timeout-s", self.read_timeout_s)):
             if not math.isfinite(value) or value < 0 or (value == 0 and flag != "--max-delay-ms"):
                 raise ServeError(f"{flag} = {value} must be a finite number > 0" + (" (or 0)" if flag == "--max-delay-ms" else ""))
         if self.replicas > 1 and self.pp > 1:
@@ -82,6 +90,8 @@ class ServeOptions:
             raise ServeError(f"--port {self.port} must be between 0 and 65535")
         if self.name is not None:
             check_name(self.name)
+        if self.token is not None and (not self.token or not self.token.isprintable() or not self.token.isascii()):
+            raise ServeError("the bearer token must be printable ASCII and not empty")
         return self
 
     @property
@@ -94,12 +104,15 @@ class Service:
 
     def __init__(self, path: str, opts: ServeOptions, served: ServedModel | None = None):
         self.opts = opts.validate()
-        self.ref = ModelRef(str(path), opts.quantize)
+        self.ref = ModelRef(str(path), opts.quantize, opts.trust_factory, opts.trust_checkpoint)
         self.served = served if served is not None else load_model(self.ref)
         self.name = opts.name or self.served.registry_name
         self.metrics = Metrics()
         self.executor = self._executor()
         self.batcher: Batcher | None = None
+        # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
+        # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
+        self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
 
     def _executor(self):
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
@@ -127,6 +140,13 @@ class Service:
         if self.batcher is not None:
             await self.batcher.stop()
         await self.executor.stop()
+        self.codec.shutdown(wait=False)
+
+    async def off_loop(self, fn, *args, size: int = 0):
+        """fn(*args), on the codec thread when `size` (bytes or values) is large, else right here."""
+        if size < OFF_LOOP_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
 
     def ready(self) -> bool:
         return self.batcher is not None and self.executor.ready()
@@ -187,38 +207,70 @@ class Service:
         rows = [p.payload[0] for p in batch]
         tokens = await self.executor.run(("generate", rows), on_event, lambda i: batch[i].cancelled)
         for p, t in zip(batch, tokens):
-            if not p.future.done():
+            if p.future.done():
+                continue
+            if isinstance(t, RowFailed):  # this request alone: the others in the batch got their tokens
+                p.future.set_exception(RequestError(400, f"generation failed for this request's sampling parameters "
+                                                         f"(temperature, top_k): {t.message}"))
+            else:
                 p.future.set_result(t)
 
-    def gen_row(self, body: dict) -> tuple[GenRow, bool]:
-        """Check a /v1/generate body; returns the row to generate and whether to stream."""
+    def gen_row(self, body: dict) -> tuple[GenRow, bool, int]:
+        """Check a /v1/generate body; returns the row to generate, whether to stream, and the prompt's token count.
+
+        The prompt's length is checked before anything is copied, and only its last `context` characters are
+        tokenized: the model sees no more than that (kvcache.generate keeps the last `context` tokens), so the
+        tokens generated are the same as for the whole prompt.
+        """
         allowed = {"prompt", "max_new_tokens", "temperature", "top_k", "seed", "stream", "model"}
         unknown = sorted(set(body) - allowed)
         if unknown:
-            raise RequestError(400, f"unknown field '{unknown[0]}'; /v1/generate takes: {', '.join(sorted(allowed))}")
+            raise RequestError(400, f"unknown field '{str(unknown[0])[:64]}'; /v1/generate takes: {', '.join(sorted(allowed))}")
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise RequestError(400, "'prompt' must be a non-empty string")
+        if len(prompt) > self.opts.max_prompt_chars:
+            raise RequestError(413, f"'prompt' has {len(prompt)} characters; the limit is {self.opts.max_prompt_chars} "
+                                    "(--max-prompt-chars)")
+        if SURROGATE.search(prompt):
+            raise RequestError(400, "'prompt' holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not a character")
 
         def integer(key: str, default, low: int, high: int):
             v = body.get(key, default)
             if v is None and default is None:
                 return None
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-                raise RequestError(400, f"'{key}' must be an integer between {low} and {high}, got {v!r}")
+                raise RequestError(400, f"'{key}' must be an integer between {low} and {high}, got {_short(v)}")
             return v
 
-        n = integer("max_new_tokens", 64, 1, self.opts.max_new_tokens)
+        n = integer("max_new_tokens", min(64, self.opts.max_new_tokens), 1, self.opts.max_new_tokens)
         top_k = integer("top_k", None, 1, 1 << 31)
         seed = integer("seed", None, 0, (1 << 63) - 1)
         temperature = body.get("temperature", 1.0)
         if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
                 math.isfinite(temperature) and 0 <= temperature <= 100):
-            raise RequestError(400, f"'temperature' must be a number between 0 and 100 (0: greedy), got {temperature!r}")
+            raise RequestError(400, f"'temperature' must be a number between 0 and 100 (0: greedy), got {_short(temperature)}")
+        if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow float32
+            raise RequestError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature!r}")
         self.require_generation()
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(400, "'stream' must be true or false")
         assert self.served.tokenizer is not None
-        ids = [int(i) for i in self.served.tokenizer.encode(prompt)]
-        return GenRow(ids, n, float(temperature), top_k, secrets.randbits(63) if seed is None else seed), stream
+        tail = prompt[-max(1, self.served.context):]
+        ids = [int(i) for i in self.served.tokenizer.encode(tail)]
+        row = GenRow(ids, n, float(temperature), top_k, secrets.randbits(63) if seed is None else seed)
+        return row, stream, len(prompt)
+
+
+OFF_LOOP_SIZE = 64 * 1024  # bodies (bytes) or outputs (values) at least this large are handled off the event loop
+MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature can overflow float32
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _short(v) -> str:
+    """A value for an error message, never long (and never a deep structure's repr)."""
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -8,7 +8,17 @@ the trainer state and a manifest (size and CRC-32 of every file), fsyncs, rename
 into place and swaps `latest` with an atomic rename. A crash at any point leaves `latest` on a
 complete checkpoint. Loading verifies the manifest first and names the file that is missing,
 truncated or corrupt; `find_resumable` then falls back to the newest checkpoint that verifies.
-Tensors are read through DCP (no pickled objects in plait's checkpoints).
+
+What is unpickled, and how (docs/security.md): DCP's own `.metadata` file is a pickle, and DCP
+stores non-tensor state (optimizer hyper-parameters, the loss scale) with `torch.save`. plait
+never hands either to plain `pickle`: `.metadata` goes through `read_metadata`, an unpickler
+that builds only the metadata classes torch writes (anything else is refused with a
+CheckpointError naming the file), and non-tensor entries and tensors are read with
+`torch.load(weights_only=True)`. Files a checkpoint's metadata points to must be plain names
+inside the checkpoint folder and listed in its manifest. A checkpoint without a manifest is
+refused unless trusted (`--trust-checkpoint`, or PLAIT_TRUST_CHECKPOINT=1 in the environment,
+which is how the flag reaches training workers); `checkpoints/latest` must point inside
+`checkpoints/`. The manifest's CRC-32s catch damage, not forgery: they are no signature.
 
 `checkpoint.async = true` uses DCP's async_save: the step waits only while the state is staged
 to memory; the files are written in the background and published when done (before the next
@@ -18,22 +28,35 @@ checkpoint starts, and at the end of training).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pathlib
+import pickle
+import re
 import shutil
 import time
 import warnings
 import zlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from plait import faults
 from plait.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
+METADATA = ".metadata"
+TRUST_ENV = "PLAIT_TRUST_CHECKPOINT"  # "1": accept checkpoints without a manifest (what --trust-checkpoint sets)
+STEP_RE = re.compile(r"^step_\d{7}$")
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^\.metadata$")
 
 
 def _single() -> bool:
@@ -93,20 +116,50 @@ def write_manifest(folder: Path) -> None:
     _write_json(folder / MANIFEST, {"files": files})
 
 
-def verify(folder: Path) -> dict:
-    """Check a checkpoint against its manifest; returns its trainer state or raises CheckpointError naming the file."""
+def trusted(trust: bool | None = None) -> bool:
+    """Whether checkpoints without a manifest are accepted: `trust`, or else $PLAIT_TRUST_CHECKPOINT = 1."""
+    return bool(trust) if trust is not None else os.environ.get(TRUST_ENV) == "1"
+
+
+def _read_manifest(folder: Path) -> dict[str, dict]:
     manifest = folder / MANIFEST
-    if not manifest.is_file():
-        if (folder / ".metadata").is_file() and (folder / STATE_FILE).is_file() and not folder.name.startswith("."):
-            # Published before manifests existed (plait 0.1 runs): usable, but nothing to check it against.
-            return json.loads((folder / STATE_FILE).read_text())
-        raise CheckpointError(f"checkpoint {folder} is incomplete: {MANIFEST} is missing")
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
+        if not isinstance(files, dict):
+            raise ValueError("'files' is not an object")
+        for name, want in files.items():
+            if not PLAIN_NAME.match(name) or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a file name inside the checkpoint")
+            if not (isinstance(want, dict) and all(isinstance(want.get(k), int) and not isinstance(want.get(k), bool)
+                                                   for k in ("bytes", "crc32"))):
+                raise ValueError(f"the entry of {name!r} needs integer 'bytes' and 'crc32'")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{manifest} is corrupt ({e})") from None
+    return files
+
+
+def verify(folder: Path, trust: bool | None = None) -> dict:
+    """Check a checkpoint against its manifest; returns its trainer state or raises CheckpointError naming the file.
+
+    A checkpoint without a manifest (plait 0.1 wrote none) is refused unless `trust` (or $PLAIT_TRUST_CHECKPOINT=1).
+    """
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        legacy = (folder / METADATA).is_file() and (folder / STATE_FILE).is_file() and not folder.name.startswith(".")
+        if not legacy:
+            raise CheckpointError(f"checkpoint {folder} is incomplete: {MANIFEST} is missing")
+        if not trusted(trust):
+            raise CheckpointError(f"checkpoint {folder} has no {MANIFEST}, so nothing shows it is a complete checkpoint "
+                                  "written by plait; if you wrote it yourself (plait 0.1), pass --trust-checkpoint")
+        return _read_state(folder)
+    files = _read_manifest(folder)
+    for required in (METADATA, STATE_FILE):
+        if required not in files:
+            raise CheckpointError(f"{manifest} does not cover {required}; the checkpoint cannot be checked")
     for name, want in files.items():
         p = folder / name
+        if p.is_symlink():
+            raise CheckpointError(f"checkpoint {folder} is damaged: {name} is a symbolic link (plait writes plain files)")
         if not p.is_file():
             raise CheckpointError(f"checkpoint {folder} is damaged: {name} is missing")
         size = p.stat().st_size
@@ -115,10 +168,136 @@ def verify(folder: Path) -> dict:
                                   f"{want['bytes']} (truncated?)")
         if file_crc(p) != want["crc32"]:
             raise CheckpointError(f"checkpoint {folder} is damaged: {name} does not match its checksum (corrupt)")
+    return _read_state(folder)
+
+
+def _read_state(folder: Path) -> dict:
     try:
-        return json.loads((folder / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{folder / STATE_FILE} cannot be read ({e})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{folder / STATE_FILE} is corrupt: it needs a non-negative integer 'step'")
+    return state
+
+
+# ---------------------------------------------------------------------------- reading DCP safely
+
+def _metadata_classes() -> dict[tuple[str, str], object]:
+    """What a DCP .metadata pickle may name: torch's metadata dataclasses and enums, sizes, dtypes, layouts, paths."""
+    allowed: dict[tuple[str, str], object] = {}
+    for name, value in vars(dcp_metadata).items():
+        if isinstance(value, type) and value.__module__ == dcp_metadata.__name__:
+            allowed[(dcp_metadata.__name__, name)] = value
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, where: Path):
+        super().__init__(f)
+        self.where = where
+        self.allowed = _metadata_classes()
+
+    def find_class(self, module: str, name: str):
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise CheckpointError(f"{self.where} names {module}.{name}, which is not part of a checkpoint's metadata; "
+                                  "refusing to load it (a DCP .metadata file holds only torch's metadata classes)") from None
+
+    def persistent_load(self, pid):
+        raise CheckpointError(f"{self.where} holds a persistent reference; refusing to load it")
+
+
+def read_metadata(folder: Path) -> dcp_metadata.Metadata:
+    """DCP's .metadata of a checkpoint, unpickled with only torch's metadata classes allowed; checked for plain file names."""
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror})") from None
+    except Exception as e:  # anything a crafted pickle can raise while being built from allowed classes
+        raise CheckpointError(f"{path} is not a checkpoint's metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointError(f"{path} is not a checkpoint's metadata (it holds a {type(md).__name__})")
+    listed = None
+    if (Path(folder) / MANIFEST).is_file():
+        listed = set(_read_manifest(Path(folder)))
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not PLAIN_NAME.match(rel) or rel == METADATA:
+            raise CheckpointError(f"{path} points to {rel!r}, which is not a data file inside the checkpoint")
+        if listed is not None and rel not in listed:
+            raise CheckpointError(f"{path} points to {rel}, which the checkpoint's {MANIFEST} does not list")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{path} asks for stream transforms {info.transform_descriptors!r}; plait writes none")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+            raise CheckpointError(f"{path} has a data entry with a bad offset or length")
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, handing DCP the metadata `read_metadata` has read and checked (no plain pickle.load)."""
+
+    def __init__(self, path: Path, md: dcp_metadata.Metadata):
+        super().__init__(str(path))
+        self._md = md
+
+    def read_metadata(self, *args, **kwargs):
+        md = self._md
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor entries are read with torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"entry {read_item.dest_index.fqn} is not plain data ({type(e).__name__}); "
+                                  "refusing to unpickle it") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _dcp_load(state_dict: dict, path: Path) -> None:
+    """dcp.load through the safe reader and planner; DCP's failures become one CheckpointError naming the checkpoint."""
+    reader = _SafeReader(path, read_metadata(path))  # checked here, so that a refusal is one clean error on every rank
+    try:
+        with _quiet():
+            dcp.load(state_dict, storage_reader=reader, planner=_SafePlanner(), no_dist=_single())
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()] if isinstance(e.failures, dict) else []
+        mine = next((x for x in errors if isinstance(x, CheckpointError)), None)
+        if mine is not None:
+            raise CheckpointError(str(mine)) from None
+        first = errors[0] if errors else e
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {type(first).__name__}: "
+                              f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
 
 
 class Checkpointer:
@@ -199,18 +378,27 @@ def prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _inside(root: Path, target: Path) -> bool:
+    """Whether `target` (resolved) is a step folder directly inside `root` (resolved)."""
+    return target.parent == root.resolve() and bool(STEP_RE.match(target.name))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` points to, or None if the run has none."""
-    link = checkpoint_dir(run_dir) / "latest"
+    """The checkpoint `latest` points to, or None if the run has none (it must point inside checkpoints/)."""
+    root = checkpoint_dir(run_dir)
+    link = root / "latest"
     if not link.is_symlink() and not link.exists():
         return None
     target = link.resolve()
+    if not _inside(root, target):
+        raise CheckpointError(f"{link} points to {target}, outside {root}; plait follows it only to a step_NNNNNNN "
+                              "folder of the same run (the run directory is damaged or was tampered with)")
     if not target.is_dir():
         raise CheckpointError(f"{link} points to {target}, which does not exist; the run directory is damaged")
     return target
 
 
-def find_resumable(run_dir: str | Path, log=print) -> Path | None:
+def find_resumable(run_dir: str | Path, log=print, trust: bool | None = None) -> Path | None:
     """The newest checkpoint that verifies: `latest` first, then older ones, saying why each was skipped."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
@@ -222,7 +410,9 @@ def find_resumable(run_dir: str | Path, log=print) -> Path | None:
         candidates = [first] + [c for c in candidates if c.resolve() != first]
     for c in candidates:
         try:
-            verify(c)
+            if not _inside(root, c.resolve()):
+                raise CheckpointError(f"{c} leads outside {root} ({c.resolve()})")
+            verify(c, trust)
             return c
         except CheckpointError as e:
             log(f"warning: {e}; falling back to an older checkpoint")
@@ -231,24 +421,25 @@ def find_resumable(run_dir: str | Path, log=print) -> Path | None:
     return None
 
 
-def read_trainer_state(path: Path) -> dict:
-    return verify(path)
+def read_trainer_state(path: Path, trust: bool | None = None) -> dict:
+    return verify(path, trust)
 
 
-def load_checkpoint(strategy, path: Path) -> dict:
+def load_checkpoint(strategy, path: Path, trust: bool | None = None) -> dict:
     """Verify, then load model and optimizer state into the strategy (any layout); returns the trainer state."""
-    state = verify(path)
+    state = verify(path, trust)
     sd = strategy.state_dict()
-    with _quiet():
-        dcp.load(sd, checkpoint_id=str(path), no_dist=_single())
+    _dcp_load(sd, path)
     strategy.load_state_dict(sd)
     return state
 
 
-def load_model_weights(module, path: Path) -> None:
+def load_model_weights(module, path: Path, trust: bool | None = None) -> None:
     """Load only the model's weights from a checkpoint into a plain module (no process group needed)."""
-    verify(path)
+    verify(path, trust)
     sd = {"model": module.state_dict()}
-    with _quiet():
-        dcp.load(sd, checkpoint_id=str(path), no_dist=_single())
-    module.load_state_dict(sd["model"])
+    _dcp_load(sd, path)
+    try:
+        module.load_state_dict(sd["model"])
+    except (RuntimeError, TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} does not fit the run's model: {str(e).strip().splitlines()[0]}") from None
