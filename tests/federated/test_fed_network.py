@@ -139,7 +139,7 @@ def test_tls_and_tokens_on_a_real_socket(tmp_path):
         # Execute / Assert: the right CA and token work; an unverified certificate or a wrong token do not.
         good = FedHTTPClient(f"127.0.0.1:{port}", TOKEN, ca_file=str(cert))
         assert good.base.startswith("https://")
-        assert good.register(1, 12345, "fp", connect_timeout_s=5)["rounds"] == coord.fed.rounds
+        assert good.register(1, 32, "fp", connect_timeout_s=5)["rounds"] == coord.fed.rounds
         coord.open_round([1])
         task, weights = good.task(1)
         assert task["status"] == "train" and set(weights) == set(coord.weights)
@@ -147,11 +147,11 @@ def test_tls_and_tokens_on_a_real_socket(tmp_path):
         good.close()
         untrusted = FedHTTPClient(f"https://127.0.0.1:{port}", TOKEN, lost_after_s=0.5)
         with pytest.raises(FederatedError, match="cannot reach"):
-            untrusted.register(0, 12345, "fp", connect_timeout_s=0.5)
+            untrusted.register(0, 32, "fp", connect_timeout_s=0.5)
         untrusted.close()
         wrong = FedHTTPClient(f"127.0.0.1:{port}", "not-the-token", ca_file=str(cert))
         with pytest.raises(FederatedError, match="wrong bearer token"):
-            wrong.register(0, 12345, "fp", connect_timeout_s=5)
+            wrong.register(0, 32, "fp", connect_timeout_s=5)
         wrong.close()
     finally:
         http.stop()

@@ -129,7 +129,9 @@ def test_a_client_that_registers_again_mid_round_skips_the_round():
 
 # ------------------------------------------------------------------ row 7: keys checked at registration
 
-@pytest.mark.parametrize("key", [0, 1, P - 1, P, P + 5, -3], ids=["0", "1", "P-1", "P", "P+5", "-3"])
+# P is a safe prime: P - 2 = -2 mod P is outside the subgroup of order (P - 1) / 2 that 2 generates (2 is a quadratic
+# residue mod P, -1 is not), so it is the small-subgroup key a passive check of the range would let through.
+@pytest.mark.parametrize("key", [0, 1, P - 1, P, P + 5, -3, P - 2], ids=["0", "1", "P-1", "P", "P+5", "-3", "outside-subgroup"])
 def test_a_degenerate_public_key_is_refused_at_registration(key):
     """Row 7: such a key was accepted, and every honest client then died in key agreement."""
     coord = coordinator("federated.clients=2", "federated.secure_aggregation=true")

@@ -192,6 +192,6 @@ def test_secure_aggregation_asks_clients_to_clip_unless_dp_already_does():
                        "federated.dp_noise_multiplier=1.0", "federated.dp_clip_norm=0.5")
     for coord in (secure, both):
         for cid in range(3):
-            coord.register(cid, 12345)
+            coord.register(cid, 32)  # 2^5: in the subgroup G generates
     assert secure.open_round([0, 1, 2]).instructions["clip_norm"] == 0.2
     assert both.open_round([0, 1, 2]).instructions["clip_norm"] == 0.5

@@ -50,11 +50,14 @@ LIMIT = 2.0**62 / 2**FRAC_BITS  # |value| that still leaves headroom for sums wi
 
 
 def check_public_key(public: int) -> None:
-    """The rule every client applies to a peer's key (1 < key < P - 1, which excludes the degenerate keys 0, 1 and
-    P - 1): the server applies the same rule at registration, so a key it accepts never stops a client's agreement.
-    (Membership in the prime-order subgroup is not checked; see docs/security.md.)"""
+    """The rule every client applies to a peer's key: 1 < key < P - 1 (no degenerate key 0, 1 or P - 1) and a member
+    of the prime-order subgroup that G generates (key^q = 1 mod P, q = (P - 1) / 2: P is a safe prime), so no key
+    confines the shared secret to a small subgroup. The server applies the same rule at registration, so a key it
+    accepts never stops a client's agreement."""
     if isinstance(public, bool) or not isinstance(public, int) or not 1 < public < P - 1:
         raise ValueError("public key is outside the group (it must be an integer with 1 < key < P - 1)")
+    if pow(public, (P - 1) // 2, P) != 1:
+        raise ValueError("public key is not in the group's prime-order subgroup (key^((P-1)/2) mod P must be 1)")
 
 
 def keypair() -> tuple[int, int]:
