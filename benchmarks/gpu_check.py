@@ -28,8 +28,8 @@ Parts (--parts; default all, run in this order, each in a child process of its o
   serve          the large GPT: 1 training step, `plait export`, `plait serve` with batching off and on (at most
                  16 rows, 5 ms): requests/s at concurrency 1 and 16, the batching gain at 16, and /v1/generate
                  tokens/s at concurrency 1 and 16 (prompt + new tokens stay within the context: the KV cache is
-                 used throughout). `plait serve` has no GPU option yet: on a GPU this part stops at once and says
-                 so; it passes `--device cuda` as soon as plait.serve.service.ServeOptions has a `device`.
+                 used throughout). The servers run with `plait serve --device cuda` on a GPU (--device cpu
+                 with --device cpu).
 
 Training figures: tokens/s and step time over the logging windows after step 10 and before the last
 one (whose last step also measures memory); peak memory = torch.cuda.max_memory_allocated; MFU =
@@ -865,15 +865,9 @@ def part_zero3(ctx: Ctx) -> None:
 
 
 def _serve_device_args(ctx: Ctx) -> list[str]:
-    """`plait serve`'s flag for the GPU, if it has one; else the part cannot do what it is for on a GPU."""
-    if not ctx.cuda:
-        return []
-    from plait.serve.service import ServeOptions
-
-    if "device" in ServeOptions.__dataclass_fields__:
-        return ["--device", "cuda"]
-    raise CheckFailed("plait serve has no GPU path yet: ServeOptions has no 'device' and plait.serve.model.load_model "
-                      "keeps the model on CPU; serving the large GPT on the GPU needs `plait serve --device cuda`")
+    """`plait serve --device` for this run's device: cuda on a GPU run, cpu on a CPU one (never auto, which would
+    pick a GPU for a --device cpu run on a machine that has one)."""
+    return ["--device", ctx.device.type]
 
 
 def part_serve(ctx: Ctx) -> None:
@@ -954,7 +948,7 @@ def part_serve(ctx: Ctx) -> None:
         "concurrency": c, "batching_gain": gain, "mean_batch_rows": mean_batch, "errors": errors,
         "generate_tokens_per_s": {str(k): v for k, v in gen.items()}, "new_tokens": s["new_tokens"],
         "prompt_tokens": len(prompt_ids), "points": [p.__dict__ for p in points],
-        "served_on": "cuda" if device_args else "cpu",
+        "served_on": device_args[-1],
     })
 
 

@@ -292,7 +292,7 @@ def create_app(service: Service) -> FastAPI:
                 "inputs": [t.as_json() for t in s.inputs], "outputs": [t.as_json() for t in s.outputs],
                 "parameters": {"registry_name": s.registry_name, "task": s.spec.task, "checkpoint": s.checkpoint,
                                "max_batch_size": service.opts.max_batch_size, "layout": service.layout,
-                               "quantize": service.opts.quantize or "none"}}
+                               "quantize": service.opts.quantize or "none", "device": service.device}}
 
     @app.get("/v2/models/{model}", summary="model metadata")
     async def model_metadata(model: str):

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.report.plots import plt, save
+from plait.serve.device import serve_device, torch_device
 from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import ServeError
 from plait.serve.runner import Runner
@@ -213,15 +214,16 @@ def batch_compute_ms(served, rows: int, repeats: int = 30) -> float:
     """Median time of one forward of a full batch (padded as the server pads it), in this process."""
     import torch
 
-    torch.set_num_threads(ServeOptions().threads_per(1, in_process=True))  # as `plait serve` runs it
-    runner = Runner(served, rows)
+    torch.set_num_threads(ServeOptions().threads_per(1, in_process=True))  # as `plait serve` runs it,
+    runner = Runner(served, rows, torch_device(serve_device(ServeOptions().device)))  # on the device it picks
     x = served.example_input(rows).numpy()
     runner.infer(x)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        runner.infer(x)
+        runner.infer(x)  # returns host numpy: on a GPU the time includes the wait for the device
         times.append(time.perf_counter() - t)
+    served.module.cpu()  # the servers measured next hold their own copies; this process keeps none on the device
     return float(np.median(times) * 1000)
 
 

@@ -41,7 +41,7 @@ def cmd_serve(a) -> int:
                         max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads,
                         max_prompt_chars=a.max_prompt_chars, read_timeout_s=a.read_timeout_s,
                         max_connections=a.max_connections, trust_factory=a.trust_factory,
-                        trust_checkpoint=a.trust_checkpoint)
+                        trust_checkpoint=a.trust_checkpoint, device=a.device)
     return run(str(a.model), opts.validate())
 
 
@@ -81,6 +81,9 @@ def add_parsers(sub, bench) -> None:
                                    f"so prefer --token-file or ${TOKEN_ENV}")
     s.add_argument("--token-file", help=f"file whose first line is the bearer token (default: ${TOKEN_ENV}, if set)")
     s.add_argument("--quantize", choices=["int8"], help="dynamic int8 quantization of linear layers (CPU)")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs: auto (cuda when available; cpu with --quantize), cpu or cuda; replicas "
+                        "and pipeline stages take GPU i mod the GPUs there are (several on one GPU share it)")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")

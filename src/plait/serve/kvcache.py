@@ -12,6 +12,12 @@ continuation fits the context.
 
 A row whose sampling fails (its parameters, not the model) is answered with a `RowFailed` in its
 place and dropped from the batch; the other rows go on (one bad request fails alone).
+
+On a GPU (plait.serve.device) the model, its cache and each step's token ids are on the device;
+the last position's logits come back to the host each step and are sampled there, from each
+row's CPU generator (a CPU generator cannot drive sampling of CUDA tensors, and a generator on
+the GPU would draw other numbers): one seed gives one sequence of draws on every device, and the
+host needs each chosen token anyway, to stream it and to feed it back.
 """
 
 from __future__ import annotations
@@ -59,12 +65,14 @@ def sample_row(logits: torch.Tensor, row: GenRow, generator: torch.Generator) ->
 
 @torch.inference_mode()
 def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], None] | None = None,
-             cancelled: Callable[[int], bool] | None = None, use_cache: bool = True) -> list[list[int] | RowFailed]:
+             cancelled: Callable[[int], bool] | None = None, use_cache: bool = True,
+             device: torch.device | str | None = None) -> list[list[int] | RowFailed]:
     """New tokens for every row; emit(row, position, token) is called as each token is chosen.
 
     Rows that are done (or cancelled) keep a place in the batch but are no longer sampled;
-    generation stops when every row is done.
+    generation stops when every row is done. `device`: where the model is (default: where its first parameter is).
     """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     ctx = model.context
     seqs = [list(r.prompt) for r in rows]
     out: list[list[int]] = [[] for _ in rows]
@@ -80,15 +88,16 @@ def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], Non
         if use_cache and length <= ctx:
             if cache is None:
                 idx, pad = _left_pad(seqs)
+                pad = pad.to(device)
                 cache = {}
             else:
                 idx = torch.tensor([[s[-1]] for s in seqs], dtype=torch.long)
-            logits = model(idx, cache, pad)
+            logits = model(idx.to(device), cache, pad)
         else:
             cache = None
             idx, window_pad = _left_pad([s[-ctx:] for s in seqs])
-            logits = model(idx, pad=window_pad)
-        last = logits[:, -1]
+            logits = model(idx.to(device), pad=window_pad.to(device))
+        last = logits[:, -1].cpu()  # sampled on the host, with the rows' CPU generators (see the module's docstring)
         for i in range(len(rows)):
             tok = None
             if i in active:

@@ -13,6 +13,11 @@ until the row outgrows the context and its window is recomputed each step, as in
 plait.serve.kvcache. The server drops a request's caches when it ends. Rows travel as separate
 micro-batches, so they overlap in the stages.
 A stage that dies fails the requests in flight with a 503 and the server reports not-ready.
+
+--device cuda: each stage loads the model on the host, cuts out its part and moves only that to
+GPU `rank mod GPUs` (plait.serve.device; stages on one GPU share it). Activations still travel
+between stages through host memory: gloo sends CPU tensors, and NCCL cannot join two processes
+that share a GPU. A stage moves what it receives to its device and what it sends back to the host.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 
 from plait.comm.p2p import recv_message, send_tensor
 from plait.procs import CONTEXT, spawn
+from plait.serve.device import torch_device
 from plait.serve.kvcache import GenRow, RowFailed, sample_row
 from plait.serve.model import ModelRef, ServedModel, load_model
 from plait.serve.protocol import RequestError, ServeError
@@ -42,7 +48,8 @@ DATA, STOP, SKIP, DROP = 0, 1, 2, 3
 NO_CACHE = -1
 
 
-def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, outbox, status, threads: int) -> None:
+def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, outbox, status, threads: int,
+               device: str = "cpu") -> None:
     """One pipeline stage: receive, run its blocks, send on; until a STOP header comes down the pipeline."""
     import torch
     import torch.distributed as dist
@@ -53,9 +60,10 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=600))
+        dev = torch_device(device, rank)
         served = load_model(ref)
         bounds = stage_bounds(served.module, world)
-        part = pipeline_stage(served.module, bounds, rank).eval()
+        part = pipeline_stage(served.module, bounds, rank).eval().to(dev)  # the whole model stays on the host
         del served
         status.put(("ready", rank, os.getpid(), bounds[rank]))
     except BaseException:
@@ -78,6 +86,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
                 x = None if x is None else torch.from_numpy(x)
             else:
                 (flag, task_id, mb, cid), x = recv_message(rank - 1, "cpu")
+            x = None if x is None else x.to(dev)  # ids (stage 0) or activations: from the host to this stage's device
             if flag == STOP:
                 if not last:
                     send((STOP, 0, 0, NO_CACHE))
@@ -91,6 +100,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
                 except Exception as e:
                     status.put(("error", task_id, f"stage {rank}: {type(e).__name__}: {e}"))
                     flag = SKIP
+            y = None if y is None else y.cpu()  # to the host: gloo sends CPU tensors, the server reads numpy
             if last:
                 if flag == DATA:
                     outbox.put((task_id, mb, y.float().numpy()))
@@ -106,7 +116,8 @@ class PipelineExecutor:
 
     restarts = 0
 
-    def __init__(self, ref: ModelRef, served: ServedModel, stages: int, threads: int = 1, start_timeout_s: float = 180.0):
+    def __init__(self, ref: ModelRef, served: ServedModel, stages: int, threads: int = 1, start_timeout_s: float = 180.0,
+                 device: str = "cpu"):
         module = served.module
         if not hasattr(module, "pipeline_parts"):
             raise ServeError(f"--pp {stages}: a {served.registry_name} model cannot be cut into pipeline stages "
@@ -114,7 +125,7 @@ class PipelineExecutor:
         n_blocks = len(getattr(module, module.pipeline_parts()["blocks"]))
         if not 1 <= stages <= n_blocks:
             raise ServeError(f"--pp {stages}: the model has {n_blocks} blocks; use --pp between 1 and {n_blocks}")
-        self.ref, self.served, self.k, self.threads = ref, served, stages, threads
+        self.ref, self.served, self.k, self.threads, self.device = ref, served, stages, threads, device
         self.capacity = stages
         self._timeout = start_timeout_s
         self._ids = itertools.count()
@@ -135,7 +146,8 @@ class PipelineExecutor:
         for r in range(self.k):  # appended one by one: stop() ends those started before a failed start
             self._procs.append(spawn(stage_main, (r, self.k, os.path.join(self._dir, "store"), self.ref,
                                                   self._inbox if r == 0 else None, self._outbox if r == self.k - 1 else None,
-                                                  self._status, self.threads), name=f"plait-stage-{r}", env=STAGE_ENV))
+                                                  self._status, self.threads, self.device), name=f"plait-stage-{r}",
+                                     env=STAGE_ENV))
         self._started = self._loop.create_future()
         self._threads = [threading.Thread(target=fn, daemon=True, name=name)
                          for fn, name in ((self._read_status, "plait-pp-status"), (self._read_results, "plait-pp-results"))]

@@ -11,6 +11,9 @@ Cancellation reaches the process: while a generation batch runs, the pool watche
 requests were given up (the client disconnected, or --timeout-ms passed) and sends
 ("cancel", task, rows); a thread in the replica reads those while the model runs, and the
 generation loop drops the rows at its next token (plait.serve.kvcache).
+
+--device cuda: each replica loads the weights on the host and its runner moves them to GPU
+`index mod GPUs` (plait.serve.device); replicas on one GPU share it, each with its own copy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.procs import CONTEXT, spawn
+from plait.serve.device import torch_device
 from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import RequestError, ServeError
 from plait.serve.runner import Runner
@@ -34,13 +38,13 @@ CANCEL_POLL_S = 0.05  # how often a running generation batch is checked for requ
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int) -> None:
+def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: str = "cpu", index: int = 0) -> None:
     """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away."""
     import torch
 
     torch.set_num_threads(threads)
     try:
-        runner = Runner(load_model(ref), pad_to)
+        runner = Runner(load_model(ref), pad_to, torch_device(device, index))
         runner.prepare()
         conn.send(("ready", os.getpid()))
     except BaseException:
@@ -121,8 +125,8 @@ class ReplicaPool:
     """The executor for `--replicas N` (see plait.serve.service for the interface)."""
 
     def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
-                 start_timeout_s: float = 180.0):
-        self.ref, self.n, self.pad_to, self.threads = ref, n, pad_to, threads
+                 start_timeout_s: float = 180.0, device: str = "cpu"):
+        self.ref, self.n, self.pad_to, self.threads, self.device = ref, n, pad_to, threads, device
         self.capacity = n
         self.restarts = 0
         self._counter = restart_counter
@@ -139,7 +143,8 @@ class ReplicaPool:
     def _spawn(self, index: int, first: bool = False) -> _Replica:
         parent, child = CONTEXT.Pipe()
         # OMP_NUM_THREADS is read by the child's OpenMP before torch is imported.
-        proc = spawn(replica_main, (child, self.ref, self.pad_to, self.threads), name=f"plait-replica-{index}", env=WORKER_ENV)
+        proc = spawn(replica_main, (child, self.ref, self.pad_to, self.threads, self.device, index), name=f"plait-replica-{index}",
+                     env=WORKER_ENV)
         child.close()  # so that the child's death is end-of-file here
         assert self._loop is not None
         r = _Replica(index, proc, parent, started=self._loop.create_future() if first else None)

@@ -12,6 +12,10 @@ bits it gets in a batch of `pad_to` (= max_batch_size) rows, at the front and at
 batch (on x86 with MKL: every size from 4 up, typically); each classifier batch is padded with
 zero rows to the smallest such size. A request's answer is then bitwise the one it gets alone,
 and a lone request pays for a few padding rows, not for a whole batch.
+
+The device (--device, plait.serve.device): the runner moves the model there once, each batch's
+input there, and the outputs back to host numpy; generation does its own moves (kvcache.generate).
+On a GPU the exact sizes are probed the same way, with the GPU's kernels.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from plait.serve.model import ServedModel
 Emit = Callable[[int, int, int], None]  # (row, position, token)
 
 
-def exact_sizes(module: torch.nn.Module, input_shape: list, pad_to: int, trials: int = 2) -> list[int]:
-    """Batch sizes m <= pad_to whose rows equal, bit for bit, the same rows inside a batch of pad_to."""
+def exact_sizes(module: torch.nn.Module, input_shape: list, pad_to: int, trials: int = 2,
+                device: torch.device | str = "cpu") -> list[int]:
+    """Batch sizes m <= pad_to whose rows equal, bit for bit, the same rows inside a batch of pad_to (on `device`)."""
     ok = set(range(1, pad_to + 1))
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for _ in range(trials):
-            x = torch.randn(pad_to, *input_shape, generator=g)
+            x = torch.randn(pad_to, *input_shape, generator=g).to(device)
             full = module(x)
             for m in sorted(ok):
                 if m == pad_to:
@@ -48,15 +53,18 @@ def exact_sizes(module: torch.nn.Module, input_shape: list, pad_to: int, trials:
 
 
 class Runner:
-    def __init__(self, served: ServedModel, pad_to: int | None = None):
+    def __init__(self, served: ServedModel, pad_to: int | None = None, device: torch.device | str = "cpu"):
         self.served = served
+        self.device = torch.device(device)
+        if self.device.type != "cpu":  # loaded (and checked) on the host; from here on it lives on the device
+            served.module.to(self.device)
         self.pad_to = pad_to if not served.is_lm else None  # lm answers are compared by tokens, not bits
         self.sizes: list[int] | None = None if self.pad_to else []
 
     def prepare(self) -> None:
         """Probe the exact batch sizes, on the thread (and with the thread count) that will run the batches."""
         if self.sizes is None:
-            self.sizes = exact_sizes(self.served.module, self.served.spec.input_shape, self.pad_to)
+            self.sizes = exact_sizes(self.served.module, self.served.spec.input_shape, self.pad_to, device=self.device)
 
     def padded(self, n: int) -> int:
         """Rows a batch of n runs as: the smallest exact size >= n."""
@@ -70,7 +78,7 @@ class Runner:
         rows = self.padded(n) if self.pad_to else n
         if rows > n:
             t = torch.cat([t, t.new_zeros(rows - n, *t.shape[1:])])
-        logits = self.served.module(t)[:n].float()
+        logits = self.served.module(t.to(self.device))[:n].float().cpu()  # padded on the host, run on the device
         out = {"logits": logits.numpy()}
         if not self.served.is_lm:
             out["label"] = logits.argmax(-1).numpy()
@@ -78,7 +86,7 @@ class Runner:
 
     def generate(self, rows: list[GenRow], emit: Emit | None = None,
                  cancelled: Callable[[int], bool] | None = None) -> list[list[int]]:
-        return generate(self.served.module, rows, emit, cancelled)
+        return generate(self.served.module, rows, emit, cancelled, device=self.device)
 
     def run(self, task: tuple, emit: Emit | None = None, cancelled: Callable[[int], bool] | None = None) -> Any:
         kind, payload = task

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
+from plait.serve.device import serve_device, torch_device
 from plait.serve.kvcache import GenRow, RowFailed
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
@@ -59,6 +60,7 @@ class ServeOptions:
     max_connections: int = 256  # open connections at most; more are closed at once
     trust_factory: bool = False  # build a model.factory named in an exported file (it is code)
     trust_checkpoint: bool = False  # serve a run checkpoint that has no manifest
+    device: str = "auto"  # auto (cuda when available, cpu with --quantize), cpu or cuda; see plait.serve.device
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -86,6 +88,7 @@ class ServeOptions:
             raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.pp > 1:
             raise ServeError("--quantize int8 with --pp is not supported; drop one of them")
+        serve_device(self.device, self.quantize)  # --device: a known choice, not cuda with --quantize or without CUDA
         if not 0 <= self.port <= 65535:
             raise ServeError(f"--port {self.port} must be between 0 and 65535")
         if self.name is not None:
@@ -104,6 +107,7 @@ class Service:
 
     def __init__(self, path: str, opts: ServeOptions, served: ServedModel | None = None):
         self.opts = opts.validate()
+        self.device = serve_device(opts.device, opts.quantize)  # "cpu" or "cuda": where every executor runs the model
         self.ref = ModelRef(str(path), opts.quantize, opts.trust_factory, opts.trust_checkpoint)
         self.served = served if served is not None else load_model(self.ref)
         self.name = opts.name or self.served.registry_name
@@ -117,11 +121,12 @@ class Service:
     def _executor(self):
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
         if self.opts.pp > 1:
-            return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp))
-        if self.opts.replicas > 1:
+            return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp),
+                                    device=self.device)
+        if self.opts.replicas > 1:  # each process loads and moves its own copy; this one's stays on the host (metadata)
             return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts,
-                               self.opts.threads_per(self.opts.replicas))
-        return LocalExecutor(Runner(self.served, pad_to))
+                               self.opts.threads_per(self.opts.replicas), device=self.device)
+        return LocalExecutor(Runner(self.served, pad_to, torch_device(self.device)))
 
     @property
     def layout(self) -> str:
