@@ -185,3 +185,25 @@ def test_two_nodes_on_one_machine_form_one_job(tiny_config, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     assert sum("2 processes (dp=2, ddp)" in o for o in outs) == 1  # one job, one rank 0
+
+
+def test_out_onto_a_folder_that_is_not_a_run_is_refused(tmp_path, monkeypatch, capsys):
+    """docs/security.md row 12: --out on a foreign folder overwrote its files, appended to metrics.jsonl, then crashed."""
+    from plait.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text("precious\n")
+    assert main(["train", "--dry-run", "--out", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder that holds other files and is not a plait run" in err and len(err.strip().splitlines()) == 1
+    assert [p.name for p in foreign.iterdir()] == ["metrics.jsonl"]
+    assert (foreign / "metrics.jsonl").read_text() == "precious\n"
+    (tmp_path / "file").write_text("x")
+    assert main(["train", "--dry-run", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--dry-run", "--out", str(empty)]) == 0  # an empty folder is fine
+    assert main(["train", "--dry-run", "--out", str(empty)]) == 0  # and so is a run's own (config.toml, no checkpoints yet)

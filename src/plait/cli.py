@@ -2,7 +2,7 @@
 
     plait train [CONFIG] [--set section.key=value ...] [--out DIR] [--resume RUN_DIR] [--dry-run]
     plait config show [CONFIG] [--set ...]
-    plait export RUN_DIR [-o FILE]
+    plait export RUN_DIR [-o FILE] [--trust-checkpoint]
     plait report RUN_DIR
     plait bench WHAT ...
 
@@ -21,11 +21,9 @@ from plait.config import dump_config, format_config, load_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
 
 
-def _default_run_dir() -> Path:
-    from plait.runtime import under_torchrun  # lazily: plait --help must not import torch
-
-    if under_torchrun():  # every rank must agree on the name
-        return Path("runs") / f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+def _default_run_dir(role=None) -> Path:
+    if role is not None and role.worker:  # every rank must agree on the name: the manager's job id
+        return Path("runs") / f"{role.env.manager}-{role.env.job_id or 'none'}"
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     path, n = base, 1
     while path.exists():
@@ -36,10 +34,13 @@ def _default_run_dir() -> Path:
 
 def cmd_train(a) -> int:
     # lazily: plait --help must not import torch
+    from plait.launch.role import job_role
     from plait.parallel.layout import Layout
-    from plait.runtime import under_torchrun
+    from plait.train.checkpoint import TRUST_ENV
     from plait.train.job import load_job
 
+    if a.trust_checkpoint:  # the environment carries it to every worker (the trainer's checkpoint checks read it)
+        os.environ[TRUST_ENV] = "1"
     if a.resume:
         if a.config:
             raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
@@ -47,21 +48,28 @@ def cmd_train(a) -> int:
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
         cfg = load_job(run_dir / "config.toml", a.set)
+        role = job_role(cfg)  # a rank of a job torchrun, Slurm, MPI, Kubeflow or Ray started, or plait's launcher
     else:
         cfg = load_job(a.config, a.set)
-        run_dir = Path(a.out) if a.out else _default_run_dir()
-        first_node = cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
-        if (run_dir / "checkpoints").exists() and first_node and not under_torchrun():
+        role = job_role(cfg)
+        run_dir = Path(a.out) if a.out else _default_run_dir(role)
+        first_node = role.cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
+        if (run_dir / "checkpoints").exists() and first_node and not role.worker:
             raise ConfigError(
                 f"--out {run_dir} already holds a run; continue it with --resume {run_dir} or choose another --out"
             )
-    if under_torchrun():
-        from plait.train.trainer import train  # lazily: only a torchrun worker trains; the launcher needs no trainer
+        if first_node and not role.worker:
+            _check_new_run_dir(run_dir)
+    cfg = role.cfg
+    if role.worker:
+        from plait.launch.job import run_worker  # lazily: only a worker trains; the launcher needs no trainer
 
-        train(cfg, run_dir, resume=bool(a.resume))
+        run_worker(cfg, run_dir, resume=bool(a.resume), env=role.env)
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_config(cfg))
+    tmp = run_dir / f".config.toml.{os.getpid()}"  # nodes sharing the run dir rewrite it: never leave it half-written
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / "config.toml")
     if a.dry_run:
         layout = Layout.from_config(cfg)
         print(f"config valid; {layout.world_size} process(es); wrote {run_dir / 'config.toml'}")
@@ -73,6 +81,15 @@ def cmd_train(a) -> int:
     return launch(cfg, run_dir, resume=bool(a.resume))
 
 
+def _check_new_run_dir(run_dir: Path) -> None:
+    """--out must be new, empty, or a run's own folder: training writes config.toml, metrics.jsonl, ... into it."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out {run_dir} is a file, not a folder; choose another --out")
+    if run_dir.is_dir() and not (run_dir / "config.toml").is_file() and any(run_dir.iterdir()):
+        raise ConfigError(f"--out {run_dir} is a folder that holds other files and is not a plait run; training would "
+                          "overwrite them: choose a new or empty folder")
+
+
 def cmd_config_show(a) -> int:
     print(format_config(load_config(a.config, a.set)))
     return 0
@@ -81,7 +98,7 @@ def cmd_config_show(a) -> int:
 def cmd_export(a) -> int:
     from plait.export import export  # lazily: plait --help must not import torch
 
-    out = export(a.run_dir, a.output)
+    out = export(a.run_dir, a.output, trust_checkpoint=a.trust_checkpoint)
     print(f"wrote {out}")
     return 0
 
@@ -117,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place")
     t.add_argument("--dry-run", action="store_true", help="validate and write the run's config.toml, start nothing")
+    t.add_argument("--trust-checkpoint", action="store_true",
+                   help="with --resume: accept checkpoints that have no manifest.json (plait 0.1); see docs/security.md")
     t.set_defaults(fn=cmd_train)
 
     c = sub.add_parser("config", help="inspect configs")
@@ -129,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write the run's weights as one model.safetensors")
     e.add_argument("run_dir", type=Path)
     e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
+    e.add_argument("--trust-checkpoint", action="store_true",
+                   help="accept a checkpoint that has no manifest.json (plait 0.1); see docs/security.md")
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="where a run's time went, with a verdict; (re)writes RUN_DIR/report.html")
@@ -150,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
-VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli")
+VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
+                                  "plait.launch.cli")
 
 
 def _load_verbs(name: str):

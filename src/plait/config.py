@@ -173,6 +173,8 @@ class LaunchConfig:
                               "rdzv_endpoint, other nodes their hostname)")
     rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
     max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
+    launcher: str = opt("torchrun", "what starts the workers: torchrun (its elastic agent) or ray (a Ray Train TorchTrainer "
+                                    "on RAY_ADDRESS or a local Ray cluster; pip install 'plait[ray]')", ("torchrun", "ray"))
     backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
     timeout_s: int = opt(300, "seconds a collective may wait before it is an error naming the ranks that did not join")

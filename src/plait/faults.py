@@ -10,7 +10,7 @@
     PLAIT_FAULTS="sigterm:rank=0:step=5"                   the job is asked to stop (as on preemption)
 
 Several faults are separated by ';'. A fault fires in the first incarnation of the workers only
-(TORCHELASTIC_RESTART_COUNT = 0) unless it says `always=1`, so a restarted job can succeed.
+(TORCHELASTIC_RESTART_COUNT, or PLAIT_RESTART_COUNT under Ray, = 0) unless it says `always=1`, so a restarted job can succeed.
 Nothing happens when the variable is unset.
 """
 
@@ -37,7 +37,8 @@ def _active() -> list[dict]:
     text = os.environ.get("PLAIT_FAULTS", "")
     if not text:
         return []
-    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    # torchrun's agent counts restarts; plait's Ray launcher says so in PLAIT_RESTART_COUNT
+    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("PLAIT_RESTART_COUNT", "0"))) == 0
     return [f for f in parse(text) if first or f.get("always") == "1"]
 
 

@@ -1,8 +1,9 @@
 """Start the workers of a job through torchrun's elastic agent (its Python API).
 
-One machine: `launch(cfg, run_dir)` starts `nproc_per_node(cfg)` workers with a c10d
+One machine: `launch_torchrun(cfg, run_dir)` starts `nproc_per_node(cfg)` workers with a c10d
 rendezvous on a free local port. Several machines: run the same `plait train` on each
-with launch.nnodes, launch.node_rank and launch.rdzv_endpoint = node 0's host:port.
+with launch.nnodes, launch.node_rank and launch.rdzv_endpoint = node 0's host:port (under Slurm
+or Kubernetes plait.launch.role fills them in from the manager's variables).
 Each worker runs `python -m plait.worker RUN_DIR`; the launcher passes only the run
 directory (which holds the resolved config.toml) and torchrun's usual environment.
 """
@@ -15,11 +16,11 @@ import sys
 from pathlib import Path
 
 from plait.config import Config
+from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT
+from plait.launch.env import resolve
 from plait.parallel.layout import Layout
 from plait.train.checkpoint import latest_checkpoint
 
-USER_ERROR_EXIT = 2
-DISTRIBUTED_FAILURE_EXIT = 3  # a hang or mismatched collectives, explained by the worker (plait.train.watchdog)
 SHUTDOWN_TIMEOUT_S = 120  # after SIGTERM, workers finish their step and checkpoint within this, then are killed
 
 
@@ -54,6 +55,10 @@ def launch_config(cfg: Config, run_dir: Path):
     else:
         endpoint, backend = lc.rdzv_endpoint, lc.rdzv_backend
         rdzv_configs = {"rank": lc.node_rank} if backend == "static" else {"is_host": lc.node_rank == 0}
+        if backend == "c10d" and resolve().node_rank is None:
+            # an elastic Kubeflow pod does not know its node's index: the rendezvous host is the one whose
+            # hostname is the endpoint's (torch decides when is_host is left out)
+            rdzv_configs = {}
     if backend == "c10d":
         # Once MIN nodes are there, wait this long for the rest (torch's default is 30 s; a restart
         # after a lost node should not idle that long).
@@ -80,12 +85,12 @@ def local_addr(cfg: Config) -> str | None:
     lc = cfg.launch
     if lc.local_addr:
         return lc.local_addr
-    if cfg.max_nodes > 1 and lc.node_rank == 0 and lc.rdzv_endpoint:
+    if cfg.max_nodes > 1 and lc.node_rank == 0 and lc.rdzv_endpoint and resolve().node_rank is not None:
         return lc.rdzv_endpoint.rsplit(":", 1)[0]
     return None
 
 
-def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
+def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     """Run the job's workers to completion; returns the exit code for the CLI."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

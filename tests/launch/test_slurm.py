@@ -1,0 +1,139 @@
+"""plait slurm: the batch script, bad flags, and jobs on a real two-node Slurm cluster on this host (the `slurm` fixture):
+a 2-node job, srun without torchrun, and a job that gets USR1, checkpoints, requeues itself and resumes."""
+
+import json
+import sys
+import time
+
+import pytest
+from launch_helpers import cli, plait_env, run_weights
+
+from helpers import max_diff
+from plait.errors import ConfigError
+from plait.launch.slurm import parse_time
+
+
+def test_plait_slurm_writes_the_batch_script(sgd_job, tmp_path):
+    run = tmp_path / "run"
+    code, out, err = cli("slurm", sgd_job, "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "4", "--time",
+                         "01:30:00", "--partition", "gpu", "--account", "proj-1", "--set", "train.steps=20", "--out", run)
+    assert code == 0, err
+    script = (run / "job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=4", "#SBATCH --time=01:30:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj-1", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120",
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'stop USR1' USR1", "trap 'stop SIGTERM' TERM",
+                 "MASTER_PORT:-$((15000 + SLURM_JOB_ID % 10000))", 'train --resume "$RUN_DIR"',
+                 'launch.rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT'):
+        assert line in script, line
+    assert "--gpus-per-node" not in script
+    assert 'steps = 20' in (run / "config.toml").read_text()
+    assert "sbatch" in out
+    code, out, err = cli("slurm", sgd_job, "--nodes", "1", "--gpus-per-node", "2", "--cpus-per-task", "8", "--time",
+                         "2-00:00:00", "--out", tmp_path / "gpu")
+    assert code == 0, err
+    assert "#SBATCH --gpus-per-node=2" in (tmp_path / "gpu" / "job.sbatch").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
+    (["--time", "25:61:00"], "argument --time: --time '25:61:00' is not a time limit Slurm accepts"),
+    (["--time", "1-24:00:00"], "argument --time: --time '1-24:00:00' is not a time limit"),
+    (["--time", "00:00:00"], "--time '00:00:00' is zero"),
+    (["--time", "four hours"], "argument --time"),
+    (["--cpus-per-task", "0"], "argument --cpus-per-task: 0 must be >= 1"),
+    (["--partition", "gpu nodes"], "--partition 'gpu nodes'"),
+    (["--time", "00:01:00"], "--grace 120 s must be > 0 and shorter than --time 00:01:00"),
+    (["--nodes", "3"], "cannot be split evenly over launch.nnodes = --nodes 3"),
+    (["--gpus-per-node", "4"], "nproc_per_node(4) * nnodes(2) = 8"),
+])
+def test_bad_slurm_flags_exit_2_naming_the_flag(sgd_job, tmp_path, flags, message):
+    base = {"--nodes": "2", "--cpus-per-task": "1", "--time": "00:10:00"}
+    args = []
+    for k, v in base.items():
+        if k not in flags:
+            args += [k, v]
+    code, out, err = cli("slurm", sgd_job, *args, *flags, "--out", tmp_path / "run")
+    assert code == 2, out + err
+    assert message in err, err
+    assert not (tmp_path / "run" / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("text, seconds", [("10", 600), ("10:30", 630), ("04:00:00", 14400), ("1-00", 86400),
+                                           ("1-02:03", 93780), ("2-00:00:01", 172801), ("100:00:00", 360000)])
+def test_slurm_time_forms(text, seconds):
+    assert parse_time(text) == seconds
+
+
+def test_bad_times_are_config_errors():
+    for text in ("", "1:2:3:4", "00:60", "1-24", "-5", "1h"):
+        with pytest.raises(ConfigError, match="--time"):
+            parse_time(text)
+
+
+# ---- on a real Slurm cluster
+
+
+def _submit(slurm, job, run, *extra, env=None) -> str:
+    r = plait_env("slurm", job, "--nodes", "2", "--cpus-per-task", "1", "--time", "00:10:00", "--out", run, "--submit", *extra,
+                  env=env or slurm.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split("submitted job ")[1].split()[0]
+
+
+def test_two_node_slurm_job_trains_to_the_torchrun_weights(slurm, sgd_job, sgd_reference, tmp_path):
+    run = tmp_path / "run"
+    job = _submit(slurm, sgd_job, run)
+    slurm.wait_gone(job, 120)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert "done: 10 steps" in log, log
+    assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
+    sessions = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in line]
+    assert sessions == [{**sessions[0], "manager": "torchrun", "world_size": 2, "slurm_job_id": job, "slurm_restart_count": 0}]
+
+
+def test_srun_without_torchrun_forms_one_job_from_slurms_variables(slurm, sgd_job, sgd_reference, tmp_path):
+    env = {**slurm.env, "MASTER_ADDR": "127.0.0.1"}  # the test cluster's node names n1, n2 do not resolve
+    r = slurm.run("srun", "-N2", "-n2", sys.executable, "-m", "plait", "train", str(sgd_job), "--out", str(tmp_path / "run"),
+                  env=env, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert max_diff(sgd_reference, run_weights(tmp_path / "run")) <= 1e-5
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (first["event"], first["manager"], first["world_size"]) == ("session", "slurm", 2)
+    # Slurm gives 3 tasks, the layout needs 2: every task stops before training, naming both numbers
+    r = slurm.run("srun", "-N2", "-n3", sys.executable, "-m", "plait", "train", str(sgd_job), "--out", str(tmp_path / "bad"),
+                  env=env, timeout=120, check=False)
+    assert r.returncode != 0
+    assert "the layout needs dp(2) * tp(1) * pp(1) = 2 processes but Slurm's SLURM_NTASKS = 3" in r.stderr, r.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_job, sgd_reference, tmp_path):
+    t0 = time.monotonic()
+    run = tmp_path / "run"
+    job = _submit(slurm, sgd_job, run, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.4"})  # time to send the signal
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"job {job} never logged 2 steps: {slurm.exit_code(job)}")
+    slurm.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@120 does before the time limit
+    deadline = time.time() + 90
+    while slurm.state(job) != "PENDING" and time.time() < deadline:
+        time.sleep(0.2)
+    assert slurm.state(job) == "PENDING", slurm.exit_code(job)
+    assert "Restarts=1" in slurm.exit_code(job)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # else Slurm holds a requeued job ~120 s
+    slurm.wait_gone(job, 120)
+    wall = time.monotonic() - t0
+    log = (run / f"slurm-{job}.out").read_text()
+    assert "USR1: stopping at the next logging step" in log and "requeueing" in log, log
+    assert "preempted (SIGTERM): stopped cleanly at step_" in log, log
+    assert "resuming from" in log and "done: 10 steps" in log, log
+    sessions = [json.loads(line) for line in metrics.read_text().splitlines() if '"session"' in line]
+    assert [s["slurm_restart_count"] for s in sessions] == [0, 1]
+    assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
+    print(f"\nSlurm requeue test: {wall:.1f} s from sbatch to the end of the requeued job")
