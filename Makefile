@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.plait-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' "$(TORCH)"  # torch pinned: litdata's torchvision must not replace it
 	@echo "$(TORCH)" > $(STAMP)
 
 # Reinstall when TORCH differs from what the venv was set up with.

@@ -67,10 +67,12 @@ class ModelConfig:
 class DataConfig:
     name: str = opt(
         "stdlib-text",
-        "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt)",
-        ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors"),
+        "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
+        "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`)",
+        ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed"),
     )
-    path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file")
+    path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
+                        "class folders; packed: the folder `plait data pack` wrote")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
     min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
     synthetic_samples: int = opt(4096, "synthetic and clicks: number of samples generated")
@@ -81,6 +83,15 @@ class DataConfig:
     prefetch: int = opt(2, "batches prepared ahead of compute by a background thread (0: none)")
     augment_shift: int = opt(1, "contrastive views of images: random shift of up to this many pixels (0: none)")
     augment_noise: float = opt(0.1, "contrastive views: std of the Gaussian noise added to every input")
+    augment: list = opt([], "training-time augmentations of images, in order: random_crop, hflip, noise (std "
+                            "data.augment_noise), each seeded per (seed, sample index, epoch)")
+    workers: int = opt(0, "processes that fetch and decode batches (images, packed shards) in parallel; the order "
+                          "stays the sampler's (0: the background thread only)")
+    image_size: int = opt(32, "images: every image is resized to image_size x image_size pixels (RGB)")
+    on_bad_sample: str = opt("error", "images and packed data: a sample that cannot be decoded is an error naming "
+                                      "the file, or is skipped (replaced by the next good one) and counted",
+                             ("error", "skip"))
+    exclude: str = opt("", "an audit.json from `plait data audit`: train without the samples it flags")
 
 
 @dataclass
@@ -518,7 +529,13 @@ def validate_config(cfg: Config) -> Config:
     cards = cfg.data.clicks_cardinalities
     if not cards or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in cards):
         raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")
-    if cfg.data.name in ("text", "tensors") and not cfg.data.path:
+    bad = [a for a in cfg.data.augment if a not in ("random_crop", "hflip", "noise")]
+    if bad:
+        raise ConfigError(f"data.augment = {cfg.data.augment}: {bad} unknown; use any of random_crop, hflip, noise")
+    if cfg.data.image_size < 4 or cfg.data.workers < 0:
+        raise ConfigError(f"data.image_size = {cfg.data.image_size} must be >= 4 and data.workers = {cfg.data.workers} "
+                          ">= 0")
+    if cfg.data.name in ("text", "tensors", "images", "packed") and not cfg.data.path:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
     _validate_federated(cfg)
     return cfg

@@ -13,28 +13,74 @@ from plait.data.sampler import GlobalBatchSampler, micro_batches, shard
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def fetch_micro(dataset, mb: torch.Tensor, step: int, epochs: torch.Tensor) -> Batch:
+    """One micro-batch: samples `mb`, drawn at `step`, each in its epoch (its place in the stream // dataset size)."""
+    at = getattr(dataset, "fetch_at", None)  # datasets whose samples depend on the step (contrastive views)
+    if at is not None:
+        return at(mb, step)
+    by_epoch = getattr(dataset, "fetch_epoch", None)  # augmented images: seeded per (seed, index, epoch)
+    if by_epoch is not None:
+        return by_epoch(mb, epochs)
+    return dataset.fetch(mb)
+
+
+class _MicroBatches(torch.utils.data.Dataset):
+    """For worker processes: a key (indices, step, epochs) -> that micro-batch; the DataLoader keeps the keys' order."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, key) -> Batch:
+        return fetch_micro(self.dataset, *key)
+
+
 class StepLoader:
-    """Yields, for each step in [start, stop), this rank's list of micro-batches (inputs, targets)."""
+    """Yields, for each step in [start, stop), this rank's list of micro-batches (inputs, targets).
+
+    workers > 0: micro-batches are fetched (decoded, augmented) by that many worker processes of a
+    torch DataLoader, which returns them in order, so the batches are exactly those of workers = 0.
+    """
 
     def __init__(self, dataset, sampler: GlobalBatchSampler, start: int, stop: int, dp_rank: int, dp: int,
-                 micro: int, prefetch: int = 2, pin_memory: bool = False):
+                 micro: int, prefetch: int = 2, pin_memory: bool = False, workers: int = 0):
         self.dataset, self.sampler = dataset, sampler
         self.start, self.stop = start, stop
         self.dp_rank, self.dp, self.micro = dp_rank, dp, micro
-        self.prefetch, self.pin = prefetch, pin_memory
+        self.prefetch, self.pin, self.workers = prefetch, pin_memory, workers
+
+    def _plan(self, step: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """(indices, step, epochs) of each of this rank's micro-batches at `step`."""
+        idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
+        per = len(idx)
+        first = step * self.sampler.batch + self.dp_rank * per  # this slice's place in the sampler's stream
+        epochs = (first + torch.arange(per)) // self.sampler.n
+        return [(mb, step, ep) for mb, ep in zip(micro_batches(idx, self.micro), micro_batches(epochs, self.micro))]
 
     def _make(self, step: int) -> list[Batch]:
-        idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
         out = []
-        at = getattr(self.dataset, "fetch_at", None)  # datasets whose samples depend on the step (augmented views)
-        for mb in micro_batches(idx, self.micro):
-            x, y = at(mb, step) if at is not None else self.dataset.fetch(mb)
+        for mb, s, ep in self._plan(step):
+            x, y = fetch_micro(self.dataset, mb, s, ep)
             if self.pin:
                 x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))
         return out
 
+    def _from_workers(self) -> Iterator[list[Batch]]:
+        keys = (p for step in range(self.start, self.stop) for p in self._plan(step))  # lazily, in step order
+        loader = torch.utils.data.DataLoader(
+            _MicroBatches(self.dataset), batch_size=None, sampler=keys, num_workers=self.workers,
+            pin_memory=self.pin, prefetch_factor=max(2, self.prefetch), in_order=True)
+        it = iter(loader)
+        try:
+            for step in range(self.start, self.stop):
+                yield [next(it) for _ in range(len(self._plan(step)))]
+        finally:
+            del it  # shuts the workers down
+
     def __iter__(self) -> Iterator[list[Batch]]:
+        if self.workers > 0 and self.stop > self.start:
+            yield from self._from_workers()
+            return
         if self.prefetch <= 0:
             for step in range(self.start, self.stop):
                 yield self._make(step)

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from plait.data.datasets import Tensors, TokenWindows
+from plait.data.images import image_folder
+from plait.data.packed import packed_source
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
 from plait.errors import DataError
@@ -113,7 +115,9 @@ def _split_tensors(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: fl
     if n_val >= len(x):
         raise DataError(f"data.name = {name!r} has only {len(x)} samples: too few to hold out a validation set")
     v, t = perm[:n_val], perm[n_val:]
-    return Tensors(x[t], y[t]), Tensors(x[v], y[v])
+    train, val = Tensors(x[t], y[t]), Tensors(x[v], y[v])
+    train.source_index, val.source_index = t, v  # each sample's row in the source (audits name samples by it)
+    return train, val
 
 
 def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float,
@@ -205,11 +209,16 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
 
 
 SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "clicks": clicks,
-           "tensors": user_tensors}
+           "tensors": user_tensors, "images": image_folder, "packed": packed_source}
 
 
 def build_data(data_cfg, model_cfg) -> DataBundle:
     """Load the configured source; every rank gets the same datasets (sampling is by index)."""
     if data_cfg.name not in SOURCES:
         raise DataError(f"data.name = {data_cfg.name!r} is not one of: {', '.join(SOURCES)}")
-    return SOURCES[data_cfg.name](data_cfg, model_cfg)
+    bundle = SOURCES[data_cfg.name](data_cfg, model_cfg)
+    if getattr(data_cfg, "exclude", ""):
+        from plait.data.exclude import exclude  # lazily: only runs that exclude audited samples need it
+
+        bundle = exclude(bundle, data_cfg.exclude)
+    return bundle

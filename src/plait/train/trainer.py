@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from plait.config import Config
 from plait.data import build_data
-from plait.data.augment import two_views
+from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import GlobalBatchSampler
 from plait.models import build_model
@@ -48,6 +48,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     bundle = build_data(cfg.data, cfg.model)
     if cfg.train.objective == "contrastive":
         bundle = two_views(bundle, cfg.data, cfg.train.seed)
+    bundle = augmented(bundle, cfg.data, cfg.train.seed)  # data.augment: images, seeded per (seed, index, epoch)
     seed_all(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, bundle.spec).to(rt.device)
     b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
@@ -63,7 +64,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files else None
     sampler = GlobalBatchSampler(len(bundle.train), t.global_batch_size, t.seed)
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
-                        cfg.data.prefetch, pin_memory=rt.device.type == "cuda")
+                        cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
     step, saved_at, stopping = start, start, False
     strategy.model.train()

@@ -1,0 +1,250 @@
+"""Packed datasets: any plait source written once as compressed shards, then read by index without loading it whole.
+
+    pack(bundle, "packed/digits", shard_bytes=64 << 20)      # plait data pack digits -o packed/digits
+    bundle = packed_source(data_cfg, model_cfg)               # data.name = "packed", data.path = "packed/digits"
+
+The shard format and the reading are LitData's (`litdata.streaming`): its `BinaryWriter` writes
+zstd-compressed chunks (one zstd frame per sample, so a random read inflates one sample) and an
+`index.json`; its `StreamingDataset` opens chunks on demand (memory-mapped, released as it moves
+on, so resident memory stays bounded whatever the dataset's size).
+plait does not use LitData's own shuffling or its distributed sampler: sample i of a packed split is
+sample i of the source, and plait's `GlobalBatchSampler` still decides the order, so the global
+batch at step s is a function of (seed, s) only and a packed dataset trains to the weights of the
+same data in memory, at any world size.
+
+Layout of DIR: `plait.json` (what the data is: the source's DataSpec, the tokenizer, the sizes),
+`train/` and `val/` (LitData datasets: `index.json` + `chunk-*.bin`). Samples hold numpy arrays
+only (`x`, `y`) or, for image folders, the encoded file bytes; a shard whose index declares
+pickled fields is refused, so reading a packed dataset never unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plait.data.spec import DataSpec
+from plait.errors import DataError
+
+FORMAT = "plait-packed/1"
+SPLITS = ("train", "val")
+
+
+def parse_size(text: str | int) -> int:
+    """'64MB', '512KB', '1GB' or a number of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper().replace(" ", "")
+    units = {"GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "B": 1}
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise DataError(f"--shard-size {text!r} is not a size; write e.g. 64MB, 512KB or a number of bytes") from None
+
+
+def _writer(out: Path, shard_bytes: int):
+    from litdata.streaming.writer import BinaryWriter  # lazily: only packing and packed reading need LitData
+
+    return BinaryWriter(str(out), chunk_bytes=shard_bytes, compression="zstd", compression_level="sample")
+
+
+def _write_split(dataset, out: Path, shard_bytes: int, batch: int = 256) -> int:
+    """Write every sample of `dataset` (its `fetch` order) into a LitData dataset at `out`; returns the count."""
+    out.mkdir(parents=True)
+    w = _writer(out, shard_bytes)
+    records = getattr(dataset, "records", None)  # image folders: the encoded file bytes, decoded when read
+    n = len(dataset)
+    for start in range(0, n, batch):
+        idx = torch.arange(start, min(n, start + batch))
+        if records is not None:
+            for i in idx.tolist():
+                data, label = records(i)
+                w[i] = {"image": data, "y": np.asarray([label], dtype=np.int64)}
+            continue
+        x, y = dataset.fetch(idx)
+        xs, ys = x.numpy(), y.numpy()
+        for k, i in enumerate(idx.tolist()):
+            w[i] = {"x": np.ascontiguousarray(xs[k]), "y": np.ascontiguousarray(ys[k]).reshape(-1)}
+    w.done()
+    w.merge()
+    return n
+
+
+def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | None = None) -> dict:
+    """Write a DataBundle's train and validation splits as LitData shards under `out` (a new or empty folder)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"-o {out} exists and is not an empty folder; choose a new folder for the packed dataset")
+    if shard_bytes < 4096:
+        raise DataError(f"--shard-size {shard_bytes} bytes is too small; use at least 4KB (e.g. 64MB)")
+    tmp = out.with_name(f".{out.name}.packing-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        sizes = {split: _write_split(getattr(bundle, split), tmp / split, shard_bytes) for split in SPLITS}
+        kind = "images" if getattr(bundle.train, "records", None) is not None else "arrays"
+        meta = {
+            "format": FORMAT, "kind": kind, "spec": asdict(bundle.spec), "sizes": sizes, "source": source or {},
+            "tokenizer": bundle.tokenizer.to_json() if bundle.tokenizer is not None else None,
+            "unigram_val_loss": bundle.unigram_val_loss, "ground_truth_val_loss": bundle.ground_truth_val_loss,
+            "image": getattr(bundle.train, "image_meta", None),
+            "source_index": {split: getattr(bundle, split).source_index.tolist() for split in SPLITS
+                             if getattr(getattr(bundle, split), "source_index", None) is not None},
+        }
+        (tmp / "plait.json").write_text(json.dumps(meta, indent=1))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def check_split(folder: Path, expected: int) -> None:
+    """The index must list shards that exist with the sizes it records, and as many samples as plait.json says."""
+    index = folder / "index.json"
+    if not index.is_file():
+        raise DataError(f"{index} is missing: {folder} is not a packed split; re-run `plait data pack`")
+    try:
+        meta = json.loads(index.read_text())
+        chunks, config = meta["chunks"], meta["config"]
+        formats = config.get("data_format") or []
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{index} is not a LitData index ({e}); re-run `plait data pack`") from None
+    if any(str(f).startswith("pickle") for f in formats):
+        raise DataError(f"{index} declares pickled fields ({formats}); plait reads packed data without unpickling: "
+                        "re-pack it with `plait data pack`")
+    total = 0
+    for c in chunks:
+        f = folder / str(c.get("filename", ""))
+        if Path(str(c.get("filename", ""))).name != c.get("filename") or not f.is_file():
+            raise DataError(f"{index} lists shard {c.get('filename')!r}, which is not in {folder}; the index does not "
+                            "match its shards: copy the whole folder again or re-run `plait data pack`")
+        if f.stat().st_size != c.get("chunk_bytes"):
+            raise DataError(f"shard {f} has {f.stat().st_size} bytes but {index} says {c.get('chunk_bytes')}: it is "
+                            "truncated or corrupt; copy it again or re-run `plait data pack`")
+        total += int(c.get("chunk_size") or 0)
+    if total != expected:
+        raise DataError(f"{index} holds {total} samples but {folder.parent / 'plait.json'} says {expected}: the index "
+                        "does not match its shards; re-run `plait data pack`")
+
+
+class PackedSplit:
+    """One split of a packed dataset: `fetch(idx)` reads samples by index; opened lazily in each process."""
+
+    def __init__(self, path: str, size: int, kind: str, on_bad: str = "error"):
+        self.path, self.size, self.kind, self.on_bad, self.skipped = path, size, kind, on_bad, 0
+        self._ds, self._pid = None, None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getstate__(self):
+        return {**self.__dict__, "_ds": None, "_pid": None}
+
+    def _open(self):
+        if self._ds is None or self._pid != os.getpid():
+            from litdata import StreamingDataset  # lazily: only packed reading needs LitData
+
+            # batch_decode=False: a random read inflates its own sample, not the 256 around it
+            self._ds = StreamingDataset(self.path, shuffle=False, batch_decode=False)
+            self._pid = os.getpid()
+            # An int index is a global sample index in LitData (its len() is this rank's share under torch.distributed,
+            # which plait does not use: its own sampler gives each rank its slice); check_split checked the count.
+        return self._ds
+
+    def raw(self, i: int) -> dict:
+        """Sample i as stored (numpy arrays, or an image's bytes), with the file it came from in the error."""
+        try:
+            return self._open()[int(i)]
+        except DataError:
+            raise
+        except Exception as e:  # a shard that passed the size check but does not decode (bit rot)
+            raise DataError(f"{self.path}: sample {i} cannot be read from its shard ({type(e).__name__}: {e}); the shard "
+                            "is corrupt: re-run `plait data pack`") from None
+
+    def _good(self, i: int) -> dict:
+        """Sample i, or with on_bad = "skip" the next one (in index order) that reads: a function of i only."""
+        for k in range(self.size):
+            try:
+                return self.raw((i + k) % self.size)
+            except DataError:
+                if self.on_bad != "skip":
+                    raise
+                self.skipped += 1
+        raise DataError(f"no sample of {self.path} can be read; re-run `plait data pack`")
+
+    def fetch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "images":
+            raise DataError("packed image splits are read through plait.data.images.PackedImages")
+        rows = [self._good(i) for i in idx.tolist()]
+        x = torch.from_numpy(np.stack([r["x"] for r in rows]))
+        y = torch.from_numpy(np.stack([r["y"] for r in rows]))
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y[:, 0]
+        return x, y
+
+
+def read_meta(path: str) -> dict:
+    meta_file = Path(path) / "plait.json"
+    if not meta_file.is_file():
+        raise DataError(f"data.path = {path!r} has no plait.json: it is not a packed dataset; write one with "
+                        "`plait data pack SOURCE -o DIR`")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as e:
+        raise DataError(f"{meta_file} is not valid JSON ({e}); re-run `plait data pack`") from None
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{meta_file}: format {meta.get('format')!r} is not {FORMAT!r}; re-pack with this plait")
+    return meta
+
+
+def packed_source(data_cfg, model_cfg):
+    """data.name = "packed": the train and validation splits of a folder written by `plait data pack`."""
+    from plait.data.sources import DataBundle  # the bundle type lives with the other sources
+    from plait.data.tokenizer import CharTokenizer
+
+    if not data_cfg.path:
+        raise DataError("data.name = 'packed' needs data.path = the folder `plait data pack` wrote")
+    if _is_remote(data_cfg.path):
+        raise DataError(f"data.path = {data_cfg.path!r}: object-store URLs are not supported by this version of plait's "
+                        "packed source; copy the folder to a local or shared filesystem")
+    meta = read_meta(data_cfg.path)
+    splits = {}
+    for split in SPLITS:
+        folder = Path(data_cfg.path) / split
+        check_split(folder, int(meta["sizes"][split]))
+        splits[split] = PackedSplit(str(folder), int(meta["sizes"][split]), meta["kind"],
+                                    data_cfg.on_bad_sample)
+    spec = DataSpec(**meta["spec"])
+    if meta["kind"] == "images":
+        from plait.data.images import PackedImages  # decoding and augmentation live with the image source
+
+        splits = {k: PackedImages(v, meta["image"], data_cfg.on_bad_sample) for k, v in splits.items()}
+    for split, ids in (meta.get("source_index") or {}).items():
+        splits[split].source_index = torch.tensor(ids, dtype=torch.long)
+    tok = CharTokenizer.from_json(meta["tokenizer"]) if meta.get("tokenizer") else None
+    if spec.task == "lm" and model_cfg.context != spec.input_shape[0]:
+        raise DataError(f"data.path = {data_cfg.path!r} was packed with model.context = {spec.input_shape[0]}; set "
+                        f"model.context={spec.input_shape[0]} or pack again with --set model.context={model_cfg.context}")
+    return DataBundle(splits["train"], splits["val"], spec, tok, meta.get("unigram_val_loss"),
+                      meta.get("ground_truth_val_loss"))
