@@ -28,7 +28,7 @@ def plait(*args: str, cwd: Path | None = None, timeout: float = 240) -> subproce
                                                "nproc_per_node(4) * nnodes(1) = 4"),
         (["--set", "train.stepz=3"], "unknown key 'train.stepz'"),
         (["--set", "train.steps=many"], "train.steps = 'many' has the wrong type: it must be an integer"),
-        (["--set", "optim.name=lamb"], "optim.name = 'lamb' is not one of: adamw, sgd"),
+        (["--set", "optim.name=lion"], "optim.name = 'lion' is not one of: adamw, sgd, lamb, lars"),
         (["--set", "model.heads=3"], "model.width (128) must be divisible by model.heads (3)"),
         (["nothere.toml"], "config file 'nothere.toml' does not exist"),
     ],

@@ -282,7 +282,7 @@ def test_unknown_key_hint_in_a_one_key_section():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optim.name=lion", "optim.name = 'lion' is not one of: adamw, sgd; set one of those"),
+        ("optim.name=lion", "optim.name = 'lion' is not one of: adamw, sgd, lamb, lars, adamw8bit; set one of those"),
         ("optim.schedule=linear", "optim.schedule = 'linear' is not one of: cosine, constant"),
         ("precision.dtype=fp8", "precision.dtype = 'fp8' is not one of: fp32, bf16, fp16"),
         ("data.name=csv", "data.name = 'csv' is not one of: stdlib-text, digits, synthetic, clicks, text, tensors"),
@@ -397,7 +397,7 @@ def test_format_config_lists_every_field_with_its_doc():
         blocks[header] = lines
     assert list(blocks) == [f"[{s}]" for s in SECTIONS]
     assert list(SECTIONS) == ["model", "data", "train", "optim", "parallel", "precision", "checkpoint", "launch", "log",
-                             "federated"]
+                             "federated", "finetune", "distill"]
     for section, section_type in SECTIONS.items():
         lines = blocks[f"[{section}]"]
         fields = dataclasses.fields(section_type)

@@ -112,11 +112,14 @@ class TrainConfig:
                                        "NT-Xent against the whole global batch, a linear probe at the end)",
                          ("supervised", "contrastive"))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
+    init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint) or a model.safetensors; "
+                             "names and shapes must match; step, optimizer and schedule start fresh")
 
 
 @dataclass
 class OptimConfig:
-    name: str = opt("adamw", "optimizer: adamw or sgd", ("adamw", "sgd"))
+    name: str = opt("adamw", "optimizer: adamw, sgd, lamb or lars (layer-wise trust ratios, You et al.), adamw8bit "
+                             "(torchao's 8-bit AdamW states)", ("adamw", "sgd", "lamb", "lars", "adamw8bit"))
     lr: float = opt(6e-3, "peak learning rate")
     weight_decay: float = opt(0.01, "decoupled weight decay (adamw) or L2 (sgd)")
     betas: list = opt([0.9, 0.95], "adamw: (beta1, beta2)")
@@ -126,6 +129,10 @@ class OptimConfig:
     schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio * lr, or constant", ("cosine", "constant"))
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)")
+    lr_scaling: str = opt("none", "scale lr by train.global_batch_size / base_batch_size: none, linear (Goyal et al. "
+                                  "2017) or sqrt (Krizhevsky 2014)", ("none", "linear", "sqrt"))
+    base_batch_size: int = opt(32, "lr_scaling: the global batch size at which optim.lr was tuned")
+    trust_coefficient: float = opt(0.001, "lars: eta in the layer-wise rate eta * |w| / (|g| + weight_decay * |w|)")
 
 
 @dataclass
@@ -240,6 +247,22 @@ class FederatedConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    freeze: list = opt([], "glob patterns over parameter names to freeze (no gradient, optimizer state or traffic), "
+                           "e.g. ['tok_emb*', 'blocks.0.*']")
+    lora_rank: int = opt(0, "LoRA: rank of the adapters on the target Linear layers (0: off); the base stays frozen")
+    lora_alpha: float = opt(16.0, "LoRA: the adapter output is scaled by lora_alpha / lora_rank")
+    lora_targets: list = opt(["*attn.q", "*attn.v"], "LoRA: glob patterns over the names of the Linear layers to adapt")
+
+
+@dataclass
+class DistillConfig:
+    teacher: str = opt("", "knowledge distillation from this run directory's model (eval mode, no gradient); '' off")
+    temperature: float = opt(2.0, "distillation: softmax temperature of teacher and student logits")
+    alpha: float = opt(0.5, "distillation: weight of the soft-target KL term (x temperature^2); 1 - alpha: the hard labels")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -251,6 +274,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     log: LogConfig = field(default_factory=LogConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     @property
     def node_range(self) -> tuple[int, int]:

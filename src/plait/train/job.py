@@ -10,6 +10,7 @@ registry and of each scheme here, so the CLI, the launcher, the planner and trai
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -18,10 +19,14 @@ from plait.config import Config, load_config, validate_config
 from plait.data import build_data
 from plait.data.augment import two_views
 from plait.errors import ConfigError
+from plait.finetune import active as finetune_active
+from plait.finetune import apply_finetune
+from plait.finetune import check as check_finetune
 from plait.models import build_model
 from plait.models import check_config as check_model
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
+from plait.train.distill import check as check_distill
 
 
 def check_job(cfg: Config) -> Layout:
@@ -30,7 +35,39 @@ def check_job(cfg: Config) -> Layout:
     check_model(cfg.model, cfg.data.name)
     layout = check_layout(cfg)
     check_objective(cfg, layout)
+    check_finetune(cfg)
+    if finetune_active(cfg):  # patterns against the model's names (on the meta device) before any worker starts
+        spec = build_data(cfg.data, cfg.model).spec
+        with torch.device("meta"):
+            apply_finetune(build_model(cfg.model, spec), cfg.finetune)
+    check_distill(cfg)
+    check_optimizer(cfg)
+    if cfg.train.init_from and not Path(cfg.train.init_from).exists():
+        raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "
+                          ".safetensors file")
     return layout
+
+
+def check_optimizer(cfg: Config) -> None:
+    """Optimizers whose update needs whole tensors, or an optional dependency, against the layout."""
+    o, p = cfg.optim, cfg.parallel
+    if o.base_batch_size < 1:
+        raise ConfigError(f"optim.base_batch_size = {o.base_batch_size} must be >= 1 (the batch size optim.lr was tuned at)")
+    if not 0 < o.trust_coefficient < math.inf:
+        raise ConfigError(f"optim.trust_coefficient = {o.trust_coefficient} must be > 0, e.g. 0.001")
+    if o.name in ("lamb", "lars") and (p.zero == 1 or p.sync == "ps"):
+        raise ConfigError(f"optim.name = {o.name!r} scales each tensor by its own norm; ZeRO-1 and the parameter server "
+                          "update flat shards of several tensors: use parallel.zero=0, 2 or 3, or optim.name='adamw'")
+    if o.name == "adamw8bit":
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            raise ConfigError("optim.name = 'adamw8bit' uses torchao's AdamW8bit: pip install 'plait[lowbit]' "
+                              "(torchao), or set optim.name='adamw'") from None
+        if p.zero == 1 or p.sync == "ps" or p.tp > 1:
+            raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per tensor: ZeRO-1, the parameter "
+                              "server and tensor parallel update shards of flat buffers or DTensors it does not handle; "
+                              "use parallel.zero=0 (dp) or optim.name='adamw'")
 
 
 def check_objective(cfg: Config, layout: Layout) -> None:

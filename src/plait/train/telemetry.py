@@ -251,6 +251,7 @@ class Telemetry:
             "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
             "grad_accum": layout.grad_accum, "precision": cfg.precision.dtype, "device": rt.device.type,
             "backend": rt.backend, "params": sum(p.numel() for p in strategy.module.parameters()),
+            "trainable_params": sum(p.numel() for p in strategy.module.parameters() if p.requires_grad),
             "wall_time_s": time.perf_counter() - self.t_begin, "train_time_s": loop_time,
             self.rate_key: (self.loop_steps * cfg.train.global_batch_size * self.per_sample / loop_time)
             if self.loop_steps else None,

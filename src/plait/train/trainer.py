@@ -22,14 +22,17 @@ from plait.data import build_data
 from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import GlobalBatchSampler
+from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
 from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
+from plait.train.distill import Distiller
 from plait.train.job import check_job
 from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.telemetry import Telemetry
+from plait.train.weights import init_from
 
 
 @dataclass
@@ -51,8 +54,16 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     bundle = augmented(bundle, cfg.data, cfg.train.seed)  # data.augment: images, seeded per (seed, index, epoch)
     seed_all(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, bundle.spec).to(rt.device)
+    if cfg.train.init_from:  # before any scheme wraps the model: every layout starts from the same weights
+        init_from(model, cfg.train.init_from)
+    apply_finetune(model, cfg.finetune)  # freezing and LoRA adapters, on the plain model's names
+    loss_fn = loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp"))
+    if cfg.distill.teacher:
+        distiller = Distiller.from_run(cfg.distill, bundle.spec, rt.device)
+        distiller.attach(model)
+        loss_fn = distiller.loss(loss_fn)
     b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
-              with_extra_loss(loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp")), model),
+              with_extra_loss(loss_fn, model),
               Precision(cfg.precision.dtype, rt.device), SCHEMES)
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
@@ -76,7 +87,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                 with tel.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
                     micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
                              for x, y in next(batches)]
-                set_lr(strategy.optimizer, lr_at(step, cfg.optim, t.steps))
+                set_lr(strategy.optimizer, lr_at(step, cfg.optim, t.steps, t.global_batch_size))
                 if cfg.model.dropout > 0:
                     # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
                     torch.manual_seed(mix_seed(t.seed, step, rt.rank))

@@ -1,0 +1,118 @@
+"""LoRA (Hu et al. 2021): a frozen Linear plus a trainable low-rank update, y = W x + b + (alpha / r) B A x.
+
+    targets = apply_lora(model, rank=8, alpha=16, targets=["*attn.q", "*attn.v"])  # base frozen, adapters train
+    merge_lora(model)             # plain nn.Linear layers again, W + (alpha / r) B A, the model's own names
+    adapter_state_dict(model)     # the adapters alone (name.lora_A, name.lora_B)
+
+`LoRALinear` keeps the wrapped layer's `weight` and `bias` under their own names, so the adapted model's
+state_dict is the plain model's plus `<layer>.lora_A` (r x in) and `<layer>.lora_B` (out x r). A is
+initialised as nn.Linear initialises a weight (Kaiming-uniform, a = sqrt(5)) and B at zero, so training
+starts from the base model's outputs exactly (as peft does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.errors import ConfigError
+from plait.finetune.freeze import match
+
+
+class LoRALinear(nn.Module):
+    """A Linear layer's frozen weight and bias with a rank-r adapter; merge() folds it in, unmerge() takes it out."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        w = self.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            return y
+        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        return (self.lora_B @ self.lora_A) * self.scale
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            self.weight.add_(self.delta().to(self.weight.dtype))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            self.weight.sub_(self.delta().to(self.weight.dtype))
+            self.merged = False
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear holding W + scale * B A (merges first)."""
+        self.merge()
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            out.weight.copy_(self.weight)
+            if self.bias is not None:
+                out.bias.copy_(self.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}"
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], key: str = "finetune.lora_targets") -> list[str]:
+    """Freeze every parameter, then put an adapter on each Linear whose name matches a target; returns their names."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
+    if not linears:
+        raise ConfigError(f"{key}: the model has no nn.Linear layer to adapt; set finetune.lora_rank=0")
+    names = match(targets, linears, key, what="Linear layer")
+    owners: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(n)
+    for name in names:
+        w = model.get_submodule(name).weight
+        if len(owners[id(w)]) > 1:
+            raise ConfigError(f"{key}: {name}'s weight is shared with {[o for o in owners[id(w)] if not o.startswith(name + '.')]} "
+                              "(tied embeddings); merging an adapter would change both: leave it out of the targets or set "
+                              "model.tie_embeddings=false")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in names:
+        _set(model, name, LoRALinear(model.get_submodule(name), rank, alpha))
+    return names
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear with a plain nn.Linear holding the merged weight; the model's own names and shapes."""
+    for name, layer in lora_layers(model).items():
+        _set(model, name, layer.to_linear())
+    return model
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}

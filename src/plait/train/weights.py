@@ -1,0 +1,95 @@
+"""Weights from elsewhere: a run's trained model (LoRA adapters merged) and `train.init_from`.
+
+    cfg, spec, model = load_run_model("runs/x")       # the run's latest checkpoint in a plain model
+    init_from(model, "runs/x" | "model.safetensors")  # names and shapes checked, then copied in
+
+`init_from` runs on the plain model before any scheme wraps it, so it works at every layout; the step,
+the optimizer and the schedule start fresh (a resumed run loads its own checkpoint over it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from plait.config import load_config
+from plait.data.spec import DataSpec
+from plait.errors import CheckpointError, ConfigError
+from plait.finetune import apply_lora, merge_lora
+from plait.models import build_model
+from plait.train.checkpoint import latest_checkpoint, load_model_weights
+
+
+def build_run_model(run_dir: Path, adapters: bool = True):
+    """The run's config, data spec and a freshly built model (with the run's LoRA adapters if it had any)."""
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"{run_dir} is not a plait run directory (no config.toml); pass the --out of a run")
+    cfg = load_config(run_dir / "config.toml", validate=False)
+    spec_file = run_dir / "spec.json"
+    if not spec_file.is_file():
+        raise CheckpointError(f"{spec_file} is missing; is {run_dir} a plait run directory?")
+    spec = DataSpec(**json.loads(spec_file.read_text()))
+    model = build_model(cfg.model, spec)
+    if adapters and cfg.finetune.lora_rank > 0:
+        apply_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
+    return cfg, spec, model
+
+
+def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None, merge: bool = True):
+    """(cfg, spec, model): the run's latest (or given) checkpoint in its plain model; LoRA adapters merged unless merge=False."""
+    run_dir = Path(run_dir)
+    cfg, spec, model = build_run_model(run_dir)
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
+    load_model_weights(model, ckpt)
+    if merge:
+        merge_lora(model)
+    return cfg, spec, model
+
+
+def check_fit(source: str, have: dict[str, tuple], want: dict[str, tuple], key: str = "train.init_from") -> None:
+    """Names and shapes of `have` (the source) against `want` (the model), in the model's order; the first difference raises."""
+    for name, shape in want.items():
+        if name not in have:
+            raise ConfigError(f"{key} = {source!r} does not fit the model: tensor {name} (shape {list(shape)}) is missing "
+                              f"from it (it has {len(have)} tensors, e.g. {list(have)[:3]}); build the same model or "
+                              "change train.init_from")
+        if tuple(have[name]) != tuple(shape):
+            raise ConfigError(f"{key} = {source!r} does not fit the model: tensor {name} has shape {list(have[name])} "
+                              f"there and {list(shape)} in the model; set the [model] keys the weights were trained with")
+    extra = [n for n in have if n not in want]
+    if extra:
+        raise ConfigError(f"{key} = {source!r} does not fit the model: it has tensors the model does not, first {extra[0]} "
+                          f"(shape {list(have[extra[0]])}); build the same model or change train.init_from")
+
+
+def init_from(model: nn.Module, source: str | Path) -> None:
+    """Copy the weights of a run directory (latest checkpoint, adapters merged) or a safetensors file into `model`."""
+    path = Path(source)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if path.is_dir():
+        _, _, src = load_run_model(path)
+        tensors = src.state_dict()
+    elif path.is_file():
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:
+            raise ConfigError(f"train.init_from = {str(source)!r} is not a readable safetensors file "
+                              f"({type(e).__name__})") from None
+        check_fit(str(source), have, want)
+        tensors = load_file(str(path))
+    else:
+        raise ConfigError(f"train.init_from = {str(source)!r} does not exist; give a run directory or a .safetensors file")
+    check_fit(str(source), {k: tuple(v.shape) for k, v in tensors.items()}, want)
+    with torch.no_grad():
+        own = model.state_dict()
+        for name, t in own.items():
+            t.copy_(tensors[name].to(t.dtype))
