@@ -144,7 +144,7 @@ def test_corrupt_sample_is_an_error_or_skipped_and_counted(packed_digits, tmp_pa
     bundle = _load(d)
     n = int(json.loads((d / "train" / "index.json").read_text())["chunks"][0]["chunk_size"])
     bad = next(i for i in range(n) if _unreadable(bundle.train, i))
-    with pytest.raises(DataError, match=f"{d / 'train'}: sample {bad} cannot be read"):
+    with pytest.raises(DataError, match=f"{shard}: sample {bad} cannot be read"):
         bundle.train.fetch(torch.tensor([bad]))
     skipping = _load(d, "data.on_bad_sample='skip'")
     x, y = skipping.train.fetch(torch.tensor([0, bad]))
@@ -174,3 +174,25 @@ def test_cli_pack_names_the_source_and_refuses_a_missing_one(tmp_path, capsys):
     assert main(["data", "pack", str(tmp_path / "nope"), "-o", str(tmp_path / "q")]) == 2
     assert "neither a source name" in capsys.readouterr().err
     assert source_overrides("digits") == ["data.name='digits'"]
+
+
+@pytest.mark.slow
+def test_a_corrupt_sample_on_one_rank_ends_the_whole_job_with_its_name(packed_digits, tmp_path):
+    """dp = 2 under the launcher: the rank that reads the bad sample fails, the other is stopped: no hang."""
+    import time
+
+    from helpers import plait
+
+    d = _copy(packed_digits, tmp_path)
+    shard = sorted((d / "train").glob("chunk-*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-400:] = b"\xff" * 400
+    shard.write_bytes(bytes(data))
+    t0 = time.monotonic()
+    r = plait("train", "--set", "model.name=mlp", "--set", "data.name=packed", "--set", f"data.path={d}", "--set",
+              "parallel.dp=2", "--set", "train.steps=60", "--set", "train.global_batch_size=64", "--set",
+              "train.micro_batch_size=32", "--set", "log.progress=false", "--set", "log.report=false", "--set",
+              "launch.timeout_s=60", "--out", tmp_path / "run", timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"error: {shard}: sample" in r.stderr and "the shard is corrupt" in r.stderr
+    assert time.monotonic() - t0 < 45  # well inside launch.timeout_s: the other rank did not wait for a collective

@@ -179,8 +179,20 @@ class PackedSplit:
         except DataError:
             raise
         except Exception as e:  # a shard that passed the size check but does not decode (bit rot)
-            raise DataError(f"{self.path}: sample {i} cannot be read from its shard ({type(e).__name__}: {e}); the shard "
-                            "is corrupt: re-run `plait data pack`") from None
+            raise DataError(f"{self._shard_of(int(i))}: sample {i} cannot be read ({type(e).__name__}: {e}); the shard "
+                            "is corrupt: copy it again or re-run `plait data pack`") from None
+
+    def _shard_of(self, i: int) -> str:
+        """The file holding sample i (LitData's writer numbers samples shard by shard, in index order)."""
+        try:
+            chunks = json.loads((Path(self.path) / "index.json").read_text())["chunks"]
+            for c in chunks:
+                if i < int(c["chunk_size"]):
+                    return str(Path(self.path) / c["filename"])
+                i -= int(c["chunk_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return self.path
 
     def _good(self, i: int) -> dict:
         """Sample i, or with on_bad = "skip" the next one (in index order) that reads: a function of i only."""
