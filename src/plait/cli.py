@@ -2,7 +2,7 @@
 
     plait train [CONFIG] [--set section.key=value ...] [--out DIR] [--resume RUN_DIR] [--dry-run]
     plait config show [CONFIG] [--set ...]
-    plait export RUN_DIR [-o FILE] [--trust-checkpoint]
+    plait export RUN_DIR [-o FILE] [--trust-checkpoint] [--batch dynamic|N] [--quantize int8] [--aoti]
     plait report RUN_DIR
     plait bench WHAT ...
 
@@ -96,10 +96,24 @@ def cmd_config_show(a) -> int:
 
 
 def cmd_export(a) -> int:
+    if a.output is not None and a.output.suffix in (".onnx", ".pt2", ".pte"):
+        return cmd_export_edge(a)
+    if a.batch is not None or a.edge_quantize or a.aoti:
+        raise ConfigError("--batch, --quantize and --aoti apply to edge exports: pass -o model.onnx or -o model.pt2")
     from plait.export import export  # lazily: plait --help must not import torch
 
-    out = export(a.run_dir, a.output, trust_checkpoint=a.trust_checkpoint)
+    out = export(a.run_dir, a.output, trust_checkpoint=a.trust_checkpoint, adapters_only=a.adapters_only)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_export_edge(a) -> int:
+    from plait.edge import check_request, export_edge  # lazily: plait --help must not import torch or onnx
+
+    check_request(a.output, a.batch, a.edge_quantize, a.aoti)  # flags first, before the model loads
+    report = export_edge(a.run_dir, a.output, batch=a.batch, quantize=a.edge_quantize, aoti=a.aoti,
+                         trust_checkpoint=a.trust_checkpoint)
+    print("\n".join(report.lines()))
     return 0
 
 
@@ -147,9 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write the run's weights as one model.safetensors")
     e.add_argument("run_dir", type=Path)
-    e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors)")
+    e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors); .onnx or .pt2: "
+                                                      "an edge export with its parity gate (docs/serving.md)")
     e.add_argument("--trust-checkpoint", action="store_true",
                    help="accept a checkpoint that has no manifest.json (plait 0.1); see docs/security.md")
+    e.add_argument("--batch", metavar="dynamic|N", help="edge exports: a fixed batch of N rows (default 1) or dynamic")
+    e.add_argument("--quantize", dest="edge_quantize", choices=["int8"],
+                   help="-o model.onnx: onnxruntime's dynamic int8 quantization (accuracy and size reported)")
+    e.add_argument("--aoti", action="store_true", help="-o model.pt2: also compile with AOTInductor (needs a C++ compiler)")
+    e.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA run: write its adapters alone (default: merged into the weights they adapt)")
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="where a run's time went, with a verdict; (re)writes RUN_DIR/report.html")

@@ -20,28 +20,28 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from plait.config import ModelConfig, load_config
+from plait.config import ModelConfig
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, PlaitError
+from plait.finetune import adapter_state_dict, lora_layers, merge_lora
 from plait.models import build_model
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
+from plait.train.weights import build_run_model
 
 
 def rebuild_model(run_dir: Path):
-    """The run's config and a freshly built (untrained) plain model."""
-    cfg = load_config(run_dir / "config.toml", validate=False)
-    spec_file = run_dir / "spec.json"
-    if not spec_file.is_file():
-        raise CheckpointError(f"{spec_file} is missing; is {run_dir} a plait run directory?")
-    spec = DataSpec(**json.loads(spec_file.read_text()))
-    return cfg, spec, build_model(cfg.model, spec)
+    """The run's config and a freshly built (untrained) model: the plain model, with the run's LoRA adapters if it
+    trained any (their checkpoint names load into it; `merge_lora` then gives the plain model back)."""
+    return build_run_model(Path(run_dir))
 
 
 def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str | Path | None = None,
-           trust_checkpoint: bool = False) -> Path:
+           trust_checkpoint: bool = False, adapters_only: bool = False) -> Path:
     """Write the latest (or the given) checkpoint's weights as safetensors; returns the file written.
 
-    `trust_checkpoint` accepts a checkpoint without a manifest (plait 0.1 wrote none).
+    `trust_checkpoint` accepts a checkpoint without a manifest (plait 0.1 wrote none). A LoRA run's adapters
+    are merged into the weights they adapt (the plain model's names and shapes), or with `adapters_only`
+    written alone (`<layer>.lora_A`, `<layer>.lora_B`, with the rank, alpha and targets in the metadata).
     """
     from safetensors.torch import save_file
 
@@ -53,14 +53,21 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
         raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
     cfg, spec, model = rebuild_model(run_dir)
     load_model_weights(model, ckpt, trust=trust_checkpoint or None)
+    if adapters_only and not lora_layers(model):
+        raise CheckpointError(f"--adapters-only: {run_dir} trained no LoRA adapters (finetune.lora_rank = 0); "
+                              "export the whole model without it")
+    state = adapter_state_dict(model) if adapters_only else merge_lora(model).state_dict()
     # Tied weights share storage; safetensors wants each name to own its tensor.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     meta = {
         "format": "pt",
         "plait.model": json.dumps(dataclasses.asdict(cfg.model)),
         "plait.spec": json.dumps(dataclasses.asdict(spec)),
         "plait.checkpoint": ckpt.name,
     }
+    if adapters_only:
+        f = cfg.finetune
+        meta["plait.lora"] = json.dumps({"rank": f.lora_rank, "alpha": f.lora_alpha, "targets": f.lora_targets})
     tok = run_dir / "tokenizer.json"
     if tok.is_file():
         meta["plait.tokenizer"] = tok.read_text()

@@ -39,3 +39,23 @@ def assert_same(ref, got, tol: float = 1e-5) -> None:
     rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
     w = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
     assert rel(l1, l2) <= tol and rel(g1, g2) <= tol and w <= tol, (l1, l2, g1, g2, w)
+
+
+def val_loss(model, cfg) -> float:
+    """A plain model's validation loss in one process, as the trainer computes it (fixed batches, weighted by size)."""
+    import torch
+
+    from plait.data import build_data
+    from plait.data.datasets import eval_batches
+    from plait.train.loss import loss_for
+
+    bundle = build_data(cfg.data, cfg.model)
+    loss_fn = loss_for(bundle.spec)
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for idx in eval_batches(bundle.val, cfg.train.eval_samples, cfg.train.eval_batch_size):
+            x, y = bundle.val.fetch(idx)
+            total += float(loss_fn(model(x), y).double()) * len(idx)
+            n += len(idx)
+    return total / n

@@ -55,19 +55,15 @@ def check_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optim.base_batch_size = {o.base_batch_size} must be >= 1 (the batch size optim.lr was tuned at)")
     if not 0 < o.trust_coefficient < math.inf:
         raise ConfigError(f"optim.trust_coefficient = {o.trust_coefficient} must be > 0, e.g. 0.001")
-    if o.name in ("lamb", "lars") and (p.zero == 1 or p.sync == "ps"):
-        raise ConfigError(f"optim.name = {o.name!r} scales each tensor by its own norm; ZeRO-1 and the parameter server "
-                          "update flat shards of several tensors: use parallel.zero=0, 2 or 3, or optim.name='adamw'")
-    if o.name == "adamw8bit":
+    if o.name == "adamw8bit":  # ZeRO is refused by the ZeRO schemes' own check (a blockwise state is not elementwise)
         try:
             import torchao.optim  # noqa: F401
         except ImportError:
             raise ConfigError("optim.name = 'adamw8bit' uses torchao's AdamW8bit: pip install 'plait[lowbit]' "
                               "(torchao), or set optim.name='adamw'") from None
-        if p.zero == 1 or p.sync == "ps" or p.tp > 1:
-            raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per tensor: ZeRO-1, the parameter "
-                              "server and tensor parallel update shards of flat buffers or DTensors it does not handle; "
-                              "use parallel.zero=0 (dp) or optim.name='adamw'")
+        if p.sync == "ps" or p.tp > 1:
+            raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per whole tensor: the parameter "
+                              "server and tensor parallel are not supported; use data parallel or optim.name='adamw'")
 
 
 def check_objective(cfg: Config, layout: Layout) -> None:
