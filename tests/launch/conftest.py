@@ -100,8 +100,15 @@ class SlurmCluster:
         return r
 
     def state(self, job: str) -> str:
-        """The job's state (RUNNING, PENDING, ...), or "" once it has left the queue."""
-        return self.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
+        """The job's state (RUNNING, PENDING, ...), "" once it has left the queue, "UNKNOWN" while squeue fails
+        (a busy slurmctld answers late: that is not a finished job)."""
+        try:
+            r = self.run("squeue", "-h", "-j", job, "-o", "%T", check=False)
+        except subprocess.TimeoutExpired:
+            return "UNKNOWN"
+        if r.returncode != 0:
+            return "" if "Invalid job id" in r.stderr else "UNKNOWN"
+        return r.stdout.strip()
 
     def wait_gone(self, job: str, timeout: float) -> None:
         deadline = time.time() + timeout

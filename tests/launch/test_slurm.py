@@ -127,9 +127,13 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
     assert slurm.state(job) == "PENDING", slurm.exit_code(job)
     assert "Restarts=1" in slurm.exit_code(job)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # else Slurm holds a requeued job ~120 s
-    slurm.wait_gone(job, 120)
+    out = run / f"slurm-{job}.out"
+    deadline = time.time() + 150  # the requeued job runs to its end and leaves the queue
+    while time.time() < deadline and not ("done: 10 steps" in out.read_text() and slurm.state(job) == ""):
+        time.sleep(0.3)
+    slurm.wait_gone(job, 10)
     wall = time.monotonic() - t0
-    log = (run / f"slurm-{job}.out").read_text()
+    log = out.read_text()
     assert "USR1: stopping at the next logging step" in log and "requeueing" in log, log
     assert "preempted (SIGTERM): stopped cleanly at step_" in log, log
     assert "resuming from" in log and "done: 10 steps" in log, log
