@@ -5,14 +5,21 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.plait-installed
+DEVSTAMP := $(VENV)/.plait-dev-installed
 
 .PHONY: run test bench lint clean
 
+# `make run` installs the core and what the default job needs; `make test` adds the dev extra (Ray, onnxruntime,
+# peft, ... : what the tests use), once, on top.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' "$(TORCH)"  # torch pinned: litdata's torchvision must not replace it
+	$(BIN)/pip install -q --disable-pip-version-check -e .
 	@echo "$(TORCH)" > $(STAMP)
+
+$(DEVSTAMP): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[dev]'
+	@touch $(DEVSTAMP)
 
 # Reinstall when TORCH differs from what the venv was set up with.
 ifneq ($(wildcard $(STAMP)),)
@@ -24,14 +31,14 @@ endif
 run: $(STAMP)
 	$(BIN)/plait train
 
-test: $(STAMP)
+test: $(DEVSTAMP)
 	$(BIN)/lint-imports --no-cache
 	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(DEVSTAMP)
 	$(BIN)/python benchmarks/overhead.py
 
-lint: $(STAMP)
+lint: $(DEVSTAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
 
