@@ -29,10 +29,24 @@ def storage_bytes(tensors) -> int:
         t = _local(t)
         if t.numel() == 0:
             continue
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:  # a wrapper subclass (torchao's 8-bit
+            names, _ = t.__tensor_flatten__()                                 # states): the tensors it holds
+            for name, n in _inner(t, names).items():
+                seen[name] = max(seen.get(name, 0), n)
+            continue
         st = t.untyped_storage()
         key = (t.device.type, t.device.index, st.data_ptr())
         seen[key] = max(seen.get(key, 0), st.nbytes())
     return sum(seen.values())
+
+
+def _inner(t, names) -> dict[tuple, int]:
+    out: dict[tuple, int] = {}
+    for name in names:
+        inner = getattr(t, name)
+        st = inner.untyped_storage()
+        out[(inner.device.type, inner.device.index, st.data_ptr())] = st.nbytes()
+    return out
 
 
 def params_bytes(module: torch.nn.Module) -> int:

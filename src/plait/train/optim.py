@@ -61,7 +61,10 @@ def lr_at(step: int, optim_cfg, total_steps: int, global_batch_size: int = 0) ->
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit optimizers keep lr as a (CPU) tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 class Lamb(torch.optim.Optimizer):

@@ -162,7 +162,7 @@ class Telemetry:
             self.flagged[r] = self.flagged.get(r, 0) + 1
         cfg = self.cfg
         record = {
-            "step": step, "loss": mean_loss, "lr": self.strategy.optimizer.param_groups[0]["lr"],
+            "step": step, "loss": mean_loss, "lr": float(self.strategy.optimizer.param_groups[0]["lr"]),
             self.rate_key: cfg.train.global_batch_size * self.per_sample / step_time, "step_time_s": step_time,
             "time": self.timer.window(), "comm_bytes": comm_bytes, "comm_wait_s": comm_wait, "rank_compute_s": compute,
         }

@@ -1,0 +1,38 @@
+"""optim.name = "adamw8bit": torchao's AdamW8bit, its state bytes against AdamW's, and its loss next to AdamW's."""
+
+from __future__ import annotations
+
+import pytest
+from ft_helpers import run_trajectory
+
+from helpers import TINY_GPT
+from plait.config import load_config
+from plait.errors import ConfigError
+from plait.train.job import check_job
+
+pytest.importorskip("torchao.optim", reason="torchao is in the lowbit and dev extras")
+
+# width and context 64: every matrix has >= 4096 elements (torchao, like bitsandbytes, keeps smaller tensors in fp32)
+WIDE = [*TINY_GPT, "model.width=64", "model.context=64", "model.vocab_size=256", "train.steps=12", "optim.lr=3e-3", "log.every=1",
+        "checkpoint.every=0", "optim.warmup_steps=2", "train.eval_samples=32"]
+
+
+def test_adamw8bit_states_take_under_0_3_of_adamw_and_train_alike(tiny_text, tmp_path):
+    runs = {}
+    for name in ("adamw", "adamw8bit"):
+        cfg = load_config(None, [*WIDE, "data.name='text'", f"data.path='{tiny_text}'", "parallel.dp=1",
+                                 f"optim.name='{name}'"])
+        runs[name] = run_trajectory(cfg, tmp_path / name)
+    (_, _, _, s32), (l8, _, _, s8) = runs["adamw"], runs["adamw8bit"]
+    b32, b8 = (s["memory"]["per_rank"][0]["optimizer_bytes"] for s in (s32, s8))
+    n = s32["trainable_params"]
+    assert b32 >= 8 * n  # two fp32 moments per element
+    assert b8 <= 0.3 * b32, (b8, b32)
+    assert l8[-1] < l8[0] - 0.5
+    assert abs(s8["val_loss"] - s32["val_loss"]) <= 0.02 * s32["val_loss"], (s8["val_loss"], s32["val_loss"])
+
+
+def test_adamw8bit_under_zero_is_refused_clearly(tiny_text):
+    with pytest.raises(ConfigError, match="cannot be sharded by ZeRO"):
+        check_job(load_config(None, [*WIDE, "data.name='text'", f"data.path='{tiny_text}'", "parallel.dp=2",
+                                     "parallel.zero=3", "optim.name='adamw8bit'"]))
