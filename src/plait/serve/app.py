@@ -288,7 +288,7 @@ def create_app(service: Service) -> FastAPI:
 
     def metadata() -> dict:
         s = service.served
-        return {"name": name, "versions": ["1"], "platform": "pytorch",
+        return {"name": name, "versions": ["1"], "platform": s.backend,
                 "inputs": [t.as_json() for t in s.inputs], "outputs": [t.as_json() for t in s.outputs],
                 "parameters": {"registry_name": s.registry_name, "task": s.spec.task, "checkpoint": s.checkpoint,
                                "max_batch_size": service.opts.max_batch_size, "layout": service.layout,
@@ -318,7 +318,7 @@ def create_app(service: Service) -> FastAPI:
         def dims(t):
             return {"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape[1:])}
 
-        return {"name": name, "platform": "pytorch", "max_batch_size": o.max_batch_size,
+        return {"name": name, "platform": s.backend, "max_batch_size": o.max_batch_size,
                 "input": [dims(t) for t in s.inputs], "output": [dims(t) for t in s.outputs],
                 "dynamic_batching": {"max_queue_delay_microseconds": int(o.max_delay_ms * 1000)},
                 "instance_group": [{"count": o.replicas if o.pp == 1 else 1, "kind": "KIND_CPU"}]}

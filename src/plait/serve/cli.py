@@ -41,11 +41,24 @@ def cmd_serve(a) -> int:
                         max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads,
                         max_prompt_chars=a.max_prompt_chars, read_timeout_s=a.read_timeout_s,
                         max_connections=a.max_connections, trust_factory=a.trust_factory,
-                        trust_checkpoint=a.trust_checkpoint, device=a.device)
+                        trust_checkpoint=a.trust_checkpoint, device=a.device, autoscale=a.autoscale,
+                        target_ongoing=a.target_ongoing, upscale_delay_s=a.upscale_delay_s,
+                        downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s)
     return run(str(a.model), opts.validate())
 
 
 def cmd_bench_serve(a) -> int:
+    if a.pattern == "burst":
+        from plait.serve.autoscale import AutoscaleConfig
+        from plait.serve.bench_burst import BurstOptions, run_burst  # lazily: as below
+
+        lo, hi = AutoscaleConfig.parse(a.autoscale)
+        AutoscaleConfig(lo, hi).validate()
+        if a.burst_s <= 0 or a.idle_s < 0:
+            raise ConfigError(f"--burst-s {a.burst_s:g} must be > 0 and --idle-s {a.idle_s:g} >= 0")
+        return run_burst(str(a.model), BurstOptions(clients=max(a.concurrency), burst_s=a.burst_s, idle_s=a.idle_s,
+                                                    autoscale=a.autoscale, max_batch_size=a.max_batch_size,
+                                                    max_delay_ms=a.max_delay_ms, out=a.out))
     from plait.serve.bench import BenchOptions, run_bench  # lazily: plait --help must not import torch or matplotlib
 
     opts = BenchOptions(concurrency=a.concurrency, rate=a.rate, duration_s=a.duration, max_batch_size=a.max_batch_size,
@@ -66,13 +79,21 @@ def _ints(text: str) -> list[int]:
 def add_parsers(sub, bench) -> None:
     """Add `plait serve` to the top-level verbs and `serve` to `plait bench`."""
     s = sub.add_parser("serve", help="serve a run or an exported model over HTTP (Open Inference Protocol)",
-                       description="Serve RUN_DIR (its latest checkpoint) or a model.safetensors from `plait export`.")
-    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors")
+                       description="Serve RUN_DIR (its latest checkpoint), or a model.safetensors, model.onnx or "
+                                   "model.pt2 from `plait export`.")
+    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     s.add_argument("--name", help="model name in URLs (default: the registry name, e.g. mlp or gpt)")
     s.add_argument("--replicas", type=int, default=1, help="worker processes each holding the model (1: in-process)")
     s.add_argument("--pp", type=int, default=1, help="pipeline stages: split the model's blocks over K processes")
+    s.add_argument("--autoscale", metavar="MIN:MAX", help="replica processes follow the load between MIN and MAX; "
+                                                          "MIN 0: none while idle, requests held while one starts")
+    s.add_argument("--target-ongoing", type=float, default=2.0, help="--autoscale: ongoing requests per replica aimed at")
+    s.add_argument("--upscale-delay-s", type=float, default=1.0, help="--autoscale: more replicas wanted this long first")
+    s.add_argument("--downscale-delay-s", type=float, default=10.0, help="--autoscale: fewer wanted this long first")
+    s.add_argument("--scale-to-zero-after-s", type=float, default=30.0,
+                   help="--autoscale with MIN 0: no request for this long stops the last replica")
     s.add_argument("--max-batch-size", type=int, default=16, help="rows merged into one batch at most (1: no batching)")
     s.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for a batch to fill")
     s.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 503 (backpressure)")
@@ -113,4 +134,11 @@ def add_parsers(sub, bench) -> None:
     b.add_argument("--replicas", type=_ints, default=[1, 2], help="replica counts to compare (default 1,2)")
     b.add_argument("--out", type=Path, help="folder for bench_serve.png and .json (default: the run dir or the "
                                             "model's folder)")
+    b.add_argument("--pattern", choices=["steady", "burst"], default="steady",
+                   help="burst: one --autoscale server under burst - idle - burst (max --concurrency clients); plots "
+                        "replicas and p99 over time (bench_burst.png)")
+    b.add_argument("--autoscale", default="0:2", metavar="MIN:MAX", help="--pattern burst: the server's --autoscale")
+    b.add_argument("--burst-s", type=float, default=5.0, help="--pattern burst: seconds of each burst")
+    b.add_argument("--idle-s", type=float, default=8.0, help="--pattern burst: seconds between the bursts (the server "
+                                                             "scales to zero after 3 s)")
     b.set_defaults(fn=cmd_bench_serve)

@@ -30,6 +30,13 @@ class Metrics:
         self.queue_depth = Gauge("plait_queue_depth", "requests waiting for a batch", registry=r)
         self.replica_restarts = Counter("plait_replica_restarts", "replica processes restarted after a crash",
                                         registry=r)
+        self.replicas = Gauge("plait_replicas", "replica processes up and taking work", registry=r)
+        self.replicas_desired = Gauge("plait_replicas_desired", "replicas the autoscaler wants (running or starting)",
+                                      registry=r)
+        self.cold_starts = Counter("plait_cold_starts", "replica processes started (at start-up, by the autoscaler, "
+                                   "or after a crash)", registry=r)
+        self.cold_start = Gauge("plait_cold_start_seconds", "the last replica cold start, by phase (process start, "
+                                "imports, weight load) and in total", ["phase"], registry=r)
         self.rejected = Counter("plait_rejected", "requests refused by backpressure (503) or past their timeout (504)",
                                 ["reason"], registry=r)
 

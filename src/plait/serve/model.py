@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
+from plait.edge import EDGE_SUFFIXES, load_edge
 from plait.export import load_exported, rebuild_model
 from plait.models.gpt import GPT
 from plait.serve.protocol import ServeError, TensorSpec
@@ -44,6 +45,7 @@ class ServedModel:
     spec: DataSpec
     tokenizer: CharTokenizer | None
     checkpoint: str  # which checkpoint the weights came from (for the metadata)
+    backend: str = "pytorch"  # or "onnxruntime", "torch.export", "aotinductor" (an exported file, plait.edge)
 
     @property
     def is_lm(self) -> bool:
@@ -121,6 +123,16 @@ def load_model(ref: ModelRef) -> ServedModel:
         tok_file = path / "tokenizer.json"
         tokenizer = _tokenizer(tok_file.read_text(), str(tok_file)) if tok_file.is_file() else None
         served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name)
+    elif path.is_file() and path.suffix in EDGE_SUFFIXES:
+        if ref.quantize:
+            raise ServeError(f"--quantize applies to PyTorch weights; {path} is an exported file: export it with "
+                             f"`plait export RUN_DIR -o {path.name} --quantize int8` instead")
+        module, meta = load_edge(path, threads=torch.get_num_threads())
+        spec = DataSpec(**json.loads(meta["plait.spec"]))
+        tokenizer = _tokenizer(meta["plait.tokenizer"], str(path)) if "plait.tokenizer" in meta else None
+        checkpoint = meta.get("plait.checkpoint", "")
+        served = ServedModel(module, _registry_name(json.loads(meta["plait.model"])), spec, tokenizer,
+                             checkpoint if NAME_RE.match(checkpoint or "x") else "", backend=module.backend)
     elif path.is_file():
         module, meta = load_exported(path, trust_factory=ref.trust_factory)
         spec = DataSpec(**json.loads(meta["plait.spec"]))
@@ -129,7 +141,7 @@ def load_model(ref: ModelRef) -> ServedModel:
         served = ServedModel(module, _registry_name(json.loads(meta["plait.model"])), spec, tokenizer,
                              checkpoint if NAME_RE.match(checkpoint or "x") else "")
     else:
-        raise ServeError(f"{path} does not exist; pass a run directory or an exported model.safetensors")
+        raise ServeError(f"{path} does not exist; pass a run directory or an exported model.safetensors (or .onnx, .pt2)")
     _check_finite(served.module, str(path))
     served.module.eval()
     for p in served.module.parameters():

@@ -23,11 +23,13 @@ import itertools
 import os
 import queue
 import threading
+import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from plait.procs import CONTEXT, spawn
+from plait.serve.coldstart import replica_entry
 from plait.serve.device import torch_device
 from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import RequestError, ServeError
@@ -38,15 +40,22 @@ CANCEL_POLL_S = 0.05  # how often a running generation batch is checked for requ
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: str = "cpu", index: int = 0) -> None:
-    """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away."""
+def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: str = "cpu", index: int = 0,
+                 timing: dict | None = None) -> None:
+    """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away.
+
+    `timing` (from plait.serve.coldstart): the cold start so far; the ready message adds the load time."""
     import torch
 
     torch.set_num_threads(threads)
     try:
         runner = Runner(load_model(ref), pad_to, torch_device(device, index))
         runner.prepare()
-        conn.send(("ready", os.getpid()))
+        split = None
+        if timing is not None:
+            split = {"process_s": timing["process_s"], "imports_s": timing["imports_s"],
+                     "load_s": time.time() - timing["loaded_since"]}
+        conn.send(("ready", os.getpid(), split))
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -117,6 +126,7 @@ class _Replica:
     conn: Any
     live: bool = False
     was_live: bool = False  # a replica that never loaded is not restarted (it would fail again)
+    retiring: bool = False  # told to stop by the autoscaler: finishes what it has, then exits (not restarted)
     inflight: dict[int, _Task] = field(default_factory=dict)
     started: asyncio.Future | None = None
 
@@ -125,9 +135,17 @@ class ReplicaPool:
     """The executor for `--replicas N` (see plait.serve.service for the interface)."""
 
     def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
-                 start_timeout_s: float = 180.0, device: str = "cpu"):
+                 start_timeout_s: float = 180.0, device: str = "cpu", autoscale_min: int | None = None,
+                 on_cold_start=None):
+        """`autoscale_min`: autoscaling between it and n (the slots); replicas come and go by `scale_to`, and a
+        batch waits in the pool until a replica is free (a replica that starts takes the waiting ones)."""
         self.ref, self.n, self.pad_to, self.threads, self.device = ref, n, pad_to, threads, device
         self.capacity = n
+        self.autoscale = autoscale_min is not None
+        self.target = n if autoscale_min is None else autoscale_min  # replicas wanted (running or starting)
+        self.on_cold_start = on_cold_start  # (index, {"process_s", "imports_s", "load_s"})
+        self.on_no_replica = None  # called when a batch arrives and no replica is up (the autoscaler's wake-up)
+        self.cold_starts: list[tuple[int, dict]] = []
         self.restarts = 0
         self._counter = restart_counter
         self._timeout = start_timeout_s
@@ -143,15 +161,15 @@ class ReplicaPool:
     def _spawn(self, index: int, first: bool = False) -> _Replica:
         parent, child = CONTEXT.Pipe()
         # OMP_NUM_THREADS is read by the child's OpenMP before torch is imported.
-        proc = spawn(replica_main, (child, self.ref, self.pad_to, self.threads, self.device, index), name=f"plait-replica-{index}",
-                     env=WORKER_ENV)
+        args = (child, asdict(self.ref), self.pad_to, self.threads, self.device, index, time.time())
+        proc = spawn(replica_entry, args, name=f"plait-replica-{index}", env=WORKER_ENV)
         child.close()  # so that the child's death is end-of-file here
         assert self._loop is not None
         r = _Replica(index, proc, parent, started=self._loop.create_future() if first else None)
         self._replicas[index] = r
         t = threading.Thread(target=self._read, args=(r,), name=f"plait-replica-{index}-reader", daemon=True)
         t.start()
-        self._threads.append(t)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
         return r
 
     def _read(self, r: _Replica) -> None:
@@ -169,7 +187,7 @@ class ReplicaPool:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        for i in range(self.n):
+        for i in range(self.target):
             self._spawn(i, first=True)
         started = [r.started for r in self._replicas if r is not None]
         try:
@@ -179,7 +197,35 @@ class ReplicaPool:
             raise
 
     def ready(self) -> bool:
-        return any(r is not None and r.live for r in self._replicas)
+        """Some replica can answer; under autoscaling always (a request is held while one starts)."""
+        return self.autoscale or any(r is not None and r.live for r in self._replicas)
+
+    @property
+    def live_count(self) -> int:
+        return sum(1 for r in self._replicas if r is not None and r.live and not r.retiring)
+
+    @property
+    def process_count(self) -> int:
+        """Replica processes that exist (starting, running or finishing before they exit)."""
+        return sum(1 for r in self._replicas if r is not None)
+
+    def scale_to(self, k: int) -> None:
+        """Start or retire replicas until k are running or starting (idempotent; at most n processes ever)."""
+        assert self._loop is not None and self.autoscale
+        self.target = k = max(0, min(k, self.n))
+        if self._stopping:
+            return
+        active = [r for r in self._replicas if r is not None and not r.retiring]
+        for index in [i for i, r in enumerate(self._replicas) if r is None][:max(0, k - len(active))]:
+            self._spawn(index)
+        if len(active) > k:  # retire starting ones first, then the idlest, highest index first
+            order = sorted(active, key=lambda r: (r.live, len(r.inflight), -r.index))
+            for r in order[:len(active) - k]:
+                r.retiring = True
+                try:
+                    r.conn.send(None)  # after the tasks it already has
+                except (OSError, ValueError):
+                    pass
 
     def pids(self) -> list[int | None]:
         """Process ids of the replicas that are up (None where one is starting)."""
@@ -246,9 +292,13 @@ class ReplicaPool:
                 pass  # the replica is dying; the reader thread re-routes its work
 
     def _dispatch(self, t: _Task) -> None:
-        live = [r for r in self._replicas if r is not None and r.live]
+        live = [r for r in self._replicas if r is not None and r.live and not r.retiring]
+        if self.autoscale:
+            live = [r for r in live if not r.inflight]  # wait in the pool for a free replica (a new one takes it)
         if not live:
             self._waiting.append(t)  # a replacement is starting; the request's own timeout bounds the wait
+            if self.autoscale and self.live_count == 0 and self.on_no_replica is not None:
+                self.on_no_replica()
             return
         r = min(live, key=lambda r: (len(r.inflight), r.index))  # least loaded
         t.attempts += 1
@@ -267,6 +317,10 @@ class ReplicaPool:
             r.live = r.was_live = True
             if r.started is not None and not r.started.done():
                 r.started.set_result(msg[1])
+            if len(msg) > 2 and msg[2] is not None:
+                self.cold_starts.append((r.index, msg[2]))
+                if self.on_cold_start is not None:
+                    self.on_cold_start(r.index, msg[2])
             waiting, self._waiting = self._waiting, []
             for t in waiting:
                 if not t.future.done():
@@ -275,7 +329,7 @@ class ReplicaPool:
             error = ServeError(f"replica {r.index} could not load the model:\n{msg[1]}")
             if r.started is not None and not r.started.done():
                 r.started.set_exception(error)
-            if not self.ready():
+            if not any(x is not None and x.live for x in self._replicas):
                 waiting, self._waiting = self._waiting, []
                 for t in waiting:
                     if not t.future.done():
@@ -291,6 +345,8 @@ class ReplicaPool:
                     t.future.set_result(msg[2])
                 else:
                     t.future.set_exception(RuntimeError(f"replica {r.index}: {msg[2]}"))
+            if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
+                self._dispatch(self._waiting.pop(0))
 
     def _on_death(self, r: _Replica) -> None:
         r.live = False
@@ -300,6 +356,17 @@ class ReplicaPool:
         lost, r.inflight = list(r.inflight.values()), {}
         if r.started is not None and not r.started.done():
             r.started.set_exception(ServeError(f"replica {r.index} exited with code {code} while loading the model"))
+        if self.autoscale and (r.retiring or not r.was_live):  # its slot is free; the target may want it back
+            if self._replicas[r.index] is r:
+                self._replicas[r.index] = None
+            r.conn.close()
+            for t in lost:
+                if not t.future.done():
+                    self._dispatch(t)
+            if not r.retiring:
+                return  # a replica that never loaded would fail again: the autoscaler retries at its next change
+            self.scale_to(self.target)
+            return
         if not r.was_live:
             return
         if self._replicas[r.index] is r:

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import os
 import re
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
 from plait.serve.kvcache import GenRow, RowFailed
@@ -61,6 +64,11 @@ class ServeOptions:
     trust_factory: bool = False  # build a model.factory named in an exported file (it is code)
     trust_checkpoint: bool = False  # serve a run checkpoint that has no manifest
     device: str = "auto"  # auto (cuda when available, cpu with --quantize), cpu or cuda; see plait.serve.device
+    autoscale: str | None = None  # "MIN:MAX": replica processes follow the load (plait.serve.autoscale)
+    target_ongoing: float = 2.0  # ongoing requests per replica the autoscaler aims at
+    upscale_delay_s: float = 1.0
+    downscale_delay_s: float = 10.0
+    scale_to_zero_after_s: float = 30.0
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -81,6 +89,10 @@ class ServeOptions:
                             ("--max-body-mb", self.max_body_mb), ("--read-timeout-s", self.read_timeout_s)):
             if not math.isfinite(value) or value < 0 or (value == 0 and flag != "--max-delay-ms"):
                 raise ServeError(f"{flag} = {value} must be a finite number > 0" + (" (or 0)" if flag == "--max-delay-ms" else ""))
+        if self.autoscale is not None:
+            self.autoscaling.validate()
+            if self.replicas != 1 or self.pp != 1:
+                raise ServeError("--autoscale MIN:MAX sets the replica count itself; drop --replicas and --pp")
         if self.replicas > 1 and self.pp > 1:
             raise ServeError(f"--replicas {self.replicas} and --pp {self.pp} cannot be combined yet; "
                              "use replicas of a whole model or one pipeline")
@@ -98,6 +110,13 @@ class ServeOptions:
         return self
 
     @property
+    def autoscaling(self) -> AutoscaleConfig:
+        assert self.autoscale is not None
+        lo, hi = AutoscaleConfig.parse(self.autoscale)
+        return AutoscaleConfig(lo, hi, self.target_ongoing, self.upscale_delay_s, self.downscale_delay_s,
+                               self.scale_to_zero_after_s)
+
+    @property
     def policy(self) -> BatchPolicy:
         return BatchPolicy(self.max_batch_size, self.max_delay_ms, self.max_queue)
 
@@ -110,10 +129,21 @@ class Service:
         self.device = serve_device(opts.device, opts.quantize)  # "cpu" or "cuda": where every executor runs the model
         self.ref = ModelRef(str(path), opts.quantize, opts.trust_factory, opts.trust_checkpoint)
         self.served = served if served is not None else load_model(self.ref)
+        if self.served.backend != "pytorch" and opts.pp > 1:
+            raise ServeError(f"--pp {opts.pp} splits a PyTorch model's blocks; {path} is an exported file "
+                             f"({self.served.backend}): serve it with --replicas instead")
         self.name = opts.name or self.served.registry_name
         self.metrics = Metrics()
+        self.ongoing = 0  # requests admitted and not yet answered (what the autoscaler follows)
+        self._ongoing_peak = 0  # the most at once since the autoscaler last looked
+        self.autoscaler: Autoscaler | None = None
         self.executor = self._executor()
         self.batcher: Batcher | None = None
+        if opts.autoscale is not None and self.served.backend == "pytorch":
+            # The replicas hold the weights; the front end keeps only the shapes it describes (so that scaled
+            # to zero, no copy of the model is left in memory).
+            with contextlib.suppress(Exception):  # (a quantized module may not move; it then stays)
+                self.served.module = self.served.module.to("meta")
         # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
@@ -123,13 +153,31 @@ class Service:
         if self.opts.pp > 1:
             return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp),
                                     device=self.device)
+        if self.opts.autoscale is not None:
+            cfg = self.opts.autoscaling
+            return ReplicaPool(self.ref, cfg.max_replicas, pad_to, self.metrics.replica_restarts,
+                               self.opts.threads_per(cfg.max_replicas), device=self.device,
+                               autoscale_min=cfg.min_replicas, on_cold_start=self._cold_start)
         if self.opts.replicas > 1:  # each process loads and moves its own copy; this one's stays on the host (metadata)
             return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts,
                                self.opts.threads_per(self.opts.replicas), device=self.device)
         return LocalExecutor(Runner(self.served, pad_to, torch_device(self.device)))
 
+    def _cold_start(self, index: int, split: dict) -> None:
+        total = split["process_s"] + split["imports_s"] + split["load_s"]
+        m = self.metrics
+        m.cold_starts.inc()
+        for phase, value in (("process", split["process_s"]), ("imports", split["imports_s"]),
+                             ("load", split["load_s"]), ("total", total)):
+            m.cold_start.labels(phase).set(value)
+        print(f"replica {index}: cold start {total:.2f} s (process start {split['process_s']:.2f} s, imports "
+              f"{split['imports_s']:.2f} s, weight load {split['load_s']:.2f} s)", file=sys.stderr, flush=True)
+
     @property
     def layout(self) -> str:
+        if self.opts.autoscale is not None:
+            cfg = self.opts.autoscaling
+            return f"{cfg.min_replicas}-{cfg.max_replicas} autoscaled replica process(es)"
         if self.opts.pp > 1:
             return f"{self.opts.pp} pipeline stages"
         return f"{self.opts.replicas} replica process(es)" if self.opts.replicas > 1 else "in-process"
@@ -140,10 +188,25 @@ class Service:
                                on_batch=self.metrics.batch_size.observe)
         self.batcher.start()
         self.metrics.queue_depth.set_function(lambda: self.batcher.depth if self.batcher else 0)
+        if isinstance(self.executor, ReplicaPool):
+            self.metrics.replicas.set_function(lambda: self.executor.live_count)
+            self.metrics.replicas_desired.set(self.executor.target)
+        if self.opts.autoscale is not None:
+            self.autoscaler = Autoscaler(self.opts.autoscaling, self.executor, self.take_ongoing, self.metrics)
+            self.executor.on_no_replica = self.autoscaler.wake
+            self.autoscaler.start()
+
+    def take_ongoing(self) -> int:
+        """The most requests ongoing at once since the last call: a request that came and went between two of the
+        autoscaler's looks still counts as traffic."""
+        peak, self._ongoing_peak = max(self._ongoing_peak, self.ongoing), self.ongoing
+        return peak
 
     async def stop(self) -> None:
         if self.batcher is not None:
-            await self.batcher.stop()
+            await self.batcher.stop()  # the autoscaler keeps replicas for what is queued
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         await self.executor.stop()
         self.codec.shutdown(wait=False)
 
@@ -166,6 +229,8 @@ class Service:
             self.metrics.rejected.labels("queue_full").inc()
             raise RequestError(503, f"server busy: {e}; retry later") from None
         left = self.opts.timeout_ms / 1000 - (time.perf_counter() - arrived)
+        self.ongoing += 1
+        self._ongoing_peak = max(self._ongoing_peak, self.ongoing)
         try:
             return await asyncio.wait_for(asyncio.shield(item.future), max(left, 0.0))
         except TimeoutError:
@@ -176,6 +241,8 @@ class Service:
         except asyncio.CancelledError:  # the client went away
             self.batcher.cancel(item)
             raise
+        finally:
+            self.ongoing -= 1
 
     async def infer(self, x: np.ndarray, arrived: float) -> dict[str, np.ndarray]:
         """Outputs for one request's input batch (rows merged with other requests' by the batcher)."""

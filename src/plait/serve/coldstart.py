@@ -1,0 +1,24 @@
+"""A replica process's first function, kept free of heavy imports so that its cold start can be split.
+
+    process   spawn() in the server -> this function's first line (interpreter, multiprocessing's bootstrap)
+    imports   torch, plait and the runtime (everything `plait.serve.replicas` needs)
+    load      the weights read, checked and moved, the exact batch sizes probed: until the replica is ready
+
+The recipe arrives as a plain dict (not a ModelRef: unpickling that would import torch before the
+clock starts). Nothing here imports torch at module level; check with `python -X importtime`.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def replica_entry(conn, ref: dict, pad_to, threads: int, device: str, index: int, spawned_at: float) -> None:
+    entered = time.time()
+    from plait.serve.model import ModelRef  # the imports whose cost is measured
+    from plait.serve.replicas import replica_main
+
+    imported = time.time()
+    replica_main(conn, ModelRef(**ref), pad_to, threads, device, index,
+                 timing={"process_s": max(0.0, entered - spawned_at), "imports_s": imported - entered,
+                         "loaded_since": imported})
