@@ -196,3 +196,21 @@ def test_a_corrupt_sample_on_one_rank_ends_the_whole_job_with_its_name(packed_di
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"error: {shard}: sample" in r.stderr and "the shard is corrupt" in r.stderr
     assert time.monotonic() - t0 < 45  # well inside launch.timeout_s: the other rank did not wait for a collective
+
+
+def test_packed_text_trains_a_gpt_like_the_text_and_model_checks_see_the_source(tiny_text, tmp_path):
+    from helpers import TINY_GPT, max_diff
+    from plait.config import load_config as load
+    from plait.errors import ConfigError
+    from plait.train.job import check_job
+
+    text = [*TINY_GPT, "data.name='text'", f"data.path='{tiny_text}'", "train.steps=2", "parallel.dp=1",
+            "checkpoint.every=0"]
+    cfg = load(None, text)
+    pack(build_data(cfg.data, cfg.model), tmp_path / "p", shard_bytes=parse_size("16KB"))
+    packed = [*text, "data.name='packed'", f"data.path='{tmp_path / 'p'}'"]
+    assert max_diff(params_after(cfg, None), params_after(load(None, packed), None)) == 0.0
+    with pytest.raises(DataError, match="packed with model.context = 32"):
+        build_data(load(None, [*packed, "model.context=16"]).data, load(None, [*packed, "model.context=16"]).model)
+    with pytest.raises(ConfigError, match="model.name = 'mlp' cannot train on data.name = 'text'"):
+        check_job(load(None, [*packed, "model.name='mlp'"]))

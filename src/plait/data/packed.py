@@ -96,7 +96,8 @@ def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | No
         sizes = {split: _write_split(getattr(bundle, split), tmp / split, shard_bytes) for split in SPLITS}
         kind = "images" if getattr(bundle.train, "records", None) is not None else "arrays"
         meta = {
-            "format": FORMAT, "kind": kind, "spec": asdict(bundle.spec), "sizes": sizes, "source": source or {},
+            "format": FORMAT, "kind": kind, "spec": asdict(bundle.spec), "sizes": sizes,
+            "source": source or {"name": bundle.spec.name},
             "tokenizer": bundle.tokenizer.to_json() if bundle.tokenizer is not None else None,
             "unigram_val_loss": bundle.unigram_val_loss, "ground_truth_val_loss": bundle.ground_truth_val_loss,
             "image": getattr(bundle.train, "image_meta", None),
@@ -228,6 +229,16 @@ def read_meta(path: str) -> dict:
     if meta.get("format") != FORMAT:
         raise DataError(f"{meta_file}: format {meta.get('format')!r} is not {FORMAT!r}; re-pack with this plait")
     return meta
+
+
+def source_name(data_cfg) -> str:
+    """data.name, or for packed data the name of the source it was packed from (what model checks need)."""
+    if data_cfg.name != "packed" or not data_cfg.path or _is_remote(data_cfg.path):
+        return data_cfg.name
+    try:
+        return str(read_meta(data_cfg.path).get("source", {}).get("name") or "packed")
+    except DataError:
+        return "packed"  # reading the data says what is wrong with it
 
 
 def packed_source(data_cfg, model_cfg):

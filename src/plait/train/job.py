@@ -18,6 +18,7 @@ import torch
 from plait.config import Config, load_config, validate_config
 from plait.data import build_data
 from plait.data.augment import two_views
+from plait.data.packed import source_name
 from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
 from plait.finetune import apply_finetune
@@ -32,7 +33,7 @@ from plait.train.distill import check as check_distill
 def check_job(cfg: Config) -> Layout:
     """Validate cfg for training; returns its Layout."""
     validate_config(cfg)
-    check_model(cfg.model, cfg.data.name)
+    check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     layout = check_layout(cfg)
     check_objective(cfg, layout)
     check_finetune(cfg)
