@@ -7,7 +7,8 @@ scikit-learn's digits (1797 images) are split (seeded) into a clean test set (20
 whose labels are flipped at random to another class for `--flip` of the samples (seeded). The rest
 is written as a tensors file and audited (plait's trainer, K folds, cleanlab). Printed: precision
 and recall of the flagged labels against the flips, and the clean test accuracy of the configured
-model trained on all samples and with `data.exclude = audit.json`.
+model trained on all samples and with `data.exclude = audit.json`; and, for volume reduction, the accuracy
+on the audit's EL2N coreset (`coreset.json`, half the data) against a random subset of the same size.
 """
 
 from __future__ import annotations
@@ -76,14 +77,29 @@ def main(argv=None) -> dict:
     acc_all = test_accuracy(load_config(None, [*base, f"train.steps={steps}"]), xt, yt)
     excl = [*base, f"train.steps={steps}", f"data.exclude='{a.out / 'audit' / 'audit.json'}'"]
     acc_excl = test_accuracy(load_config(None, excl), xt, yt)
+    # volume reduction: the EL2N coreset (report["volume_reduction"]) against a random subset of the same size, both
+    # without the flagged samples
+    core = report["volume_reduction"]
+    unflagged = sorted(set(range(report["source"]["samples"])) - set(report["exclude"]))
+    g = torch.Generator().manual_seed(1)
+    rand_keep = {unflagged[i] for i in torch.randperm(len(unflagged), generator=g)[: core["kept"]].tolist()}
+    (a.out / "random_subset.json").write_text(json.dumps(
+        {"exclude": sorted(set(range(report["source"]["samples"])) - rand_keep)}))
+    acc_core = test_accuracy(load_config(None, [*base, f"train.steps={steps}",
+                                                f"data.exclude='{a.out / 'audit' / 'coreset.json'}'"]), xt, yt)
+    acc_rand = test_accuracy(load_config(None, [*base, f"train.steps={steps}",
+                                                f"data.exclude='{a.out / 'random_subset.json'}'"]), xt, yt)
     result = {"flipped": len(flips), "flagged": len(flagged), "true_positives": tp, "precision": precision,
               "recall": recall, "test_accuracy_all": acc_all, "test_accuracy_excluded": acc_excl,
-              "excluded": len(report["exclude"]), "test_samples": len(yt)}
+              "excluded": len(report["exclude"]), "test_samples": len(yt), "coreset_kept": core["kept"],
+              "test_accuracy_coreset": acc_core, "test_accuracy_random_subset": acc_rand}
     print(f"digits, {len(flips)} of {report['source']['samples']} labels flipped ({a.flip:.0%}); audit: {a.folds} folds x "
           f"{a.epochs:g} epochs; models: {' '.join(MODEL[:3] + a.set)}, final ones {a.train_epochs:g} epochs")
     print(f"flagged {len(flagged)}: precision {precision:.3f}, recall {recall:.3f}")
     print(f"{'clean test accuracy':<28} {'all samples':>12} {'excluded':>10}")
     print(f"{'(' + str(len(yt)) + ' held-out digits)':<28} {acc_all:>12.3f} {acc_excl:>10.3f}")
+    print(f"volume reduction to {core['kept']} samples ({core['keep_fraction']:.0%}), flagged excluded: EL2N coreset "
+          f"{acc_core:.3f}, random subset {acc_rand:.3f}")
     (a.out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 

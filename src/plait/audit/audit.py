@@ -13,7 +13,8 @@ fold, so every sample gets an out-of-fold predicted probability vector. From tho
 - outliers: the 1 % of samples farthest from their 5th nearest neighbour (inputs' first principal components);
 - class_balance: counts per class and the ratio of the largest to the smallest;
 - el2n: the EL2N score |p - onehot(y)| of every sample (Paul et al. 2021), and how many are "easy"
-  (below 0.1): candidates for pruning.
+  (below 0.1), and volume_reduction: a coreset of the `keep` fraction with the highest EL2N among
+  the unflagged samples (the rest listed under "prune"; `DIR/coreset.json` excludes them).
 
 Every flagged sample is named by its index in the source (`source_index`: the row of a tensors
 file, the sample of digits, the file of an image folder in sorted order; image folders also give
@@ -165,7 +166,19 @@ def outliers(x: torch.Tensor, src: torch.Tensor, seed: int, k: int = 5) -> dict:
             "indices": [int(src[i]) for i in flagged], "scores": [round(float(score[i]), 4) for i in flagged]}
 
 
-def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0) -> dict:
+def volume_reduction(el2n: np.ndarray, src: torch.Tensor, flagged: set[int], keep: float) -> dict:
+    """Keep the `keep` fraction of the source with the highest EL2N among the unflagged samples; prune the rest."""
+    if not 0.0 < keep <= 1.0:
+        raise DataError(f"--keep {keep} must be a fraction in (0, 1], e.g. 0.5")
+    ids = src.tolist()
+    order = sorted((i for i in range(len(ids)) if ids[i] not in flagged), key=lambda i: (-el2n[i], ids[i]))
+    n_keep = min(len(order), int(round(keep * len(ids))))
+    prune = sorted(ids[i] for i in order[n_keep:]) + sorted(flagged)
+    return {"method": "EL2N |p - onehot(y)| of the out-of-fold probabilities (Paul et al. 2021): the hardest unflagged "
+                      "samples are kept", "keep_fraction": keep, "kept": n_keep, "prune": sorted(prune)}
+
+
+def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0, keep: float = 0.5) -> dict:
     """Audit the configured source; write out/audit.json and out/report.html; return the report."""
     import cleanlab.filter  # lazily: only the audit needs cleanlab
 
@@ -192,6 +205,7 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0) -> d
     el2n = np.linalg.norm(probs - onehot, axis=1)
     accuracy = float((probs.argmax(1) == labels).mean())
     exclude = sorted(set(issues["indices"]) | {b for _, b in dups["exact"]})
+    coreset = volume_reduction(el2n, src, set(exclude), keep)
     report = {
         "source": {"data.name": cfg.data.name, "data.path": cfg.data.path, "samples": len(x), "classes": classes,
                    "validation_samples": int(is_val.sum())},
@@ -200,6 +214,7 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0) -> d
         "el2n": {"easy_below": EASY_EL2N, "easy": int((el2n < EASY_EL2N).sum()),
                  "quantiles": [round(float(q), 4) for q in np.quantile(el2n, [0.1, 0.25, 0.5, 0.75, 0.9])]},
         "exclude": exclude,
+        "volume_reduction": coreset,
     }
     if any(names):  # image folders: the file of every flagged sample
         pos = {int(v): i for i, v in enumerate(src.tolist())}
@@ -212,10 +227,13 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0) -> d
         f"train/validation leakage: {len(dups['leakage'])}; outliers: {len(outl['indices'])}",
         f"class balance: largest / smallest class = {balance['imbalance_ratio']}; easy samples (EL2N < {EASY_EL2N}): "
         f"{report['el2n']['easy']}",
+        f"volume reduction: a coreset of {coreset['kept']} samples ({keep:.0%} of the source), the hardest by EL2N "
+        f"among the unflagged: --set data.exclude={out / 'coreset.json'}",
         f"wrote {out / 'audit.json'} and {out / 'report.html'}; train without the {len(exclude)} flagged samples with "
         f"--set data.exclude={out / 'audit.json'}",
     ]
     (out / "audit.json").write_text(json.dumps(report, indent=1))
+    (out / "coreset.json").write_text(json.dumps({"exclude": coreset["prune"], "about": coreset["method"]}, indent=1))
     (out / "report.html").write_text(_html(report, x, src))
     return report
 

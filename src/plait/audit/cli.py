@@ -1,7 +1,7 @@
 """`plait data pack` and `plait data audit`.
 
     plait data pack SOURCE -o DIR [--shard-size 64MB] [--set data.*=...]
-    plait data audit [CONFIG] [--set data.*=...] --out DIR [--folds 5]
+    plait data audit [CONFIG] [--set data.*=...] --out DIR [--folds 5] [--epochs 10] [--keep 0.5]
 
 SOURCE is a source name (digits, synthetic, clicks, stdlib-text), a folder with one sub-folder of
 images per class, a folder of text files or a text file, or a .npy / .npz / .pt tensors file.
@@ -55,7 +55,7 @@ def cmd_audit(a) -> int:
     from plait.audit.audit import run_audit  # lazily: plait --help must not import torch or cleanlab
 
     cfg = load_config(a.config, a.set)
-    report = run_audit(cfg, Path(a.out), folds=a.folds, epochs=a.epochs)
+    report = run_audit(cfg, Path(a.out), folds=a.folds, epochs=a.epochs, keep=a.keep)
     print("\n".join(report["summary"]))
     return 0
 
@@ -77,4 +77,5 @@ def add_parsers(sub, bench) -> None:
     au.add_argument("--out", required=True, help="folder for audit.json and report.html")
     au.add_argument("--folds", type=int, default=5, help="cross-validation folds for the out-of-fold probabilities")
     au.add_argument("--epochs", type=float, default=10.0, help="passes over each fold's training part")
+    au.add_argument("--keep", type=float, default=0.5, help="volume reduction: fraction of the data the coreset keeps")
     au.set_defaults(fn=cmd_audit)
