@@ -38,8 +38,7 @@ def test_kill_while_publishing_a_checkpoint_never_corrupts_latest(job, uninterru
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path):
-    run = tmp_path / "run"
+def _train_until_two_steps(job, run: Path) -> subprocess.Popen:
     env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.4"}  # every rank, every step: time to send the signal
     p = subprocess.Popen([sys.executable, "-m", "plait", "train", str(job), "--out", str(run)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -49,16 +48,49 @@ def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path):
         if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line) >= 2:
             break
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    return p
+
+
+@pytest.mark.parametrize("sig, said", [(signal.SIGTERM, "preempted (SIGTERM)"), (signal.SIGINT, "interrupted (Ctrl-C)")])
+def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path, sig, said):
+    """SIGTERM (a scheduler) and Ctrl-C do the same: every rank stops at the next logging step, one checkpoint, exit 0,
+    the resume command printed, no traceback."""
+    run = tmp_path / "run"
+    p = _train_until_two_steps(job, run)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
-    assert "preempted (SIGTERM): stopped cleanly at step_" in out
+    assert f"{said}: stopped cleanly at step_" in out, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, out + err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted"] and 2 <= summary["steps"] < 10
     assert os.readlink(run / "checkpoints" / "latest") == f"step_{summary['steps']:07d}"
     r = plait("train", "--resume", run)
     assert r.returncode == 0, r.stdout + r.stderr
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
+
+
+def test_a_second_ctrl_c_stops_at_once(job, tmp_path):
+    run = tmp_path / "run"
+    p = _train_until_two_steps(job, run)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 128 + signal.SIGINT, out + err
+    assert "Ctrl-C again to stop at once" in err and "interrupted again: workers killed" in err, err
+    time.sleep(0.5)
+    left = [c for c in Path("/proc").glob("[0-9]*/cmdline") if str(run).encode() in _read(c)]
+    assert not left, "workers outlived a second Ctrl-C"
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 def _corrupt(path: Path) -> None:

@@ -10,8 +10,10 @@ directory (which holds the resolved config.toml) and torchrun's usual environmen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -98,15 +100,51 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     _quiet_agent()
     os.environ.update(worker_env(cfg))
     args = ["-m", "plait.worker", str(run_dir)] + (["--resume"] if resume else [])
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import api as mp_api
 
+    mp_api._terminate_process_handler = _interrupt_handler(mp_api._terminate_process_handler, run_dir)
     try:
         elastic_launch(launch_config(cfg, run_dir), sys.executable)(*args)
     except ChildFailedError as e:
         return report_failure(e)
-    except SignalException as e:
+    except mp_api.SignalException as e:
         return report_preemption(run_dir, e)
     return 0
+
+
+def _interrupt_handler(torch_handler, run_dir: Path):
+    """Wrap the agent's signal handler (torch's raises SignalException, and the agent forwards the signal to its
+    workers, which stop at the next logging step and checkpoint). The first Ctrl-C says so; a second one kills the
+    workers at once: they run in sessions of their own, so the terminal's SIGINT reaches only this process."""
+    interrupts = 0
+
+    def handler(signum, frame):
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                for pid in _children():
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                ckpt = latest_checkpoint(run_dir)
+                print("\ninterrupted again: workers killed" + (f"; the latest checkpoint is {ckpt.name}, continue with "
+                      f"plait train --resume {run_dir}" if ckpt else ""), file=sys.stderr, flush=True)
+                os._exit(128 + signal.SIGINT)
+            print("\ninterrupted: the workers stop at the next logging step and checkpoint (Ctrl-C again to stop at "
+                  "once, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
+        torch_handler(signum, frame)
+
+    return handler
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux /proc; empty elsewhere)."""
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                out.append(int(stat.parent.name))
+    return out
 
 
 def report_preemption(run_dir: Path, e) -> int:
@@ -117,7 +155,8 @@ def report_preemption(run_dir: Path, e) -> int:
     preempted = summary.is_file() and json.loads(summary.read_text()).get("preempted")
     ckpt = latest_checkpoint(run_dir)
     if preempted and ckpt is not None:
-        print(f"preempted ({e.sigval.name}): stopped cleanly at {ckpt.name}; continue with "
+        what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"preempted ({e.sigval.name})"
+        print(f"{what}: stopped cleanly at {ckpt.name}; continue with "
               f"plait train --resume {run_dir}", flush=True)
         return 0
     print(f"error: stopped by {e.sigval.name} before a checkpoint was written"

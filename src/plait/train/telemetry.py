@@ -224,7 +224,9 @@ class Telemetry:
     # ---- the end
     def preempted(self, step: int, saved_at: int) -> dict:
         self.writer.close()
-        self.rt.print(f"stopped by SIGTERM after step {step}: checkpoint {saved_at} written; continue with "
+        how = {"SIGINT": "interrupted (Ctrl-C)", "SIGTERM": "stopped by SIGTERM"}.get(self.watchdog.stop_signal,
+                                                                                 "stopped on request")
+        self.rt.print(f"{how} after step {step}: checkpoint {saved_at} written; continue with "
                       f"plait train --resume {self.run_dir}")
         summary = {"steps": step, "preempted": True, "resumed_from_step": self.start or None}
         if self.writes:

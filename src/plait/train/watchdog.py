@@ -49,14 +49,15 @@ def _store():
 
 
 class Watchdog:
-    """Heartbeats, SIGTERM and the explanation of a failed collective, for one rank's training loop."""
+    """Heartbeats, SIGTERM/SIGINT and the explanation of a failed collective, for one rank's training loop."""
 
     def __init__(self, rt, timeout_s: float, comm=None):
         self.rt, self.timeout_s, self.comm = rt, timeout_s, comm
         self.store = _store() if rt.distributed else None
         self.stop_requested = False
+        self.stop_signal = ""  # the signal that asked for the stop: SIGTERM or SIGINT
         self.step, self.phase = 0, "data"
-        self._prev_handler = None
+        self._prev_handlers: dict = {}
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -119,21 +120,27 @@ class Watchdog:
         if threading.current_thread() is threading.main_thread():
 
             def handler(signum, frame):
-                self.stop_requested = True
+                if signum == signal.SIGINT and self.stop_signal == "SIGINT":
+                    os._exit(128 + signal.SIGINT)  # a second Ctrl-C: stop at once
+                if self.stop_requested:
+                    return
+                self.stop_requested, self.stop_signal = True, signal.Signals(signum).name
                 # A rank stuck in a collective never reaches the end of its step: do not outlive the grace period.
-                t = threading.Timer(self.timeout_s, lambda: os._exit(128 + signal.SIGTERM))
+                t = threading.Timer(self.timeout_s, lambda: os._exit(128 + signum))
                 t.daemon = True
                 t.start()
 
-            # SIGTERM (from torchrun's agent, Slurm, Kubernetes) asks for a clean stop at the next logging step.
-            self._prev_handler = signal.signal(signal.SIGTERM, handler)
+            # SIGTERM (from torchrun's agent, Slurm, Kubernetes) and SIGINT (Ctrl-C, forwarded by plait's launcher)
+            # ask for a clean stop at the next logging step: every rank agrees on it, the job checkpoints and exits 0.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._prev_handlers[sig] = signal.signal(sig, handler)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._done.set()
-        if self._prev_handler is not None:
-            signal.signal(signal.SIGTERM, self._prev_handler)
-            self._prev_handler = None
+        for sig, prev in self._prev_handlers.items():
+            signal.signal(sig, prev)
+        self._prev_handlers = {}
         if exc is not None and isinstance(exc, Exception):
             explained = self.explain(exc)
             if explained is not exc:
