@@ -92,6 +92,10 @@ class DataConfig:
                                       "the file, or is skipped (replaced by the next good one) and counted",
                              ("error", "skip"))
     exclude: str = opt("", "an audit.json from `plait data audit`: train without the samples it flags")
+    sampler: str = opt("shuffle", "training order: shuffle (a permutation per epoch) or balanced (each batch drawn with "
+                                  "replacement, every class equally likely; seeded per step)", ("shuffle", "balanced"))
+    class_weights: str = opt("none", "classification loss weights: none, or balanced (n / (classes * class count) on the "
+                                     "training split)", ("none", "balanced"))
 
 
 @dataclass

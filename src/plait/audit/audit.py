@@ -200,7 +200,9 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0, keep
     dups = duplicates(x, is_val, src)
     outl = outliers(x, src, cfg.train.seed)
     counts = np.bincount(labels, minlength=classes)
-    balance = {"counts": counts.tolist(), "imbalance_ratio": round(float(counts.max() / max(1, counts.min())), 3)}
+    balance = {"counts": counts.tolist(), "imbalance_ratio": round(float(counts.max() / max(1, counts.min())), 3),
+               "remedies": "--set data.sampler=balanced (every class equally likely in each batch) or "
+                           "--set data.class_weights=balanced (loss weights n / (classes * count))"}
     onehot = np.eye(classes)[labels]
     el2n = np.linalg.norm(probs - onehot, axis=1)
     accuracy = float((probs.argmax(1) == labels).mean())

@@ -60,26 +60,30 @@ def _writer(out: Path, shard_bytes: int):
     return BinaryWriter(str(out), chunk_bytes=shard_bytes, compression="zstd", compression_level="sample")
 
 
-def _write_split(dataset, out: Path, shard_bytes: int, batch: int = 256) -> int:
-    """Write every sample of `dataset` (its `fetch` order) into a LitData dataset at `out`; returns the count."""
+def _write_split(dataset, out: Path, shard_bytes: int, batch: int = 256) -> tuple[int, list]:
+    """Write every sample of `dataset` (its `fetch` order) into a LitData dataset at `out`; the count and the labels
+    (classification: one int per sample, kept in plait.json for balanced sampling)."""
     out.mkdir(parents=True)
     w = _writer(out, shard_bytes)
     records = getattr(dataset, "records", None)  # image folders: the encoded file bytes, decoded when read
-    n = len(dataset)
+    n, labels = len(dataset), []
     for start in range(0, n, batch):
         idx = torch.arange(start, min(n, start + batch))
         if records is not None:
             for i in idx.tolist():
                 data, label = records(i)
                 w[i] = {"image": data, "y": np.asarray([label], dtype=np.int64)}
+                labels.append(int(label))
             continue
         x, y = dataset.fetch(idx)
         xs, ys = x.numpy(), y.numpy()
         for k, i in enumerate(idx.tolist()):
             w[i] = {"x": np.ascontiguousarray(xs[k]), "y": np.ascontiguousarray(ys[k]).reshape(-1)}
+        if y.dim() == 1 and not y.is_floating_point():
+            labels += y.tolist()
     w.done()
     w.merge()
-    return n
+    return n, labels if len(labels) == n else []
 
 
 def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | None = None) -> dict:
@@ -93,7 +97,8 @@ def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        sizes = {split: _write_split(getattr(bundle, split), tmp / split, shard_bytes) for split in SPLITS}
+        written = {split: _write_split(getattr(bundle, split), tmp / split, shard_bytes) for split in SPLITS}
+        sizes = {split: n for split, (n, _) in written.items()}
         kind = "images" if getattr(bundle.train, "records", None) is not None else "arrays"
         meta = {
             "format": FORMAT, "kind": kind, "spec": asdict(bundle.spec), "sizes": sizes,
@@ -101,6 +106,7 @@ def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | No
             "tokenizer": bundle.tokenizer.to_json() if bundle.tokenizer is not None else None,
             "unigram_val_loss": bundle.unigram_val_loss, "ground_truth_val_loss": bundle.ground_truth_val_loss,
             "image": getattr(bundle.train, "image_meta", None),
+            "labels": {split: labels for split, (_, labels) in written.items() if labels},
             "source_index": {split: getattr(bundle, split).source_index.tolist() for split in SPLITS
                              if getattr(getattr(bundle, split), "source_index", None) is not None},
         }
@@ -265,6 +271,8 @@ def packed_source(data_cfg, model_cfg):
         splits = {k: PackedImages(v, meta["image"], data_cfg.on_bad_sample) for k, v in splits.items()}
     for split, ids in (meta.get("source_index") or {}).items():
         splits[split].source_index = torch.tensor(ids, dtype=torch.long)
+    for split, labels in (meta.get("labels") or {}).items():
+        splits[split].stored_labels = torch.tensor(labels, dtype=torch.long)
     tok = CharTokenizer.from_json(meta["tokenizer"]) if meta.get("tokenizer") else None
     if spec.task == "lm" and model_cfg.context != spec.input_shape[0]:
         raise DataError(f"data.path = {data_cfg.path!r} was packed with model.context = {spec.input_shape[0]}; set "

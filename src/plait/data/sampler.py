@@ -44,6 +44,42 @@ class GlobalBatchSampler:
         return torch.cat(parts)
 
 
+class BalancedBatchSampler:
+    """data.sampler = "balanced": every global batch is drawn with replacement, each class equally likely.
+
+    Step s's batch comes from a generator seeded by (seed, s) alone, so it is still a function of
+    (seed, step): the same at every layout, and a resumed run draws what the uninterrupted one drew.
+    """
+
+    def __init__(self, labels: torch.Tensor, global_batch_size: int, seed: int):
+        labels = torch.as_tensor(labels).long()
+        if len(labels) == 0:
+            raise ValueError("the dataset is empty")
+        self.n, self.batch, self.seed = len(labels), global_batch_size, seed
+        w = 1.0 / torch.bincount(labels)[labels].double()
+        self.weights = w / w.sum()
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_epoch_seed(self.seed ^ 0xBA1A5CED, step))
+        return torch.multinomial(self.weights, self.batch, replacement=True, generator=g)
+
+
+def balanced_class_weights(labels: torch.Tensor, classes: int) -> list[float]:
+    """n / (classes * count of the class), scikit-learn's "balanced"; classes with no sample get weight 0."""
+    counts = torch.bincount(torch.as_tensor(labels).long(), minlength=classes).double()
+    w = torch.where(counts > 0, len(labels) / (classes * counts.clamp(min=1)), torch.zeros_like(counts))
+    return [float(v) for v in w]
+
+
+def make_sampler(dataset, global_batch_size: int, seed: int, kind: str = "shuffle"):
+    """data.sampler: "shuffle" (a permutation per epoch) or "balanced" (classes equally likely)."""
+    if kind == "balanced":
+        from plait.data.sources import labels_of  # the label of every sample, whatever the source
+
+        return BalancedBatchSampler(labels_of(dataset), global_batch_size, seed)
+    return GlobalBatchSampler(len(dataset), global_batch_size, seed)
+
+
 def shard(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s contiguous slice of a batch that divides evenly by `world`."""
     per = len(indices) // world

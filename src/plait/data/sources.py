@@ -6,7 +6,7 @@ import os
 import pickle
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from plait.data.datasets import Tensors, TokenWindows
 from plait.data.images import image_folder
 from plait.data.packed import packed_source
+from plait.data.sampler import balanced_class_weights
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
 from plait.errors import DataError
@@ -221,4 +222,28 @@ def build_data(data_cfg, model_cfg) -> DataBundle:
         from plait.data.exclude import exclude  # lazily: only runs that exclude audited samples need it
 
         bundle = exclude(bundle, data_cfg.exclude)
+    if getattr(data_cfg, "class_weights", "none") == "balanced":
+        if bundle.spec.task != "classification":
+            raise DataError(f"data.class_weights = 'balanced' weighs classes; data.name = {data_cfg.name!r} is a "
+                            f"{bundle.spec.task!r} task: set data.class_weights='none'")
+        spec = replace(bundle.spec, class_weights=balanced_class_weights(labels_of(bundle.train), bundle.spec.num_classes))
+        bundle = replace(bundle, spec=spec)
     return bundle
+
+
+def labels_of(dataset) -> torch.Tensor:
+    """The class label of every sample of a classification dataset, without decoding its inputs."""
+    inner, keep = getattr(dataset, "dataset", None), getattr(dataset, "keep", None)
+    if inner is not None and keep is not None:  # a Subset (data.exclude)
+        return labels_of(inner)[keep]
+    if isinstance(dataset, Tensors):
+        return dataset.y.long()
+    if isinstance(getattr(dataset, "labels", None), list):  # an image folder
+        return torch.tensor(dataset.labels, dtype=torch.long)
+    stored = getattr(dataset, "stored_labels", None)  # packed splits: recorded when packed
+    if stored is not None:
+        return stored
+    if inner is not None:  # an augmenting wrapper
+        return labels_of(inner)
+    raise DataError("data.sampler = 'balanced' and data.class_weights = 'balanced' need class labels; this data has "
+                    "none (or was packed without them: pack it again)")

@@ -15,3 +15,4 @@ class DataSpec:
     tokens_per_sample: int = 0  # lm: the loss is a mean over this many tokens per sample
     cardinalities: list = field(default_factory=list)  # clicks: categories per categorical field (ids lead each row)
     dense_features: int = 0  # clicks: real-valued features after the categorical ids
+    class_weights: list = field(default_factory=list)  # classification: per-class loss weights (data.class_weights)

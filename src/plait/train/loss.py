@@ -20,6 +20,20 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float(), targets)
 
 
+def weighted_classification_loss(weights: torch.Tensor) -> Callable:
+    """data.class_weights: the mean over the micro-batch's samples of weight[label] * cross-entropy.
+
+    A mean over samples (not PyTorch's division by the sum of the weights), so that micro-batch losses
+    scaled by their share of the batch still add up to the global batch's: layout-independent.
+    """
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per = F.cross_entropy(logits.float(), targets, reduction="none")
+        return (per * weights.to(per.device)[targets]).mean()
+
+    return loss
+
+
 def binary_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.reshape(-1).float(), targets.reshape(-1).float())
 
@@ -52,6 +66,8 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
     """The loss of the data's task; contrastive: NT-Xent at `temperature` against the views of every rank of `group`."""
     if spec.task == "contrastive":
         return lambda z, _labels: nt_xent(z, temperature, group)
+    if spec.task == "classification" and spec.class_weights:
+        return weighted_classification_loss(torch.tensor(spec.class_weights, dtype=torch.float32))
     return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss}[spec.task]
 
 

@@ -21,7 +21,7 @@ from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
-from plait.data.sampler import GlobalBatchSampler
+from plait.data.sampler import make_sampler
 from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
@@ -73,7 +73,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
     files = run_dir is not None and rt.role != "worker"  # a parameter server's other workers write nothing
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files else None
-    sampler = GlobalBatchSampler(len(bundle.train), t.global_batch_size, t.seed)
+    sampler = make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler)
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
