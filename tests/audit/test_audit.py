@@ -41,7 +41,8 @@ def test_flipped_labels_are_found_and_excluding_them_helps(flipped):
     assert all(g != s for g, s in zip(li["given"], li["suggested"]))
     assert set(li["indices"]) <= set(audit["exclude"])
     assert audit["source"]["samples"] == 1438 and sum(audit["class_balance"]["counts"]) == 1438
-    assert "plait data audit" in (out / "audit" / "report.html").read_text()
+    page = (out / "audit" / "report.html").read_text()
+    assert "plait data audit" in page and page.count("data:image/png;base64") == 3  # histograms, label issues, outliers
     # volume reduction: half the data, the hardest unflagged by EL2N, keeps the accuracy (measured: 0.975 vs random 0.955)
     core = audit["volume_reduction"]
     assert core["kept"] == r["coreset_kept"] == 719 and len(core["prune"]) == 1438 - 719

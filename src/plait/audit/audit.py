@@ -236,7 +236,7 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0, keep
     ]
     (out / "audit.json").write_text(json.dumps(report, indent=1))
     (out / "coreset.json").write_text(json.dumps({"exclude": coreset["prune"], "about": coreset["method"]}, indent=1))
-    (out / "report.html").write_text(_html(report, x, src))
+    (out / "report.html").write_text(_html(report, x, src, _histogram(el2n, probs[np.arange(len(labels)), labels])))
     return report
 
 
@@ -264,7 +264,27 @@ def _grid(x: torch.Tensor, src: torch.Tensor, ids: list[int], captions: list[str
     return f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
-def _html(r: dict, x: torch.Tensor, src: torch.Tensor) -> str:
+def _histogram(el2n: np.ndarray, confidence: np.ndarray) -> str:
+    """A PNG (base64) of the EL2N scores and the given labels' out-of-fold probabilities."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 2.5))
+    axes[0].hist(el2n, bins=40)
+    axes[0].set_xlabel("EL2N |p - onehot(y)|")
+    axes[1].hist(confidence, bins=40)
+    axes[1].set_xlabel("out-of-fold probability of the given label")
+    for ax in axes:
+        ax.set_ylabel("samples")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def _html(r: dict, x: torch.Tensor, src: torch.Tensor, plots: str = "") -> str:
     li = r["label_issues"]
     caps = [f"#{i}: {g}->{s}" for i, g, s in zip(li["indices"], li["given"], li["suggested"])]
     rows = "".join(f"<tr><td>{i}</td><td>{html.escape(str(n))}</td><td>{g}</td><td>{s}</td><td>{c}</td></tr>"
@@ -274,7 +294,7 @@ def _html(r: dict, x: torch.Tensor, src: torch.Tensor) -> str:
     o = r["outliers"]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>plait data audit</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 8px;text-align:left}}</style></head><body>
-<h1>plait data audit</h1><p>{"<br>".join(html.escape(s) for s in r["summary"])}</p>
+<h1>plait data audit</h1><p>{"<br>".join(html.escape(s) for s in r["summary"])}</p>{plots}
 <h2>Label issues ({len(li["indices"])})</h2><p>{html.escape(li["method"])}</p>{_grid(x, src, li["indices"], caps)}
 <table><tr><th>source index</th><th>name</th><th>given</th><th>suggested</th><th>self-confidence</th></tr>{rows}</table>
 <h2>Duplicates</h2><p>exact: {html.escape(str(r["duplicates"]["exact"][:50]))}</p>
