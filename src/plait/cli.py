@@ -44,13 +44,25 @@ def cmd_train(a) -> int:
     if a.resume:
         if a.config:
             raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
+        from plait.launch.resume import check_resume_overrides, fork_run
+
         run_dir = Path(a.resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
+        saved = load_config(run_dir / "config.toml")
         cfg = load_job(run_dir / "config.toml", a.set)
+        check_resume_overrides(saved, cfg, run_dir)
         role = job_role(cfg)  # a rank of a job torchrun, Slurm, MPI, Kubeflow or Ray started, or plait's launcher
+        if a.out and Path(a.out).resolve() != run_dir.resolve():
+            if role.worker or role.cfg.launch.node_rank != 0:
+                raise ConfigError(f"--resume {run_dir} --out {a.out} forks the run: do that once with plait train, "
+                                  f"then start the job with --resume {a.out}")
+            run_dir = fork_run(run_dir, Path(a.out))
     else:
+        from plait.launch.resume import absolute_paths
+
         cfg = load_job(a.config, a.set)
+        absolute_paths(cfg)
         role = job_role(cfg)
         run_dir = Path(a.out) if a.out else _default_run_dir(role)
         first_node = role.cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
@@ -146,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="TOML config file")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place (with "
+                   "--out NEW: fork it, continuing in NEW)")
     t.add_argument("--dry-run", action="store_true", help="validate and write the run's config.toml, start nothing")
     t.add_argument("--trust-checkpoint", action="store_true",
                    help="with --resume: accept checkpoints that have no manifest.json (plait 0.1); see docs/security.md")
@@ -193,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
 VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
-                                  "plait.launch.cli", "plait.audit.cli")
+                                  "plait.launch.cli", "plait.audit.cli", "plait.compress.cli")
 
 
 def _load_verbs(name: str):

@@ -24,6 +24,7 @@ from plait.config import ModelConfig
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, PlaitError
 from plait.finetune import adapter_state_dict, lora_layers, merge_lora
+from plait.finetune.lowrank import with_low_rank_structure
 from plait.models import build_model
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 from plait.train.weights import build_run_model
@@ -136,23 +137,57 @@ def load_exported(path: str | Path, trust_factory: bool = False) -> tuple[nn.Mod
         raise CheckpointError(f"{path} names model.factory = {model_cfg.factory!r}: building it would import and call "
                               "that code with the options the file gives; pass --trust-factory only if you trust both the "
                               "file and that code (files of registered models need no flag)")
+    low_rank, int8 = _compressed(path, meta, shapes)  # `plait compress` files: their layers' structure and scales
     try:
         with torch.device("meta"):  # shapes first: a file cannot make plait allocate a model larger than it holds
-            skeleton = build_model(model_cfg, spec).state_dict()
+            skeleton = with_low_rank_structure(build_model(model_cfg, spec), low_rank).state_dict()
     except PlaitError as e:
         raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({e})") from None
     except Exception as e:
         raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({_first_line(e)})") from None
     _check_tensors(path, skeleton, shapes)
     try:
-        model = build_model(model_cfg, spec)
+        model = with_low_rank_structure(build_model(model_cfg, spec), low_rank)
     except PlaitError as e:
         raise CheckpointError(f"{path}: the model cannot be built ({e})") from None
     except Exception as e:
         raise CheckpointError(f"{path}: the model cannot be built ({_first_line(e)})") from None
     tensors = _load_tensors(path)
+    for layer in int8:  # int8 weights and per-row scales back to the float weights they stand for
+        tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].float() * tensors.pop(f"{layer}.weight_scale")
     model.load_state_dict(tensors)
+    if int8:
+        _requantize(model, int8)
     return model, meta
+
+
+def _compressed(path: Path, meta: dict, shapes: dict) -> tuple[dict[str, int], list[str]]:
+    """What `plait compress` recorded: low-rank layers and their ranks; int8 layers (their scales leave `shapes`)."""
+    try:
+        low_rank = json.loads(meta.get("plait.low_rank", "{}"))
+        int8 = json.loads(meta["plait.quantize"])["layers"] if "plait.quantize" in meta else []
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: malformed plait.low_rank / plait.quantize metadata; compress the run again") from None
+    if not (isinstance(low_rank, dict) and all(isinstance(k, str) and isinstance(v, int) and 0 < v <= 1 << 16
+                                               for k, v in low_rank.items())
+            and isinstance(int8, list) and all(isinstance(x, str) for x in int8)):
+        raise CheckpointError(f"{path}: malformed plait.low_rank / plait.quantize metadata; compress the run again")
+    for layer in int8:
+        if f"{layer}.weight_scale" not in shapes or f"{layer}.weight" not in shapes:
+            raise CheckpointError(f"{path}: int8 layer {layer} has no weight or weight_scale tensor")
+        shapes.pop(f"{layer}.weight_scale")
+        shape, _ = shapes[f"{layer}.weight"]
+        shapes[f"{layer}.weight"] = (shape, "F32")
+    return low_rank, int8
+
+
+def _requantize(model: nn.Module, layers: list[str]) -> None:
+    """Serve int8 layers as int8 (torchao weight-only) when torchao is installed; as their float values otherwise."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in layers)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
