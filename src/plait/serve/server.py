@@ -9,7 +9,11 @@ Connections (docs/security.md): a request's head must arrive within --read-timeo
 byte (or of the connection opening), else the connection is closed; at most --max-connections
 are open at once, and one more is closed as soon as it is accepted. uvicorn has neither
 setting, so both live in a subclass of its HTTP protocol (`guarded_protocol`); its own
-keep-alive timeout closes idle connections, and h11's limit bounds the size of a head.
+keep-alive timeout closes idle connections. A head larger than MAX_HEAD_BYTES closes the connection
+(h11 has such a limit, httptools none).
+
+The loop and the parser are the fast ones when installed (uvloop, httptools: `loop_and_protocol()`),
+as uvicorn's "auto" would choose; asyncio's own loop and h11 otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ try:  # the protocol uvicorn's "auto" would choose
 except ImportError:
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPBase
 
+try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it always makes asyncio's own)
+    import uvloop
+
+    _new_loop = uvloop.new_event_loop
+except ImportError:
+    _new_loop = asyncio.new_event_loop
+
 from plait.serve.app import create_app
 from plait.serve.model import ModelRef, load_model
 from plait.serve.protocol import ServeError
@@ -37,6 +48,7 @@ from plait.serve.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 
 GRACEFUL_S = 30  # how long in-flight requests may take to finish after SIGTERM
+MAX_HEAD_BYTES = 64 * 1024  # a request head (request line + headers) at most this long
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -83,6 +95,7 @@ class _Guarded:
 
     def connection_made(self, transport) -> None:
         self._head_timer = None
+        self._head_bytes = 0
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             transport.close()  # uvicorn's connection_lost forgets it
@@ -112,6 +125,11 @@ class _Guarded:
         super().data_received(data)
         if not self._waiting_for_head():
             self._disarm()
+            self._head_bytes = 0
+        else:  # all of it is (part of) a head
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -143,6 +161,16 @@ async def serve_async(service: Service, server: uvicorn.Server, sock: socket.soc
         await service.stop()
 
 
+def run_loop(main) -> None:
+    """asyncio.run(main) on uvloop when it is installed (its loop costs the request path less than asyncio's)."""
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        runner.run(main)
+
+
+def loop_and_protocol() -> str:
+    return f"{'uvloop' if _new_loop is not asyncio.new_event_loop else 'asyncio'} + {_HTTPBase.__name__}"
+
+
 def run(path: str, opts: ServeOptions) -> int:
     """`plait serve`: load, print what is served, answer until SIGINT/SIGTERM."""
     sock = bind(opts.host, opts.port)
@@ -168,7 +196,7 @@ def run(path: str, opts: ServeOptions) -> int:
             print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
                   + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)
 
-        asyncio.run(serve_async(service, uvicorn_server(service), sock, banner))
+        run_loop(serve_async(service, uvicorn_server(service), sock, banner))
     finally:
         sock.close()
     print("plait serve: stopped", file=sys.stderr, flush=True)
@@ -196,7 +224,7 @@ class ServerThread:
 
     def _main(self) -> None:
         try:
-            asyncio.run(serve_async(self.service, self.server, self.sock))
+            run_loop(serve_async(self.service, self.server, self.sock))
         except BaseException as e:  # surfaced by start() / stop()
             self._error = e
 
