@@ -257,6 +257,8 @@ class FinetuneConfig:
     lora_rank: int = opt(0, "LoRA: rank of the adapters on the target Linear layers (0: off); the base stays frozen")
     lora_alpha: float = opt(16.0, "LoRA: the adapter output is scaled by lora_alpha / lora_rank")
     lora_targets: list = opt(["*attn.q", "*attn.v"], "LoRA: glob patterns over the names of the Linear layers to adapt")
+    quantize_base: str = opt("none", "QLoRA: store the adapted layers' frozen base weights in 4-bit NormalFloat (nf4, "
+                                     "bitsandbytes: plait[qlora]) or not (none)", ("none", "nf4"))
 
 
 @dataclass

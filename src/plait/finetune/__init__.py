@@ -36,6 +36,18 @@ def check(cfg) -> None:
                         or not all(isinstance(p, str) and p for p in f.lora_targets)):
         raise ConfigError(f"finetune.lora_targets = {f.lora_targets!r} must be a non-empty list of glob patterns over "
                           "Linear layer names, e.g. ['*attn.q', '*attn.v']")
+    if f.quantize_base != "none":
+        if not f.lora_rank:
+            raise ConfigError(f"finetune.quantize_base = {f.quantize_base!r} quantizes the base under LoRA adapters: "
+                              "set finetune.lora_rank (e.g. 8) or finetune.quantize_base='none'")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError("finetune.quantize_base = 'nf4' uses bitsandbytes: pip install 'plait[qlora]', or set "
+                              "finetune.quantize_base='none'") from None
+        if cfg.parallel.zero:
+            raise ConfigError("finetune.quantize_base = 'nf4' is supported with data parallel (parallel.zero = 0): ZeRO "
+                              "would not shard its 4-bit buffers; set parallel.zero=0")
     if not active(cfg):
         return
     p = cfg.parallel
@@ -52,7 +64,7 @@ def apply_finetune(model: nn.Module, ft) -> nn.Module:
     if ft.freeze:
         freeze(model, ft.freeze)
     if ft.lora_rank > 0:
-        apply_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets)
+        apply_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets, quantize=ft.quantize_base)
     return model
 
 

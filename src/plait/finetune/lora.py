@@ -21,27 +21,66 @@ import torch.nn.functional as F
 from plait.errors import ConfigError
 from plait.finetune.freeze import match
 
+NF4_BLOCK = 64  # values per absmax scale (QLoRA's first-level block size; the scales are kept in fp32)
+
 
 class LoRALinear(nn.Module):
-    """A Linear layer's frozen weight and bias with a rank-r adapter; merge() folds it in, unmerge() takes it out."""
+    """A Linear layer's frozen weight and bias with a rank-r adapter; merge() folds it in, unmerge() takes it out.
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+    quantize = "nf4" (QLoRA, Dettmers et al. 2023): the frozen weight is stored as 4-bit NormalFloat codes
+    (`weight_nf4`, two per byte) and one fp32 absmax per 64 values (`weight_absmax`), through bitsandbytes;
+    each forward dequantizes it. Such a layer merges only into a new Linear (`to_linear`).
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, quantize: str = "none"):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
+        w = base.weight
+        self.quantize = quantize
+        if quantize == "nf4":
+            import bitsandbytes.functional as bnbf  # optional dependency (plait[qlora])
+
+            if w.device.type == "meta":  # shapes only (the job check builds the model on the meta device)
+                n = w.numel()
+                q = torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device="meta")
+                absmax, code = torch.empty(-(-n // NF4_BLOCK), device="meta"), torch.empty(16, device="meta")
+            else:
+                q, state = bnbf.quantize_4bit(w.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
+                absmax, code = state.absmax.float(), state.code.float()
+            self.register_buffer("weight_nf4", q)
+            self.register_buffer("weight_absmax", absmax)
+            self.register_buffer("nf4_code", code.to(absmax.device), persistent=False)  # the 16 NF4 levels
+        else:
+            self.weight = w
+            self.weight.requires_grad_(False)
         self.bias = base.bias
-        self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        w = self.weight
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=w.device, dtype=w.dtype))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
 
+    def base_weight(self) -> torch.Tensor:
+        """The frozen weight (dequantized from nf4 when stored so)."""
+        if self.quantize != "nf4":
+            return self.weight
+        import bitsandbytes.functional as bnbf
+
+        state = bnbf.QuantState(absmax=self.weight_absmax, shape=torch.Size((self.out_features, self.in_features)),
+                                code=self.nf4_code, blocksize=NF4_BLOCK, quant_type="nf4",
+                                dtype=torch.float32)
+        return bnbf.dequantize_4bit(self.weight_nf4, quant_state=state)
+
+    def base_bytes(self) -> int:
+        if self.quantize == "nf4":
+            return self.weight_nf4.numel() * self.weight_nf4.element_size() + self.weight_absmax.numel() * 4
+        return self.weight.numel() * self.weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        w = self.base_weight()
+        y = F.linear(x, w.to(x.dtype) if self.quantize == "nf4" else w, self.bias)
         if self.merged:
             return y
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
@@ -51,6 +90,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
+        if self.quantize == "nf4":
+            raise ValueError("an nf4 base cannot take the adapter in place; use to_linear() / merge_lora()")
         if not self.merged:
             self.weight.add_(self.delta().to(self.weight.dtype))
             self.merged = True
@@ -62,12 +103,16 @@ class LoRALinear(nn.Module):
             self.merged = False
 
     def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear holding W + scale * B A (merges first)."""
-        self.merge()
+        """A plain nn.Linear holding W + scale * B A (merges first; an nf4 base is dequantized)."""
+        if self.quantize == "nf4":
+            w = self.base_weight().float() + (self.delta().float() if not self.merged else 0)
+        else:
+            self.merge()
+            w = self.weight
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        device=self.weight.device, dtype=self.weight.dtype)
+                        device=w.device, dtype=self.lora_A.dtype)
         with torch.no_grad():
-            out.weight.copy_(self.weight)
+            out.weight.copy_(w)
             if self.bias is not None:
                 out.bias.copy_(self.bias)
         return out
@@ -81,7 +126,8 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], key: str = "finetune.lora_targets") -> list[str]:
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], key: str = "finetune.lora_targets",
+               quantize: str = "none") -> list[str]:
     """Freeze every parameter, then put an adapter on each Linear whose name matches a target; returns their names."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
     if not linears:
@@ -99,7 +145,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], ke
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
-        _set(model, name, LoRALinear(model.get_submodule(name), rank, alpha))
+        _set(model, name, LoRALinear(model.get_submodule(name), rank, alpha, quantize))
     return names
 
 

@@ -34,7 +34,8 @@ def build_run_model(run_dir: Path, adapters: bool = True):
     spec = DataSpec(**json.loads(spec_file.read_text()))
     model = build_model(cfg.model, spec)
     if adapters and cfg.finetune.lora_rank > 0:
-        apply_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets)
+        apply_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets,
+                   quantize=cfg.finetune.quantize_base)
     return cfg, spec, model
 
 
