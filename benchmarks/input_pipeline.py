@@ -1,6 +1,6 @@
 """Input pipeline: samples/s of plait's loaders against a plain torch DataLoader over the same image folder.
 
-    python benchmarks/input_pipeline.py [--images 1200] [--size 64] [--image-size 32] [--batch 32] [--steps 30]
+    python benchmarks/input_pipeline.py [--images 1200] [--size 64] [--image-size 32] [--batch 32] [--steps 100]
                                         [--workers 0 1 2] [--augment random_crop hflip] [--out DIR]
 
 Writes an image folder of JPEGs (10 classes; `--images` files of `--size` pixels squared), packs
@@ -10,6 +10,7 @@ second of
                same decode plait uses), shuffled, batch `--batch`;
   - folder     plait's StepLoader over data.name = "images" (data.workers = N);
   - packed     plait's StepLoader over the packed shards (data.workers = N);
+  - +augment   the same with data.augment = `--augment` (random_crop, hflip), which the others do not do;
 and the samples per second of a training step of the default image model (model.name = cnn at
 plait's default width and depth, input 3 x image_size^2) on this machine. The verdict says whether
 training that model would be input-bound (the best plait loader slower than the step) and by how much.
@@ -115,7 +116,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--size", type=int, default=64, help="pixels of the stored JPEGs")
     ap.add_argument("--image-size", type=int, default=32, help="data.image_size: what the model sees")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--augment", nargs="*", default=["random_crop", "hflip"])
     ap.add_argument("--out", type=Path, help="write input_pipeline.json here")
@@ -133,10 +134,11 @@ def main(argv=None) -> dict:
         for w in a.workers:
             rows.append({"workers": w,
                          "torch": rate_torch(plain, a.batch, a.steps, w),
-                         "folder": rate_plait(wrap(bundle.train), a.batch, a.steps, w),
-                         "packed": rate_plait(wrap(packed.train), a.batch, a.steps, w)})
+                         "folder": rate_plait(bundle.train, a.batch, a.steps, w),
+                         "packed": rate_plait(packed.train, a.batch, a.steps, w),
+                         "packed_augment": rate_plait(wrap(packed.train), a.batch, a.steps, w)})
     model_rate, model_desc = rate_model(a.image_size, a.batch)
-    best = max(max(r["folder"], r["packed"]) for r in rows)
+    best = max(max(r["folder"], r["packed"], r["packed_augment"]) for r in rows)
     bound = best < model_rate
     verdict = (f"INPUT-BOUND: the best plait loader gives {best:,.0f} samples/s, a training step of the default model "
                f"takes {model_rate:,.0f} samples/s; the GPU/CPU would wait {100 * (1 - best / model_rate):.0f} % of the "
@@ -145,9 +147,11 @@ def main(argv=None) -> dict:
                f"not input-bound: the best plait loader gives {best:,.0f} samples/s, above the {model_rate:,.0f} samples/s "
                "a training step of the default model takes")
     print(f"{a.images} JPEGs {a.size}x{a.size} -> {a.image_size}x{a.image_size}, batch {a.batch}, augment {a.augment}")
-    print(f"{'workers':>7} {'torch DataLoader':>17} {'plait folder':>13} {'plait packed':>13}   (samples/s)")
+    print(f"{'workers':>7} {'torch DataLoader':>17} {'plait folder':>13} {'plait packed':>13} {'packed+augment':>15}"
+          "   (samples/s)")
     for r in rows:
-        print(f"{r['workers']:>7} {r['torch']:>17,.0f} {r['folder']:>13,.0f} {r['packed']:>13,.0f}")
+        print(f"{r['workers']:>7} {r['torch']:>17,.0f} {r['folder']:>13,.0f} {r['packed']:>13,.0f} "
+              f"{r['packed_augment']:>15,.0f}")
     print(f"model: {model_desc}: {model_rate:,.0f} samples/s per training step (forward, backward, SGD)")
     print(verdict)
     result = {"rows": rows, "model_samples_per_s": model_rate, "model": model_desc, "input_bound": bound,

@@ -15,8 +15,8 @@ def test_input_pipeline_benchmark_tiny(tmp_path, capsys):
     r = mod.main(["--images", "60", "--size", "16", "--image-size", "8", "--batch", "8", "--steps", "3",
                   "--workers", "0", "1", "--out", str(tmp_path)])
     assert [row["workers"] for row in r["rows"]] == [0, 1]
-    assert all(row[k] > 0 for row in r["rows"] for k in ("torch", "folder", "packed"))
-    best = max(max(row["folder"], row["packed"]) for row in r["rows"])
+    assert all(row[k] > 0 for row in r["rows"] for k in ("torch", "folder", "packed", "packed_augment"))
+    best = max(max(row["folder"], row["packed"], row["packed_augment"]) for row in r["rows"])
     assert r["input_bound"] == (best < r["model_samples_per_s"])
     assert r["verdict"].startswith("INPUT-BOUND" if r["input_bound"] else "not input-bound")
     assert (tmp_path / "input_pipeline.json").is_file() and "plait packed" in capsys.readouterr().out
