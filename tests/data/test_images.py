@@ -153,3 +153,13 @@ def test_augment_config_is_checked():
 
         cfg = load_config(None, ["data.name='synthetic'", "data.augment=['hflip']"])
         augmented(build_data(cfg.data, cfg.model), cfg.data, 0)
+
+
+def test_augmented_image_training_at_dp2_equals_one_process(folder, pool2):
+    """The rank pool's processes are daemonic: data.workers falls back to the loader's thread, same batches."""
+    from test_packed import _diff, _rank0
+
+    base = [*IMG, f"data.path='{folder}'", "data.augment=['random_crop', 'hflip', 'noise']", "data.augment_noise=0.05"]
+    ref = params_after(load_config(None, base), None)
+    two = pool2.run(_rank0, load_config(None, [*base, "parallel.dp=2", "data.workers=2"]), None)[0]
+    assert _diff(two, ref) < 1e-6

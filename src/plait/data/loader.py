@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import queue
 import threading
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ import torch
 from plait.data.sampler import GlobalBatchSampler, micro_batches, shard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+log = logging.getLogger("plait.data")
 
 
 def fetch_micro(dataset, mb: torch.Tensor, step: int, epochs: torch.Tensor) -> Batch:
@@ -79,8 +82,12 @@ class StepLoader:
 
     def __iter__(self) -> Iterator[list[Batch]]:
         if self.workers > 0 and self.stop > self.start:
-            yield from self._from_workers()
-            return
+            if not multiprocessing.current_process().daemon:
+                yield from self._from_workers()
+                return
+            # a daemonic process (a test harness's rank) may not start workers: the same batches, from the thread
+            log.warning("data.workers = %d ignored: this process is daemonic and cannot start worker processes",
+                        self.workers)
         if self.prefetch <= 0:
             for step in range(self.start, self.stop):
                 yield self._make(step)
