@@ -70,11 +70,19 @@ def job(tmp_path_factory, tiny_text) -> Path:
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(job, tmp_path_factory) -> dict:
-    """The exported weights of `job` run straight through."""
-    from helpers import plait, weights
+def straight_run(job, tmp_path_factory) -> Path:
+    """`job` run straight through (a run dir; tests must not change it)."""
+    from helpers import plait
 
     run = tmp_path_factory.mktemp("straight") / "run"
     r = plait("train", job, "--out", run)
     assert r.returncode == 0, r.stdout + r.stderr
-    return weights(run)
+    return run
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(straight_run) -> dict:
+    """The exported weights of `job` run straight through."""
+    from helpers import weights
+
+    return weights(straight_run)

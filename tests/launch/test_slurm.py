@@ -80,10 +80,22 @@ def _submit(slurm, job, run, *extra, env=None) -> str:
     return r.stdout.split("submitted job ")[1].split()[0]
 
 
+def _wait_done(slurm, job: str, out, timeout: float) -> None:
+    """Until the job has left the queue and its output says it finished (a busy slurmctld may answer late)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if out.is_file() and "done: 10 steps" in out.read_text() and slurm.state(job) == "":
+            return
+        if out.is_file() and "Traceback" in out.read_text() and slurm.state(job) == "":
+            break
+        time.sleep(0.3)
+    slurm.wait_gone(job, 10)
+
+
 def test_two_node_slurm_job_trains_to_the_torchrun_weights(slurm, sgd_job, sgd_reference, tmp_path):
     run = tmp_path / "run"
     job = _submit(slurm, sgd_job, run)
-    slurm.wait_gone(job, 120)
+    _wait_done(slurm, job, run / f"slurm-{job}.out", 180)
     log = (run / f"slurm-{job}.out").read_text()
     assert "done: 10 steps" in log, log
     assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
@@ -128,10 +140,7 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
     assert "Restarts=1" in slurm.exit_code(job)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # else Slurm holds a requeued job ~120 s
     out = run / f"slurm-{job}.out"
-    deadline = time.time() + 150  # the requeued job runs to its end and leaves the queue
-    while time.time() < deadline and not ("done: 10 steps" in out.read_text() and slurm.state(job) == ""):
-        time.sleep(0.3)
-    slurm.wait_gone(job, 10)
+    _wait_done(slurm, job, out, 150)  # the requeued job runs to its end and leaves the queue
     wall = time.monotonic() - t0
     log = out.read_text()
     assert "USR1: stopping at the next logging step" in log and "requeueing" in log, log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -64,10 +65,26 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; a resumed run appends to the same file."""
+    """Appends one JSON object per line; a resumed run appends to the same file.
 
-    def __init__(self, path: Path | None):
+    keep_through=S (a run resumed at step S): first drop the records of steps after S, which the resumed run
+    replays, and any line a killed writer left half-written, so each step is in the file once, in order.
+    """
+
+    def __init__(self, path: Path | None, keep_through: int | None = None):
         self.path = path
+        if path and keep_through is not None and path.is_file():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record.get("step"), int) or record["step"] <= keep_through:
+                    kept.append(line + "\n")
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
         self._f = open(path, "a") if path else None
 
     def write(self, record: dict) -> None:
