@@ -132,10 +132,21 @@ def test_a_crashed_replica_is_replaced(server):
     assert httpx.post(f"{server.url}/v2/models/mlp/infer", json=body, timeout=90).status_code == 200
     pid = next(r.proc.pid for r in pool._replicas if r is not None and r.live and not r.retiring)
     before = pool.restarts
+    slot = pool.pids().index(pid)
     os.kill(pid, signal.SIGKILL)
     poll(lambda: pool.restarts == before + 1, 30, "the restart")
     assert httpx.post(f"{server.url}/v2/models/mlp/infer", json=body, timeout=90).status_code == 200
+    poll(lambda: pool.pids()[slot] not in (None, pid), 60, "the replacement in the dead replica's slot")
     assert pid not in pool.pids() and metric(server, "plait_replica_restarts_total") >= 1
+
+
+def test_a_held_request_is_bounded_by_the_timeout(mlp_run):  # noqa: F811
+    opts = ServeOptions(autoscale="0:1", timeout_ms=30)  # far less than a replica's cold start
+    with ServerThread(mlp_run / "model.safetensors", opts) as srv:
+        r = httpx.post(f"{srv.url}/v2/models/mlp/infer", json=infer_json(np.zeros((1, 1, 8, 8), np.float32)), timeout=30)
+        assert r.status_code == 504 and r.json()["error"] == ("the request did not finish within --timeout-ms 30; its "
+                                                              "work was dropped")
+        assert srv.service.autoscaler.history[0].reason == "cold-start"  # it did start a replica meanwhile
 
 
 def test_idle_goes_back_to_min(server):

@@ -240,6 +240,8 @@ class ReplicaPool:
         self._stopping = True
         for r in self._replicas:
             if r is not None:
+                if not r.live:  # still loading (it holds no work): no need to wait for its cold start to end
+                    r.proc.kill()
                 try:
                     r.conn.send(None)
                 except (OSError, ValueError):

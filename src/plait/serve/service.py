@@ -262,7 +262,19 @@ class Service:
     async def _run_batch(self, batch: list[Pending]) -> None:
         if batch[0].key[0] == "infer":
             x = np.concatenate([p.payload for p in batch]) if len(batch) > 1 else batch[0].payload
-            out = await self.executor.run(("infer", x))
+            if self.autoscaler is not None:  # the batch may wait for a cold start: not once all its requests gave up
+                run = asyncio.ensure_future(self.executor.run(("infer", x)))
+                run.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
+                gave_up = asyncio.ensure_future(asyncio.wait([p.future for p in batch]))
+                try:
+                    await asyncio.wait({run, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gave_up.cancel()
+                if not run.done():
+                    return  # every request of the batch timed out or went away; its answer will not be read
+                out = run.result()
+            else:
+                out = await self.executor.run(("infer", x))
             start = 0
             for p in batch:
                 stop = start + p.rows
