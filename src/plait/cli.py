@@ -102,14 +102,29 @@ def _check_new_run_dir(run_dir: Path) -> None:
                           "overwrite them: choose a new or empty folder")
 
 
+def _check_sets(sets: list[str]) -> None:
+    """`--set train.steps 20` would read 20 as the config file: name the slip before anything else does."""
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE, e.g. --set {item}=... (with '=', no space)")
+
+
 def cmd_config_show(a) -> int:
-    print(format_config(load_config(a.config, a.set)))
+    config = a.config
+    if config and Path(config).is_dir() and (Path(config) / "config.toml").is_file():
+        config = Path(config) / "config.toml"  # a run directory: the config it ran with
+    print(format_config(load_config(config, a.set)))
     return 0
 
 
 def cmd_export(a) -> int:
     if a.output is not None and a.output.suffix in (".onnx", ".pt2", ".pte"):
         return cmd_export_edge(a)
+    if a.output is not None and a.output.is_dir():
+        a.output = a.output / "model.safetensors"  # -o exports/: into that folder
+    if a.output is not None and a.output.suffix != ".safetensors":
+        raise ConfigError(f"-o {a.output}: plait writes .safetensors (weights) or an edge export (.onnx, .pt2, .pte); "
+                          "name the file with one of these suffixes")
     if a.batch is not None or a.edge_quantize or a.aoti:
         raise ConfigError("--batch, --quantize and --aoti apply to edge exports: pass -o model.onnx or -o model.pt2")
     from plait.export import export  # lazily: plait --help must not import torch
@@ -150,8 +165,18 @@ def cmd_report(a) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plait", description="Distributed training and serving for PyTorch.")
+    p.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     t = sub.add_parser("train", help="train a model (no CONFIG: the built-in default job)")
@@ -216,8 +241,14 @@ def _load_verbs(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:  # `plait` alone: what it can do, not an error
+        parser.print_help()
+        return 0
+    a = parser.parse_args(argv)
     try:
+        _check_sets(getattr(a, "set", None) or [])
         return a.fn(a)
     except PlaitError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -99,7 +99,7 @@ class Telemetry:
         cfg, rt, layout = self.cfg, self.rt, self.layout
         n_params = sum(p.numel() for p in self.strategy.module.parameters())
         rt.print(
-            f"plait: {cfg.model.factory or cfg.model.name} ({n_params / 1e6:.2f}M params) on {self.bundle.spec.name} · "
+            f"plait: {cfg.model.factory or cfg.model.name} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
             f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} (dp={layout.dp}, {self.strategy.name}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
@@ -327,3 +327,11 @@ def write_run_files(run_dir: Path, cfg, bundle) -> None:
     (run_dir / "spec.json").write_text(json.dumps(asdict(bundle.spec), indent=1))
     if bundle.tokenizer is not None:
         (run_dir / "tokenizer.json").write_text(bundle.tokenizer.to_json())
+
+
+def human_count(n: int) -> str:
+    """A parameter count as people write it: 4.8K, 823K, 1.10B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if unit == "K" else f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,61 @@
+"""Command-line traps a new user falls into: each gets help or a one-line error naming the fix (in-process CLI)."""
+
+import contextlib
+import io
+
+import pytest
+
+from plait.cli import main
+from plait.train.telemetry import human_count
+
+
+def run(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plait_alone_prints_help():
+    code, out, err = run()
+    assert code == 0 and out.startswith("usage: plait") and "train" in out and err == ""
+
+
+def test_version():
+    from importlib.metadata import version
+
+    code, out, _ = run("--version")
+    assert code == 0 and out.strip() == f"plait {version('plait')}"
+
+
+def test_a_set_without_equals_names_the_slip(tmp_path):
+    code, out, err = run("train", "--set", "train.steps", "20", "--out", tmp_path / "r")
+    assert code == 2
+    assert err.strip() == ("error: --set train.steps: expected SECTION.KEY=VALUE, e.g. --set train.steps=... "
+                           "(with '=', no space)")
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_show_takes_a_run_directory(tmp_path):
+    code, _, err = run("train", "--set", "train.steps=7", "--out", tmp_path / "r", "--dry-run")
+    assert code == 0, err
+    code, out, err = run("config", "show", tmp_path / "r")
+    assert code == 0, err
+    train = out.split("[train]")[1].split("\n[")[0]
+    assert any(line.split()[:3] == ["steps", "=", "7"] for line in train.splitlines()), out
+
+
+@pytest.mark.parametrize("name", ["model.pt", "model", "weights.bin"])
+def test_export_refuses_a_suffix_it_would_not_write(tmp_path, name):
+    code, _, err = run("export", tmp_path, "-o", tmp_path / name)
+    assert code == 2
+    assert f"-o {tmp_path / name}: plait writes .safetensors (weights) or an edge export (.onnx, .pt2, .pte)" in err
+
+
+@pytest.mark.parametrize("n, text", [(12, "12"), (4_800, "4.8K"), (823_456, "823K"), (2_410_000, "2.41M"),
+                                     (1_100_000_000, "1.10B")])
+def test_parameter_counts_read_as_people_write_them(n, text):
+    assert human_count(n) == text
