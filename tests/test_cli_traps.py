@@ -59,3 +59,21 @@ def test_export_refuses_a_suffix_it_would_not_write(tmp_path, name):
                                      (1_100_000_000, "1.10B")])
 def test_parameter_counts_read_as_people_write_them(n, text):
     assert human_count(n) == text
+
+
+def test_a_factory_that_does_not_import_fails_before_launch(tmp_path):
+    code, _, err = run("train", "--set", "model.factory='nope_plait_mod:build'", "--out", tmp_path / "r", "--dry-run")
+    assert code == 2
+    assert err.startswith("error: model.factory = 'nope_plait_mod:build': cannot import module 'nope_plait_mod'"), err
+
+
+def test_nccl_without_a_gpu_is_a_config_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: nccl is a valid choice here")
+    code, _, err = run("train", "--set", "launch.backend='nccl'", "--out", tmp_path / "r")
+    assert code == 2
+    assert err.strip() == ("error: launch.backend = 'nccl' needs CUDA GPUs and this machine has none; set "
+                           "launch.backend = 'gloo' (or 'auto': nccl on CUDA, else gloo)")
+    assert not (tmp_path / "r" / "checkpoints").exists()

@@ -73,6 +73,12 @@ def cmd_train(a) -> int:
         if first_node and not role.worker:
             _check_new_run_dir(run_dir)
     cfg = role.cfg
+    if cfg.launch.backend == "nccl" and not a.dry_run:
+        import torch  # lazily: plait --help must not import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("launch.backend = 'nccl' needs CUDA GPUs and this machine has none; set "
+                              "launch.backend = 'gloo' (or 'auto': nccl on CUDA, else gloo)")
     if role.worker:
         from plait.launch.job import run_worker  # lazily: only a worker trains; the launcher needs no trainer
 

@@ -23,7 +23,7 @@ from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
 from plait.finetune import apply_finetune
 from plait.finetune import check as check_finetune
-from plait.models import build_model
+from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
@@ -33,6 +33,8 @@ from plait.train.distill import check as check_distill
 def check_job(cfg: Config) -> Layout:
     """Validate cfg for training; returns its Layout."""
     validate_config(cfg)
+    if cfg.model.factory:
+        load_factory(cfg.model.factory)  # one that does not import fails here, once, not in every worker
     check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     layout = check_layout(cfg)
     check_objective(cfg, layout)
