@@ -133,6 +133,20 @@ def cmd_export(a) -> int:
                           "name the file with one of these suffixes")
     if a.batch is not None or a.edge_quantize or a.aoti:
         raise ConfigError("--batch, --quantize and --aoti apply to edge exports: pass -o model.onnx or -o model.pt2")
+    from plait.federated.report import is_federated_run
+
+    if is_federated_run(a.run_dir):  # its global model is already exported, in the same format
+        import shutil
+
+        src = a.run_dir / "model.safetensors"
+        if not src.is_file():
+            raise CheckpointError(f"{a.run_dir} is a federated run without model.safetensors: it has not finished")
+        out = a.output or src
+        if out.resolve() != src.resolve():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, out)
+        print(f"wrote {out}" if out != src else f"{out} (a federated run's global model, already exported)")
+        return 0
     from plait.export import export  # lazily: plait --help must not import torch
 
     out = export(a.run_dir, a.output, trust_checkpoint=a.trust_checkpoint, adapters_only=a.adapters_only)
@@ -161,11 +175,15 @@ def cmd_bench_memory(a) -> int:
 
 def cmd_report(a) -> int:
     # lazily: plait --help must not import matplotlib
+    from plait.federated.report import is_federated_run, write_fed_report
     from plait.report import write_report
     from plait.report.bottleneck import breakdown, format_report
 
     if not (a.run_dir / "metrics.jsonl").is_file():
         raise CheckpointError(f"{a.run_dir} has no metrics.jsonl; pass the --out directory of a training run")
+    if is_federated_run(a.run_dir):  # rounds, not steps: its own report
+        print(f"wrote {write_fed_report(a.run_dir)}")
+        return 0
     print(format_report(breakdown(a.run_dir)))
     print(f"wrote {write_report(a.run_dir)}")
     return 0

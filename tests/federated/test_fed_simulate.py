@@ -105,3 +105,20 @@ def test_user_errors_exit_2_in_one_line(tmp_path, capsys, args, message):
     assert main(["fed", "simulate", *args, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_federated_run_exports_serves_and_reports_like_a_training_run(tmp_path):
+    from plait.export import load_exported
+
+    out = tmp_path / "f"
+    assert main(["fed", "simulate", "--rounds", "2", "--clients", "4", "--set", "federated.local_epochs=1",
+                 "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    model, meta = load_exported(out / "model.safetensors")  # what `plait serve RUN/model.safetensors` loads
+    assert meta["plait.federated"] == "fedavg"
+    assert torch.equal(model.state_dict()[next(iter(model.state_dict()))],
+                       load_file(out / "model.safetensors")[next(iter(model.state_dict()))])
+    assert main(["export", str(out), "-o", str(tmp_path / "m.safetensors")]) == 0
+    assert load_file(tmp_path / "m.safetensors").keys() == load_file(out / "model.safetensors").keys()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").read_text() == page  # the federated report, not "no steps were logged"

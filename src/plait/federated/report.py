@@ -85,7 +85,9 @@ class RunRecorder:
         if self.run_dir is not None:
             from safetensors.torch import save_file
 
-            meta = {"plait": json.dumps(model_metadata(self.cfg.model, self.spec))}
+            md = model_metadata(self.cfg.model, self.spec)  # the format `plait export` writes: serve loads it as is
+            meta = {"format": "pt", "plait.model": json.dumps(md["model"]), "plait.spec": json.dumps(md["spec"]),
+                    "plait.federated": strategy}
             save_file({k: v.contiguous() for k, v in weights.items()}, str(self.run_dir / "model.safetensors"), metadata=meta)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             if self.cfg.log.report:
@@ -158,6 +160,11 @@ td{{padding-right:1em}} img{{max-width:100%;margin:0.5em 0}}</style></head>
 {body}
 </body></html>
 """
+
+
+def is_federated_run(run_dir: str | Path) -> bool:
+    """A directory `plait fed simulate` or `plait fed server` wrote (it has partition.json, no checkpoints)."""
+    return (Path(run_dir) / "partition.json").is_file() and not (Path(run_dir) / "checkpoints").exists()
 
 
 def write_fed_report(run_dir: str | Path) -> Path:
