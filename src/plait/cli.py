@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
 VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
-                                  "plait.launch.cli", "plait.audit.cli", "plait.compress.cli")
+                                  "plait.launch.cli", "plait.audit.cli", "plait.compress.cli",
+                                  "plait.report.cli")
 
 
 def _load_verbs(name: str):

@@ -111,7 +111,7 @@ def html(b: dict) -> str:
 
     if not b:
         return ""
-    rows = "".join(f"<tr><th>{k}</th><td>{v * 1000:.2f} ms</td><td>{b['shares'][k]:.1%}</td></tr>"
+    rows = "".join(f"<tr><th>{k.replace('_', ' ')}</th><td>{v * 1000:.2f} ms</td><td>{b['shares'][k]:.1%}</td></tr>"
                    for k, v in b["parts"].items())
     ranks = "".join(f"<tr><th>rank {r}</th><td>{t * 1000:.2f} ms</td><td>{b['flagged'].get(str(r), 0)}</td></tr>"
                     for r, t in enumerate(b["rank_compute_s"]))

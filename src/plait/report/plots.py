@@ -89,3 +89,53 @@ def expert_load(metrics: list[dict], out: Path, max_layers: int = 4) -> Path | N
         axes[0][0].legend(fontsize=7)
     save(fig, out)
     return out
+
+
+def training_curves(metrics: list[dict], out: Path) -> Path | None:
+    """Four panels over the steps: train and validation loss, learning rate, gradient norm, throughput."""
+    rows = [m for m in metrics if "loss" in m and "step" in m]
+    if not rows:
+        return None
+    rate = "tokens_per_s" if any("tokens_per_s" in m for m in rows) else "samples_per_s"
+    panels = [("loss", "loss (nats)"), ("lr", "learning rate"), ("grad_norm", "gradient norm (before clipping)"),
+              (rate, rate.replace("_per_s", " / s"))]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for ax, (key, label) in zip(axes.flat, panels):
+        pts = [(m["step"], m[key]) for m in rows if isinstance(m.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), lw=1.5, label="train" if key == "loss" else None)
+        if key == "loss":
+            val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m and "step" in m]
+            if val:
+                ax.plot(*zip(*val), "o-", ms=4, label="validation")
+            ax.legend(fontsize=8)
+        if not pts:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    save(fig, out)
+    return out
+
+
+def compare_curves(runs: dict[str, list[dict]], out: Path) -> Path | None:
+    """Train and validation loss of several runs, overlaid (one colour per run)."""
+    if not any(any("loss" in m for m in ms) for ms in runs.values()):
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, ms) in enumerate(runs.items()):
+        c = f"C{i % 10}"
+        train = [(m["step"], m["loss"]) for m in ms if "loss" in m and "step" in m]
+        val = [(m["step"], m["val_loss"]) for m in ms if "val_loss" in m and "step" in m]
+        if train:
+            a.plot(*zip(*train), c=c, lw=1.3, label=name)
+        if val:
+            b.plot(*zip(*val), "o-", c=c, ms=4, label=name)
+    for ax, title in ((a, "train loss"), (b, "validation loss")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(fig, out)
+    return out

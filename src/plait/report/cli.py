@@ -1,0 +1,21 @@
+"""`plait runs compare RUN... [--out DIR]` (registered by plait.cli through add_parsers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parsers(sub, bench) -> None:
+    r = sub.add_parser("runs", help="look at several runs together")
+    rsub = r.add_subparsers(dest="runs_verb", required=True, metavar="ACTION")
+    c = rsub.add_parser("compare", help="one HTML page: a table of the runs' figures and their loss curves overlaid")
+    c.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    c.add_argument("--out", type=Path, help="where compare.html and compare.png go (default: runs/compare-<time>)")
+    c.set_defaults(fn=cmd_compare)
+
+
+def cmd_compare(a) -> int:
+    from plait.report.compare import compare_runs  # lazily: plait --help must not import matplotlib
+
+    print(f"wrote {compare_runs(a.run_dirs, a.out)}")
+    return 0

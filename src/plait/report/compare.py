@@ -1,0 +1,63 @@
+"""`plait runs compare RUN...`: one HTML page with a table of the runs' figures and their loss curves overlaid."""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from pathlib import Path
+
+from plait.errors import PlaitError
+from plait.report.html import STYLE, human
+from plait.report.plots import compare_curves
+from plait.report.runfiles import read_metrics
+
+# the table's columns: (summary key, heading)
+COLUMNS = (("steps", "steps"), ("parallel", "layout"), ("params", "parameters"), ("final_loss", "final loss"),
+           ("val_loss", "validation loss"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
+           ("wall_time_s", "wall time"), ("world_size", "processes"))
+
+
+class CompareError(PlaitError):
+    """A directory that is not a finished run."""
+
+
+def _layout(parallel) -> str:
+    if not isinstance(parallel, dict):
+        return human("parallel", parallel)
+    axes = " x ".join(f"{k}{v}" for k, v in parallel.items() if isinstance(v, int) and v > 1) or "1 process"
+    return f"{axes} ({parallel.get('strategy', '?')})"
+
+
+def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
+    """Write out_dir/compare.html and compare.png for the runs; returns the page's path."""
+    if len(run_dirs) < 2:
+        raise CompareError("plait runs compare needs at least two run directories")
+    runs, summaries = {}, {}
+    for d in map(Path, run_dirs):
+        if not (d / "metrics.jsonl").is_file():
+            raise CompareError(f"{d} has no metrics.jsonl; pass the --out directories of training runs")
+        name = d.name if d.name not in runs else str(d)
+        runs[name] = read_metrics(d / "metrics.jsonl")
+        summaries[name] = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+    out_dir = Path(out_dir) if out_dir else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols = [(k, h) for k, h in COLUMNS if any(k in s for s in summaries.values())]
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h in cols)
+    rows = "".join(
+        f"<tr><th>{html.escape(name)}</th>" + "".join(
+            f"<td class=n>{html.escape(_layout(s.get(k)) if k == 'parallel' else human(k, s.get(k)))}</td>"
+            for k, _ in cols) + "</tr>"
+        for name, s in summaries.items())
+    plot = compare_curves(runs, out_dir / "compare.png")
+    img = f'<img src="{plot.name}" alt="loss curves">' if plot else "<p>no losses logged</p>"
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>plait: {len(runs)} runs compared</title><style>{STYLE}</style></head>
+<body><h1>{len(runs)} runs compared</h1>
+<table><tr><th>run</th>{head}</tr>{rows}</table>
+<h2>loss</h2>{img}
+</body></html>
+"""
+    out = out_dir / "compare.html"
+    out.write_text(page)
+    return out
