@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import tomllib
 import typing
@@ -204,12 +205,17 @@ class LaunchConfig:
                                          "mismatch behind a hang)")
 
 
+TRACKERS = {"tensorboard": "tensorboard"}  # log.trackers: name -> the package it needs
+
+
 @dataclass
 class LogConfig:
     every: int = opt(10, "write a metrics.jsonl line (and refresh the progress bar text) every N steps")
     progress: bool = opt(True, "show a live progress bar on rank 0")
     report: bool = opt(True, "write report.html with plots at the end")
     profile_steps: list = opt([], "torch.profiler Chrome traces of steps [first, last] to RUN_DIR/traces/rank<r>.json")
+    trackers: list = opt([], "live views of the metrics besides metrics.jsonl: [\"tensorboard\"] writes event files to "
+                             "RUN_DIR/tensorboard (pip install 'plait[tensorboard]')")
 
 
 @dataclass
@@ -557,6 +563,12 @@ def validate_config(cfg: Config) -> Config:
     ps = cfg.log.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in ps) or not 1 <= ps[0] <= ps[1]):
         raise ConfigError(f"log.profile_steps = {ps} must be [first, last] with 1 <= first <= last, e.g. [10, 12]")
+    for tracker in cfg.log.trackers:
+        if not isinstance(tracker, str) or tracker not in TRACKERS:
+            raise ConfigError(f"log.trackers: {tracker!r} is not a tracker plait writes; choose from {sorted(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[tracker]) is None:
+            raise ConfigError(f"log.trackers = [{tracker!r}] needs the {TRACKERS[tracker]} package: "
+                              f"pip install 'plait[{tracker}]'")
     cards = cfg.data.clicks_cardinalities
     if not cards or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in cards):
         raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. [8, 64, 512]")

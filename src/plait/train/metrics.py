@@ -71,8 +71,14 @@ class MetricsWriter:
     replays, and any line a killed writer left half-written, so each step is in the file once, in order.
     """
 
-    def __init__(self, path: Path | None, keep_through: int | None = None):
+    def __init__(self, path: Path | None, keep_through: int | None = None, trackers: list[str] | tuple = ()):
         self.path = path
+        self._tb = None
+        if path and "tensorboard" in trackers:  # every numeric field of a step's record, as a scalar at that step
+            from torch.utils.tensorboard import SummaryWriter  # lazily: tensorboard is an optional extra
+
+            self._tb = SummaryWriter(log_dir=str(path.parent / "tensorboard"),
+                                     purge_step=None if keep_through is None else keep_through + 1)
         if path and keep_through is not None and path.is_file():
             kept = []
             for line in path.read_text().splitlines():
@@ -91,10 +97,27 @@ class MetricsWriter:
         if self._f:
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
+        if self._tb is not None and isinstance(record.get("step"), int):
+            for key, value in _scalars(record):
+                self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self._f:
             self._f.close()
             self._f = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(name, number) for every numeric field of a record, nested dicts as name/field (the step itself excluded)."""
+    for key, value in record.items():
+        if key == "step" and not prefix:
+            continue
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
 
 

@@ -60,7 +60,8 @@ class Telemetry:
         self.progress = Progress(cfg.train.steps, start, cfg.log.progress and rt.is_main, "tok" if self.lm else "samples")
         if self.writes:
             write_run_files(run_dir, cfg, bundle)
-        self.writer = MetricsWriter(run_dir / "metrics.jsonl" if self.writes else None, keep_through=start)
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl" if self.writes else None, keep_through=start,
+                                    trackers=cfg.log.trackers)
         self.measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
         self.step = start
         self.grads_seen = 0

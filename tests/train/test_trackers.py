@@ -1,0 +1,46 @@
+"""log.trackers: TensorBoard event files hold the numbers metrics.jsonl holds (read back with TensorBoard's reader)."""
+
+import json
+
+import pytest
+
+from helpers import rank0_params, tiny_gpt_config
+from plait.config import load_config
+from plait.errors import ConfigError
+from plait.train.metrics import MetricsWriter
+
+pytest.importorskip("tensorboard", reason="needs TensorBoard: pip install 'plait[tensorboard]' (in the dev extra)")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+
+def scalars(run_dir, tag: str) -> list[tuple[int, float]]:
+    ea = EventAccumulator(str(run_dir / "tensorboard"))
+    ea.Reload()
+    return [(e.step, e.value) for e in ea.Scalars(tag)]
+
+
+def test_every_numeric_field_becomes_a_scalar_at_its_step(tmp_path):
+    w = MetricsWriter(tmp_path / "metrics.jsonl", keep_through=0, trackers=["tensorboard"])
+    w.write({"event": "session", "restart_count": 0})  # no step: metrics.jsonl only
+    w.write({"step": 1, "loss": 2.5, "lr": 0.1, "time": {"data": 0.25}, "flag": True, "ranks": [1.0, 2.0]})
+    w.write({"step": 2, "loss": 2.0, "lr": 0.1, "time": {"data": 0.5}})
+    w.close()
+    assert scalars(tmp_path, "loss") == [(1, 2.5), (2, 2.0)]
+    assert scalars(tmp_path, "time/data") == [(1, 0.25), (2, 0.5)]
+    tags = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
+    assert sorted(tags) == ["loss", "lr", "time/data"]
+
+
+def test_a_distributed_run_writes_the_losses_it_logs(pool2, tiny_text, tmp_path):
+    cfg = tiny_gpt_config(tiny_text, "train.steps=4", "log.every=1", "log.trackers=['tensorboard']")
+    pool2.run(rank0_params, cfg, tmp_path)
+    logged = [(m["step"], m["loss"]) for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if "loss" in m]
+    got = scalars(tmp_path, "loss")
+    assert [s for s, _ in got] == [s for s, _ in logged] == [1, 2, 3, 4]
+    assert [v for _, v in got] == pytest.approx([v for _, v in logged], rel=1e-6)  # TensorBoard stores float32
+
+
+def test_an_unknown_tracker_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"log.trackers: 'wandb' is not a tracker plait writes; choose from \['tensorboard'\]"):
+        load_config(None, ["log.trackers=['wandb']"])
