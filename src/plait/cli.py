@@ -149,7 +149,14 @@ def cmd_export(a) -> int:
         return 0
     from plait.export import export  # lazily: plait --help must not import torch
 
-    out = export(a.run_dir, a.output, trust_checkpoint=a.trust_checkpoint, adapters_only=a.adapters_only)
+    best = None
+    if a.best:
+        best = a.run_dir / "checkpoints" / "best"
+        if not best.is_symlink():
+            raise ConfigError(f"{a.run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
+        best = best.resolve()
+    out = export(a.run_dir, a.output, checkpoint=best, trust_checkpoint=a.trust_checkpoint,
+                 adapters_only=a.adapters_only)
     print(f"wrote {out}")
     return 0
 
@@ -231,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quantize", dest="edge_quantize", choices=["int8"],
                    help="-o model.onnx: onnxruntime's dynamic int8 quantization (accuracy and size reported)")
     e.add_argument("--aoti", action="store_true", help="-o model.pt2: also compile with AOTInductor (needs a C++ compiler)")
+    e.add_argument("--best", action="store_true",
+                   help="the checkpoint checkpoint.keep_best kept (checkpoints/best) instead of the latest")
     e.add_argument("--adapters-only", action="store_true",
                    help="a LoRA run: write its adapters alone (default: merged into the weights they adapt)")
     e.set_defaults(fn=cmd_export)

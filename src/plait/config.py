@@ -107,6 +107,8 @@ class TrainConfig:
     micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)")
     seed: int = opt(1234, "seed for model init and the data order")
     eval_every: int = opt(0, "evaluate on validation data every N steps (0: only at the end)")
+    early_stop: dict = opt({}, "stop when a validation metric has not improved for `patience` evaluations: "
+                               "{metric = 'val_loss', patience = 3, min_delta = 0.0}; {} off")
     eval_samples: int = opt(256, "validation samples per evaluation")
     eval_batch_size: int = opt(16, "samples per validation batch (fixed, so the figure is layout-independent)")
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward to save memory")
@@ -181,6 +183,8 @@ class PrecisionConfig:
 class CheckpointConfig:
     every: int = opt(100, "write a checkpoint every N steps (0: only the final one)")
     keep: int = opt(2, "checkpoints to keep (the newest); at least 1")
+    keep_best: str = opt("", "also keep the checkpoint with the best validation metric (val_loss or val_accuracy) as "
+                             "checkpoints/best; '' off")
     async_: bool = opt(False, "write checkpoints in the background (DCP async_save); training waits only for "
                               "the copy to memory")
 

@@ -363,6 +363,18 @@ class Checkpointer:
         self.rt.barrier()
 
 
+    def mark_best(self, step: int) -> None:
+        """Point checkpoints/best at step's checkpoint (published), which pruning then keeps."""
+        self.finish()
+        if self.rt.is_main:
+            link = self.root / ".best.tmp"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            os.symlink(step_name(step), link)
+            os.replace(link, self.root / "best")
+            prune(self.root, self.keep)
+
+
 def save_checkpoint(strategy, run_dir: str | Path, step: int, trainer_state: dict, rt, keep: int) -> Path:
     """Write and publish a checkpoint of `step` synchronously (see Checkpointer)."""
     Checkpointer(run_dir, rt, keep).save(strategy, step, trainer_state)
@@ -370,11 +382,11 @@ def save_checkpoint(strategy, run_dir: str | Path, step: int, trainer_state: dic
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` published checkpoints (never the one `latest` names)."""
-    current = os.readlink(root / "latest") if (root / "latest").is_symlink() else None
+    """Delete all but the newest `keep` published checkpoints (never the ones `latest` and `best` name)."""
+    named = {os.readlink(root / n) for n in ("latest", "best") if (root / n).is_symlink()}
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for p in steps[:-keep] if keep > 0 else []:
-        if p.name != current:
+        if p.name not in named:
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
+from plait.train.callbacks import check as check_callbacks
 from plait.train.distill import check as check_distill
 
 
@@ -44,6 +45,7 @@ def check_job(cfg: Config) -> Layout:
         with torch.device("meta"):
             apply_finetune(build_model(cfg.model, spec), cfg.finetune)
     check_distill(cfg)
+    check_callbacks(cfg)
     check_optimizer(cfg)
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "

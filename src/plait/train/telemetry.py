@@ -234,7 +234,15 @@ class Telemetry:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
-    def finish(self, step: int) -> dict:
+    def early_stopped(self, step: int, early) -> None:
+        b = early.best
+        self.early_stop = {"step": step, "metric": b.metric, "best_step": b.step, "best_value": b.value,
+                           "patience": early.patience}
+        self.writer.write({"step": step, "event": "early_stop", **self.early_stop})
+        self.rt.print(f"early stop at step {step}: {b.metric} has not improved on {b.value:.4g} (step {b.step}) for "
+                      f"{early.patience} evaluations")
+
+    def finish(self, step: int, best=None) -> dict:
         """Final evaluation, memory and traffic per rank, the strategy's figures; summary.json, the report, a printout."""
         loop_time = time.perf_counter() - self.loop_t0
         strategy, rt, cfg = self.strategy, self.rt, self.cfg
@@ -267,6 +275,11 @@ class Telemetry:
             summary["unigram_val_loss"] = self.bundle.unigram_val_loss
         if self.bundle.ground_truth_val_loss is not None:
             summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
+        if getattr(self, "early_stop", None):
+            summary["early_stop"] = self.early_stop
+        if best is not None:
+            best.update(step, final_eval)
+            summary["best"] = {"metric": best.metric, "step": best.step, "value": best.value}
         if sample is not None:
             summary["sample"] = sample
         if self.bundle.spec.task == "contrastive":

@@ -26,6 +26,7 @@ from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
 from plait.runtime import Runtime, mix_seed, seed_all
+from plait.train.callbacks import Best, EarlyStop
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.distill import Distiller
 from plait.train.job import check_job
@@ -78,6 +79,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
     step, saved_at, stopping = start, start, False
+    best = Best(cfg.checkpoint.keep_best) if cfg.checkpoint.keep_best else None
+    early = EarlyStop.from_config(t.early_stop)
     strategy.model.train()
     batches = iter(loader)
     try:
@@ -104,12 +107,25 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                 if stopping:
                     break
                 if t.eval_every and step % t.eval_every == 0 and step != stop and rt.role != "worker":
-                    tel.evaluate(step)
+                    metrics = tel.evaluate(step)
+                    if best is not None and best.update(step, metrics) and ckpt is not None:
+                        if saved_at != step:
+                            tel.checkpoint(step, ckpt)
+                            saved_at = step
+                        ckpt.mark_best(step)
+                    if early is not None and early.update(step, metrics):
+                        if ckpt is not None and saved_at != step:
+                            tel.checkpoint(step, ckpt)
+                            saved_at = step
+                        tel.early_stopped(step, early)
+                        break
             if ckpt is not None:
                 ckpt.finish()
     finally:
         batches.close()
-    summary = tel.preempted(step, saved_at) if stopping else tel.finish(step)
+    summary = tel.preempted(step, saved_at) if stopping else tel.finish(step, best)
+    if best is not None and ckpt is not None and not stopping and best.step == step:
+        ckpt.mark_best(step)  # the final evaluation was the best
     strategy.finish()
     return TrainResult(summary, strategy.module, strategy, rt)
 
