@@ -101,7 +101,7 @@ class Telemetry:
         n_params = sum(p.numel() for p in self.strategy.module.parameters())
         rt.print(
             f"plait: {cfg.model.factory or cfg.model.name} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
-            f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} (dp={layout.dp}, {self.strategy.name}) · "
+            f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(cfg, layout, self.strategy.name)}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
             + (f" · run dir {self.run_dir}" if self.run_dir is not None else ""))
@@ -349,3 +349,12 @@ def human_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}" if unit == "K" else f"{n / size:.2f}{unit}"
     return str(n)
+
+
+def layout_text(cfg, layout, strategy: str) -> str:
+    """The layout as the header shows it: every axis larger than 1 (dp always), the strategy, ZeRO, compression."""
+    p = cfg.parallel
+    axes = [f"dp={layout.dp}"] + [f"{n}={v}" for n, v in (("tp", layout.tp), ("pp", layout.pp), ("ep", p.ep)) if v > 1]
+    extra = [strategy] + ([f"ZeRO-{p.zero}"] if p.zero else []) + (
+        [f"{p.compression} compression"] if p.compression != "none" else [])
+    return f"{' '.join(axes)}, {', '.join(extra)}"
