@@ -23,6 +23,7 @@ import torch.nn as nn
 from plait.config import ModelConfig
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, PlaitError
+from plait.files import publish
 from plait.finetune import adapter_state_dict, lora_layers, merge_lora
 from plait.finetune.lowrank import with_low_rank_structure
 from plait.models import build_model
@@ -76,7 +77,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(out)
+    publish(tmp, out)
     return out
 
 

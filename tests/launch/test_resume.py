@@ -61,3 +61,11 @@ def test_a_new_run_stores_its_paths_absolute(job, tiny_text, tmp_path, monkeypat
     assert code == 0, err
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert f"path = \"{Path(tiny_text).resolve()}\"" in saved, saved
+
+
+def test_an_export_gets_the_mode_of_any_new_file(straight_run, tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    code, out, err = cli("export", straight_run, "-o", tmp_path / "m.safetensors")
+    assert code == 0, err
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -18,6 +18,7 @@ import torch.nn as nn
 from plait.data import build_data
 from plait.data.datasets import eval_batches
 from plait.errors import ConfigError
+from plait.files import publish
 from plait.finetune.lowrank import energy_rank, factorise
 from plait.train.loss import loss_for
 from plait.train.weights import load_run_model
@@ -63,7 +64,7 @@ def _save(tensors: dict, out: Path, meta: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    tmp.replace(out)
+    publish(tmp, out)
 
 
 def _table(rows: list[tuple[str, str, str]]) -> str:

@@ -34,6 +34,7 @@ from plait.edge.formats import (
 from plait.edge.parity import Parity, ParityError, compare, held_out
 from plait.errors import CheckpointError, ConfigError
 from plait.export import _from_meta, rebuild_model
+from plait.files import publish
 from plait.finetune import merge_lora
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
@@ -176,7 +177,7 @@ def export_edge(run_dir: str | Path, out: str | Path, batch: str | int | None = 
         tmp.unlink(missing_ok=True)
         raise ParityError(f"{out}: the exported model does not match the eager one: {parity.line()}; nothing was "
                           "written (see docs/serving.md, 'Export to the edge')")
-    tmp.replace(out)
+    publish(tmp, out)
     return report
 
 

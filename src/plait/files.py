@@ -1,0 +1,19 @@
+"""Publishing a finished file: written under a temporary name, given the mode the user's umask asks for, renamed.
+
+Libraries that write through a private temporary file (safetensors does) leave it 0600; a model a user exports is
+meant to be read by others on the machine as any file they create would be.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def publish(tmp: Path, out: Path) -> Path:
+    """Give `tmp` the default mode for new files (0666 minus the umask) and move it to `out` atomically."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, out)
+    return out
