@@ -69,7 +69,7 @@ def test_replicas_answer_like_the_model(server, model):
     assert httpx.get(server.url + "/v2/models/gpt").json()["parameters"]["layout"] == "2 replica process(es)"
 
 
-def test_killed_replica_under_load_is_retried_and_replaced(server, model, tok):
+def test_killed_replica_under_load_is_retried_and_replaced(server, model, tok, capfd):
     pool, url = server.service.executor, server.url
     want = greedy(model, tok, "def ", 300)
     stop, codes = threading.Event(), []
@@ -108,6 +108,7 @@ def test_killed_replica_under_load_is_retried_and_replaced(server, model, tok):
     assert len(codes) > 0 and all(c == 200 for c, _ in codes), [c for c in codes if c[0] != 200][:3]
     poll(lambda: pool.restarts == 1 and None not in pool.pids(), 120, "the replacement replica")
     assert killed[0] not in pool.pids()
+    assert f"(pid {killed[0]}) exited with code -9; restarting it" in capfd.readouterr().err  # said, not silent
     assert "plait_replica_restarts_total 1.0" in httpx.get(url + "/metrics").text
 
 

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -375,6 +376,8 @@ class ReplicaPool:
             self.restarts += 1
             if self._counter is not None:
                 self._counter.inc()
+            print(f"replica {r.index} (pid {r.proc.pid}) exited with code {code}; restarting it ({len(lost)} request(s) "
+                  f"in flight go to another replica)", file=sys.stderr, flush=True)
             self._spawn(r.index)
         for t in lost:
             if t.future.done():
