@@ -171,3 +171,20 @@ def test_server_without_clients_and_client_without_token_are_user_errors(tmp_pat
     assert err.startswith("error: only 0 of federated.min_clients = 2 clients connected") and len(err.splitlines()) == 1
     assert main(["fed", "client", "--server", "127.0.0.1:1", "--client-id", "0"]) == 2
     assert "a client needs the server's token" in capsys.readouterr().err
+
+
+def test_a_client_started_before_its_server_says_it_is_waiting(capsys):
+    import socket
+
+    from plait.federated.transport import FederatedError as Refused
+    from plait.federated.transport import FedHTTPClient
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = FedHTTPClient(f"127.0.0.1:{port}", "t")
+    with pytest.raises(Refused, match=f"cannot reach the server at http://127.0.0.1:{port}"):
+        c.register(0, 5, "fp", connect_timeout_s=0.6)
+    c.close()
+    err = capsys.readouterr().err
+    assert f"waiting for the server at http://127.0.0.1:{port} (ConnectError); retrying for up to 1 s more" in err, err

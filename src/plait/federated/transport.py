@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 import ssl
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -243,13 +244,20 @@ class FedHTTPClient:
         self.http.close()
 
     def _call(self, method: str, path: str, retry_s: float | None = None, **kw) -> httpx.Response:
-        end = time.monotonic() + (self.lost_after_s if retry_s is None else retry_s)
+        budget = self.lost_after_s if retry_s is None else retry_s
+        t0 = time.monotonic()
+        said = None  # when the wait was last reported: a client started before its server says it is waiting
         while True:
             try:
                 r = self.http.request(method, path, **kw)
             except httpx.TransportError as e:
-                if time.monotonic() > end:
+                now = time.monotonic()
+                if now - t0 > budget:
                     raise FederatedError(f"cannot reach the server at {self.base}: {e}") from None
+                if said is None or now - said >= 10:
+                    print(f"waiting for the server at {self.base} ({type(e).__name__}); retrying for up to "
+                          f"{budget - (now - t0):.0f} s more", file=sys.stderr, flush=True)
+                    said = now
                 time.sleep(0.25)
                 continue
             if r.status_code in (401, 409):
