@@ -34,9 +34,9 @@ from plait.train.distill import check as check_distill
 def check_job(cfg: Config) -> Layout:
     """Validate cfg for training; returns its Layout."""
     validate_config(cfg)
+    check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     if cfg.model.factory:
         load_factory(cfg.model.factory)  # one that does not import fails here, once, not in every worker
-    check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     layout = check_layout(cfg)
     check_objective(cfg, layout)
     check_finetune(cfg)
