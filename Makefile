@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e .
 	@echo "$(TORCH)" > $(STAMP)
 
+# LitData pulls torchvision, whose PyPI wheel is built for the CUDA torch: next to a CPU torch its operators do not
+# load and importing transformers (peft's tests) fails. plait does not use torchvision: such a broken one is removed.
 $(DEVSTAMP): $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[dev]'
+	$(BIN)/python -c "import torchvision" >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y torchvision
 	@touch $(DEVSTAMP)
 
 # Reinstall when TORCH differs from what the venv was set up with.
