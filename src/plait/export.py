@@ -31,6 +31,18 @@ from plait.train.checkpoint import latest_checkpoint, load_model_weights
 from plait.train.weights import build_run_model
 
 
+def load_run_checkpoint(run_dir: Path, checkpoint: str | Path | None = None, trust_checkpoint: bool = False):
+    """(config, data spec, model, checkpoint folder): the run's model with the latest (or the given) checkpoint loaded."""
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"{run_dir} is not a plait run directory (no config.toml); pass the --out of a run")
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
+    cfg, spec, model = rebuild_model(run_dir)
+    load_model_weights(model, ckpt, trust=trust_checkpoint or None)
+    return cfg, spec, model, ckpt
+
+
 def rebuild_model(run_dir: Path):
     """The run's config and a freshly built (untrained) model: the plain model, with the run's LoRA adapters if it
     trained any (their checkpoint names load into it; `merge_lora` then gives the plain model back)."""
@@ -48,13 +60,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
     from safetensors.torch import save_file
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise CheckpointError(f"{run_dir} is not a plait run directory (no config.toml); pass the --out of a run")
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
-    cfg, spec, model = rebuild_model(run_dir)
-    load_model_weights(model, ckpt, trust=trust_checkpoint or None)
+    cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)
     if adapters_only and not lora_layers(model):
         raise CheckpointError(f"--adapters-only: {run_dir} trained no LoRA adapters (finetune.lora_rank = 0); "
                               "export the whole model without it")

@@ -43,19 +43,7 @@ def assert_same(ref, got, tol: float = 1e-5) -> None:
 
 def val_loss(model, cfg) -> float:
     """A plain model's validation loss in one process, as the trainer computes it (fixed batches, weighted by size)."""
-    import torch
-
+    from plait.compress.core import val_loss as loss_of
     from plait.data import build_data
-    from plait.data.datasets import eval_batches
-    from plait.train.loss import loss_for
 
-    bundle = build_data(cfg.data, cfg.model)
-    loss_fn = loss_for(bundle.spec)
-    model.eval()
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for idx in eval_batches(bundle.val, cfg.train.eval_samples, cfg.train.eval_batch_size):
-            x, y = bundle.val.fetch(idx)
-            total += float(loss_fn(model(x), y).double()) * len(idx)
-            n += len(idx)
-    return total / n
+    return loss_of(model, cfg, build_data(cfg.data, cfg.model))

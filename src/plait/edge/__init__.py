@@ -33,10 +33,9 @@ from plait.edge.formats import (
 )
 from plait.edge.parity import Parity, ParityError, compare, held_out
 from plait.errors import CheckpointError, ConfigError
-from plait.export import _from_meta, rebuild_model
+from plait.export import _from_meta, load_run_checkpoint
 from plait.files import publish
 from plait.finetune import merge_lora
-from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 EDGE_SUFFIXES = (".onnx", ".pt2", ".pte")
 QUANTIZE_CHOICES = ("int8",)
@@ -98,13 +97,7 @@ def check_request(out: Path, batch: str | int | None, quantize: str | None, aoti
 def load_run_model(run_dir: Path, checkpoint: str | Path | None = None, trust_checkpoint: bool = False):
     """The run's config, data spec and eager model with the latest (or the given) checkpoint's weights (LoRA adapters
     merged), in eval mode."""
-    if not (run_dir / "config.toml").is_file():
-        raise CheckpointError(f"{run_dir} is not a plait run directory (no config.toml); pass the --out of a run")
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (checkpoints/latest is missing)")
-    cfg, spec, model = rebuild_model(run_dir)
-    load_model_weights(model, ckpt, trust=trust_checkpoint or None)
+    cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)
     model = merge_lora(model)  # a LoRA run's adapters folded into the weights they adapt (as `plait export` does)
     model.eval()
     for p in model.parameters():
