@@ -29,13 +29,52 @@ def test_target_checks_table_and_plot(tmp_path):
     points = [Point("batching off, 1 replica", "closed c=16", 16, None, 100.0, 50, 60, 70, 0),
               Point("batching on, 1 replica", "closed c=16", 16, None, 350.0, 20, 30, 9.0, 0)]
     assert target_checks(points, opts, compute_ms=2.0) == [
-        "check: batching on / off at concurrency 16, 1 replica: 3.50x (target >= 3x): PASS",
-        "check: p99 with batching at concurrency 16, 1 replica: 9.00 ms <= max_delay 5 + 2 x batch compute 2.00 = 9.00 ms: PASS",
+        "target: batching serves >= 3x the requests/s of no batching at concurrency 16, 1 replica: 3.50x: met",
+        "target: p99 latency with batching at concurrency 16, 1 replica <= max_delay 5 ms + 2 x batch compute 2.00 ms "
+        "= 9.00 ms: 9.00 ms: met",
     ]
     points[1].throughput, points[1].p99_ms = 250.0, 9.5
-    assert [c.rsplit(": ", 1)[1] for c in target_checks(points, opts, compute_ms=2.0)] == ["MISS", "MISS"]
+    assert [c.rsplit(": ", 1)[1] for c in target_checks(points, opts, compute_ms=2.0)] == ["not met on this machine"] * 2
     table = format_table(points).splitlines()
     assert table[0].split() == ["configuration", "load", "req/s", "p50", "ms", "p95", "ms", "p99", "ms", "errors"]
     assert table[2].split()[-5:] == ["100.0", "50.00", "60.00", "70.00", "0"]
     out = plot(points, tmp_path / "b.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prints_its_table_once_and_says_what_a_missed_target_means(monkeypatch, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    import plait.serve.bench as bench
+
+    class FakeServer:  # no processes: the printing is what is tested
+        def __init__(self, model, args):
+            self.name, self.host, self.port = "mlp", "127.0.0.1", 1
+            self.batching = args[args.index("--max-batch-size") + 1] != "1"
+
+        def stop(self):
+            pass
+
+    servers = []
+    monkeypatch.setattr(bench, "load_model", lambda ref: SimpleNamespace(registry_name="mlp", spec=SimpleNamespace(
+        task="classification")))
+    monkeypatch.setattr(bench, "request_body", lambda served: b"{}")
+    monkeypatch.setattr(bench, "batch_compute_ms", lambda served, rows: 2.0)
+    monkeypatch.setattr(bench, "ServerProcess", lambda m, a: servers.append(FakeServer(m, a)) or servers[-1])
+
+    async def closed(host, port, path, body, c, warm, dur):  # batching on: 2x the throughput (below the 3x target)
+        return (200.0 if servers[-1].batching else 100.0) * c, [0.001] * 10, 0
+
+    async def opened(host, port, path, body, rate, warm, dur):
+        return rate, [0.002] * 10, 0, 0
+
+    monkeypatch.setattr(bench, "closed_loop", closed)
+    monkeypatch.setattr(bench, "open_loop", opened)
+    assert bench.run_bench("runs/x", BenchOptions(concurrency=[1, 16], replicas=[1], out=tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert out.count(bench.HEADER) == 1 and "MISS" not in out and "PASS" not in out
+    rows = [line for line in out.splitlines() if line.startswith("batching ")]
+    assert len(rows) == 6 == len(set(rows))  # closed c=1, c=16 and open, batching off and on: each once
+    assert "2.00x: not met on this machine" in out and bench.MISSED in out
+    assert "p99 latency with batching at concurrency 16, 1 replica <= max_delay 5 ms + 2 x batch compute 2.00 ms = " \
+           "9.00 ms: 1.00 ms: met" in out

@@ -4,9 +4,10 @@ Each configuration runs as its own `plait serve` process on a free port; this pr
 load generator: raw HTTP/1.1 keep-alive connections on asyncio (the cheapest client, so the
 server is what is measured). Closed loop: C clients each send the next request when the last
 is answered. Open loop: Poisson arrivals at a fixed rate, latency counted from the scheduled
-send time (no coordinated omission), outstanding requests bounded. Prints a table, checks the
-targets (batching >= 3x the throughput of no batching at concurrency 16; p99 <= max_delay +
-2 x the compute time of one full batch) and writes bench_serve.png and bench_serve.json.
+send time (no coordinated omission), outstanding requests bounded. Prints the table once (a row as
+each point is measured), says whether the targets are met (batching >= 3x the throughput of no
+batching at concurrency 16; p99 <= max_delay + 2 x the compute time of one full batch) and what a
+target not met means, and writes bench_serve.png and bench_serve.json.
 """
 
 from __future__ import annotations
@@ -239,6 +240,7 @@ def run_bench(model: str, opts: BenchOptions) -> int:
     print(f"plait bench serve {model}: {served.registry_name} ({served.spec.task}), batching on = max {opts.max_batch_size} "
           f"rows / {opts.max_delay_ms:g} ms; {opts.duration_s:g}s per point after {opts.warmup_s:g}s warm-up; "
           f"{os.cpu_count()} CPUs; one full batch computes in {compute_ms:.2f} ms", flush=True)
+    print(f"{HEADER}\n{'-' * len(HEADER)}", flush=True)  # each row is printed as soon as it is measured
     for name, on, replicas in configs:
         args = ["--replicas", str(replicas), "--max-queue", "4096"]
         args += (["--max-batch-size", str(opts.max_batch_size), "--max-delay-ms", str(opts.max_delay_ms)] if on
@@ -259,10 +261,11 @@ def run_bench(model: str, opts: BenchOptions) -> int:
             print(_row(points[-1]), flush=True)
         finally:
             server.stop()
-    print()
-    print(format_table(points))
     checks = target_checks(points, opts, compute_ms)
-    print("\n".join(checks))
+    if checks:
+        print("\n" + "\n".join(checks))
+    if any(not c.endswith(": met") for c in checks):
+        print(MISSED)
     out = opts.out or (Path(model) if Path(model).is_dir() else Path(model).parent)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_serve.json").write_text(json.dumps({"model": model, "options": {**asdict(opts), "out": str(out)},
@@ -297,11 +300,22 @@ def target_checks(points: list[Point], opts: BenchOptions, compute_ms: float) ->
         return []
     ratio = on.throughput / off.throughput if off.throughput else float("inf")
     bound = opts.max_delay_ms + 2 * compute_ms
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "not met on this machine"
+
     return [
-        f"check: batching on / off at concurrency {c}{suffix}: {ratio:.2f}x (target >= 3x): {'PASS' if ratio >= 3 else 'MISS'}",
-        f"check: p99 with batching at concurrency {c}{suffix}: {on.p99_ms:.2f} ms <= max_delay {opts.max_delay_ms:g} + "
-        f"2 x batch compute {compute_ms:.2f} = {bound:.2f} ms: {'PASS' if on.p99_ms <= bound else 'MISS'}",
+        f"target: batching serves >= 3x the requests/s of no batching at concurrency {c}{suffix}: {ratio:.2f}x: "
+        f"{verdict(ratio >= 3)}",
+        f"target: p99 latency with batching at concurrency {c}{suffix} <= max_delay {opts.max_delay_ms:g} ms + "
+        f"2 x batch compute {compute_ms:.2f} ms = {bound:.2f} ms: {on.p99_ms:.2f} ms: {verdict(on.p99_ms <= bound)}",
     ]
+
+
+# What a target not met means, printed under the targets when one is not met.
+MISSED = ("A target not met is a measurement, not an error: the server answered and the install works. Batching pays "
+          "when a batch's rows compute together faster than one by one (a larger model, free cores); on a small or "
+          "busy machine the load generator and the server share the CPUs. See docs/serving.md.")
 
 
 def plot(points: list[Point], out: Path) -> Path:
