@@ -52,6 +52,9 @@ class ModelConfig:
     context: int = opt(128, "gpt: context length in tokens (the training sequence length)")
     vocab_size: int = opt(0, "gpt: vocabulary size; 0 takes the data's tokenizer size")
     tie_embeddings: bool = opt(True, "gpt: share the token embedding with the output head")
+    activation: str = opt("gelu", "gpt: the dense blocks' GELU: exact, or gelu_tanh (the tanh approximation of GPT-2)",
+                          ("gelu", "gelu_tanh"))
+    norm_eps: float = opt(1e-5, "gpt: epsilon of every LayerNorm")
     dropout: float = opt(0.0, "dropout probability (0 keeps trajectories layout-independent)")
     depth: int = opt(2, "mlp and deepfm: hidden layers; cnn: convolution blocks")
     embedding_dim: int = opt(8, "deepfm: embedding width per categorical field")
@@ -76,6 +79,8 @@ class DataConfig:
                         "class folders; packed: the folder `plait data pack` wrote")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
     min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
+    tokenizer: str = opt("", "text: a Hugging Face tokenizer.json to encode with (the tokenizers library) instead of "
+                             "characters; set from train.init_from when it is a Hugging Face directory with one")
     synthetic_samples: int = opt(4096, "synthetic and clicks: number of samples generated")
     synthetic_features: int = opt(64, "synthetic: features per sample")
     synthetic_classes: int = opt(10, "synthetic: number of classes")
@@ -119,8 +124,9 @@ class TrainConfig:
                                        "NT-Xent against the whole global batch, a linear probe at the end)",
                          ("supervised", "contrastive"))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
-    init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint) or a model.safetensors; "
-                             "names and shapes must match; step, optimizer and schedule start fresh")
+    init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint), a model.safetensors or "
+                             "a Hugging Face GPT-2 directory (config.json sets [model]); names and shapes must match; "
+                             "step, optimizer and schedule start fresh")
 
 
 @dataclass

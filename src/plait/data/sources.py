@@ -72,7 +72,12 @@ def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> floa
 
 
 def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: int) -> DataBundle:
-    tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
+    if data_cfg.tokenizer:  # a Hugging Face tokenizer.json (e.g. the one next to train.init_from's checkpoint)
+        from plait.data.hf_tokenizer import HFTokenizer
+
+        tok = HFTokenizer.from_file(data_cfg.tokenizer)
+    else:
+        tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
     train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
     train, val = TokenWindows(train_ids, context), TokenWindows(val_ids, context)
     if len(val) == 0 or len(train) == 0:

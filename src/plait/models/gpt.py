@@ -73,24 +73,29 @@ def attention_mask(pad: torch.Tensor, past: int, t: int) -> torch.Tensor:
     return mask[:, None]
 
 
+ACTIVATIONS = ("gelu", "gelu_tanh")  # exact GELU, or the tanh approximation GPT-2 was trained with
+
+
 class MLP(nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, activation: str = "gelu"):
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, dropout: float, moe: dict | None = None):
+    def __init__(self, width: int, heads: int, dropout: float, moe: dict | None = None, activation: str = "gelu",
+                 norm_eps: float = 1e-5):
         super().__init__()
-        self.ln1 = nn.LayerNorm(width)
+        self.ln1 = nn.LayerNorm(width, eps=norm_eps)
         self.attn = Attention(width, heads, dropout)
-        self.ln2 = nn.LayerNorm(width)
+        self.ln2 = nn.LayerNorm(width, eps=norm_eps)
         # An MoE block's experts are MLPs of the dense block's shape: top-1 routing has the dense block's active parameters.
-        self.mlp = MoE(width, 4 * width, **moe) if moe else MLP(width)
+        self.mlp = MoE(width, 4 * width, **moe) if moe else MLP(width, activation)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,11 +109,13 @@ class GPT(MoEHooks, nn.Module):
 
     moe_experts > 0 makes every moe_every-th block (blocks moe_every - 1, 2 moe_every - 1, ...) a mixture of
     experts (plait.models.moe); moe_aux_weight scales their load-balancing loss in the training loss.
+    activation is the dense blocks' GELU ("gelu_tanh": GPT-2's approximation), norm_eps every LayerNorm's epsilon.
     """
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int,
                  tie_embeddings: bool = True, dropout: float = 0.0, moe_experts: int = 0, moe_top_k: int = 1,
-                 moe_every: int = 1, moe_capacity_factor: float = 0.0, moe_aux_weight: float = 0.0):
+                 moe_every: int = 1, moe_capacity_factor: float = 0.0, moe_aux_weight: float = 0.0,
+                 activation: str = "gelu", norm_eps: float = 1e-5):
         super().__init__()
         self.context = context
         self.tie_embeddings = tie_embeddings
@@ -119,9 +126,10 @@ class GPT(MoEHooks, nn.Module):
         self.drop = nn.Dropout(dropout)
         # A ModuleDict keyed "0", "1", ...: a pipeline stage deletes the blocks it does not own and the
         # remaining ones keep their names (blocks.5.*), so checkpoints stay layout-free.
-        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout, moe if (i + 1) % moe_every == 0 else None)
+        self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout, moe if (i + 1) % moe_every == 0 else None,
+                                                   activation, norm_eps)
                                      for i in range(layers)})
-        self.ln_f = nn.LayerNorm(width)
+        self.ln_f = nn.LayerNorm(width, eps=norm_eps)
         self.head = nn.Linear(width, vocab_size, bias=False)
         if tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -246,4 +254,5 @@ def build_gpt(cfg, spec: DataSpec) -> GPT:
             "set model.vocab_size=0 to take the data's size"
         )
     return GPT(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout,
-               cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_capacity_factor, cfg.moe_aux_weight)
+               cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_capacity_factor, cfg.moe_aux_weight,
+               cfg.activation, cfg.norm_eps)

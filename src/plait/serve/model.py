@@ -1,4 +1,5 @@
-"""What is served: a model loaded from a run directory or an exported model.safetensors, and its signature.
+"""What is served: a model loaded from a run directory, an exported model.safetensors or a Hugging Face GPT-2
+directory (plait.models.hf), and its signature.
 
 `ModelRef` is the picklable recipe (path + options) that replica and pipeline-stage processes
 use to load the same weights themselves; `ServedModel` is the loaded model with the tensor
@@ -16,11 +17,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
 from plait.edge import EDGE_SUFFIXES, load_edge
 from plait.export import load_exported, rebuild_model
 from plait.models.gpt import GPT
+from plait.models.hf import is_hf_dir, load_hf_model
 from plait.serve.protocol import ServeError, TensorSpec
 from plait.serve.quantize import quantize_int8
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
@@ -43,7 +46,7 @@ class ServedModel:
     module: nn.Module
     registry_name: str  # `mlp`, `gpt`, ... or the factory function's name
     spec: DataSpec
-    tokenizer: CharTokenizer | None
+    tokenizer: CharTokenizer | HFTokenizer | None
     checkpoint: str  # which checkpoint the weights came from (for the metadata)
     backend: str = "pytorch"  # or "onnxruntime", "torch.export", "aotinductor" (an exported file, plait.edge)
 
@@ -92,10 +95,13 @@ def _registry_name(model_cfg: dict) -> str:
     return model_cfg["name"]
 
 
-def _tokenizer(text: str, where: str) -> CharTokenizer:
-    """A tokenizer from its JSON, checked as data (one character per entry)."""
+def _tokenizer(text: str, where: str) -> CharTokenizer | HFTokenizer:
+    """A tokenizer from its JSON, checked as data (one character per entry), or a Hugging Face tokenizer.json."""
     try:
-        chars = json.loads(text)["chars"]
+        data = json.loads(text)
+        if isinstance(data, dict) and "chars" not in data and "model" in data:  # a run trained with data.tokenizer
+            return HFTokenizer.from_json(text)
+        chars = data["chars"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ServeError(f"{where}: the tokenizer is malformed ({type(e).__name__}: {e})") from None
     if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
@@ -112,7 +118,10 @@ def _check_finite(module: nn.Module, where: str) -> None:
 def load_model(ref: ModelRef) -> ServedModel:
     """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
     path = Path(ref.path)
-    if path.is_dir():
+    if is_hf_dir(path):  # a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer.json)
+        _, spec, module, tokenizer = load_hf_model(path)
+        served = ServedModel(module, "gpt", spec, tokenizer, "")
+    elif path.is_dir():
         if not (path / "config.toml").is_file():
             raise ServeError(f"{path} is not a plait run directory (no config.toml); pass a run's --out or a model.safetensors")
         ckpt = latest_checkpoint(path)

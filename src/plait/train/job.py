@@ -25,6 +25,7 @@ from plait.finetune import apply_finetune
 from plait.finetune import check as check_finetune
 from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
+from plait.models.hf import apply_hf_config, is_hf_dir
 from plait.parallel import check_config as check_layout
 from plait.parallel.layout import Layout
 from plait.train.callbacks import check as check_callbacks
@@ -32,7 +33,9 @@ from plait.train.distill import check as check_distill
 
 
 def check_job(cfg: Config) -> Layout:
-    """Validate cfg for training; returns its Layout."""
+    """Validate cfg for training; returns its Layout. A Hugging Face train.init_from sets cfg.model from its config.json."""
+    if cfg.train.init_from and is_hf_dir(cfg.train.init_from):
+        apply_hf_config(cfg.model, cfg.data, cfg.train.init_from)
     validate_config(cfg)
     check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     if cfg.model.factory:

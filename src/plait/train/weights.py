@@ -20,6 +20,7 @@ from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, ConfigError
 from plait.finetune import apply_lora, merge_lora
 from plait.models import build_model
+from plait.models.hf import hf_state_dict, is_hf_dir
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -69,10 +70,13 @@ def check_fit(source: str, have: dict[str, tuple], want: dict[str, tuple], key: 
 
 
 def init_from(model: nn.Module, source: str | Path) -> None:
-    """Copy the weights of a run directory (latest checkpoint, adapters merged) or a safetensors file into `model`."""
+    """Copy the weights of a run directory (latest checkpoint, adapters merged), a safetensors file or a Hugging Face
+    GPT-2 directory into `model`."""
     path = Path(source)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if path.is_dir():
+    if is_hf_dir(path):  # a Hugging Face GPT-2 directory: renamed and reshaped to plait's GPT (plait.models.hf)
+        tensors = hf_state_dict(path, getattr(model, "context", None))
+    elif path.is_dir():
         _, _, src = load_run_model(path)
         tensors = src.state_dict()
     elif path.is_file():

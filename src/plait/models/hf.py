@@ -1,0 +1,183 @@
+"""Hugging Face GPT-2-family checkpoints on plait's GPT: a directory with config.json and model.safetensors.
+
+    is_hf_dir(path)                          # config.json and no plait config.toml
+    apply_hf_config(cfg.model, cfg.data, d)  # [model] from config.json (an override that conflicts is an error)
+    tensors = hf_state_dict(d, context)      # the weights under the GPT's names, ready for load_state_dict
+
+GPT-2 is plait's GPT with the tanh-approximated GELU: its Conv1D weights are (in, out), so they are
+transposed, and its fused c_attn (q | k | v along the output) is split into the separate q, k and v
+projections. The head is tied to the token embedding unless config.json says otherwise. A shorter
+model.context than n_positions keeps the first learned positions. `tokenizer.json`, when present, is
+the data's and the server's tokenizer (plait.data.hf_tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from plait.errors import ConfigError
+
+ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+IGNORED = re.compile(r"(^|\.)attn\.(masked_)?bias$")  # causal-mask buffers some GPT-2 checkpoints carry
+DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+            "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "tie_word_embeddings": True}
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory (config.json), not a plait run directory (config.toml)."""
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file() and not (path / "config.toml").is_file()
+
+
+def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
+    """config.json of a supported architecture, with GPT-2's defaults for keys it leaves out."""
+    path = Path(path)
+    where = f"{key} = {str(path)!r}"
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: config.json is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: config.json must be a JSON object")
+    archs = raw.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else raw.get("model_type", "(none given)")
+    if arch not in ARCHITECTURES and not (not archs and arch == "gpt2"):
+        raise ConfigError(f"{where}: architecture {arch!r} is not supported; plait loads GPT-2-family checkpoints "
+                          f"({', '.join(ARCHITECTURES)}: gpt2, distilgpt2, ...)")
+    cfg = {**DEFAULTS, **raw}
+    act = cfg["activation_function"]
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"{where}: activation_function {act!r} is not supported; plait's GPT has "
+                          f"{', '.join(ACTIVATIONS)}")
+    if cfg.get("n_inner") not in (None, 4 * cfg["n_embd"]):
+        raise ConfigError(f"{where}: n_inner = {cfg['n_inner']} but plait's GPT has a 4 * n_embd = {4 * cfg['n_embd']} "
+                          "feed-forward width")
+    for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                       ("add_cross_attention", False)):
+        if cfg.get(flag, want) != want:
+            raise ConfigError(f"{where}: {flag} = {cfg[flag]} is not supported by plait's GPT (it needs {want})")
+    return cfg
+
+
+def hf_model_keys(hf: dict) -> dict:
+    """The [model] keys config.json fixes: {key: (value, the config.json name it comes from)}."""
+    return {"name": ("gpt", "model_type"), "layers": (hf["n_layer"], "n_layer"), "heads": (hf["n_head"], "n_head"),
+            "width": (hf["n_embd"], "n_embd"), "vocab_size": (hf["vocab_size"], "vocab_size"),
+            "tie_embeddings": (bool(hf["tie_word_embeddings"]), "tie_word_embeddings"),
+            "activation": (ACTIVATIONS[hf["activation_function"]], "activation_function"),
+            "norm_eps": (float(hf["layer_norm_epsilon"]), "layer_norm_epsilon")}
+
+
+def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.init_from") -> None:
+    """Set the [model] section from config.json (and data.tokenizer from tokenizer.json, when there is one).
+
+    A key left at its default takes the checkpoint's value; one set to another value is an error naming
+    both, except model.context, which may be shorter than n_positions (the first positions are kept).
+    """
+    from plait.config import ModelConfig
+
+    hf = read_hf_config(path, key)
+    where = f"{key} = {str(path)!r}"
+    default = ModelConfig()
+    if model_cfg.factory:
+        raise ConfigError(f"{where} is a GPT-2 checkpoint, but model.factory = {model_cfg.factory!r} builds another "
+                          "model; unset model.factory")
+    if model_cfg.moe_experts:
+        raise ConfigError(f"{where} is a dense GPT-2 checkpoint; set model.moe_experts=0")
+    for name, (value, hf_name) in hf_model_keys(hf).items():
+        have = getattr(model_cfg, name)
+        if have != value and have != getattr(default, name):
+            raise ConfigError(f"model.{name} = {have!r} conflicts with {hf_name} = {value!r} in {Path(path) / 'config.json'}"
+                              f"; drop the model.{name} override (the checkpoint sets it)")
+        setattr(model_cfg, name, value)
+    n_pos = int(hf["n_positions"])
+    if model_cfg.context == default.context:
+        model_cfg.context = n_pos
+    elif model_cfg.context > n_pos:
+        raise ConfigError(f"model.context = {model_cfg.context} conflicts with n_positions = {n_pos} in "
+                          f"{Path(path) / 'config.json'}: the checkpoint has no positions beyond it; set "
+                          f"model.context <= {n_pos}")
+    tok = Path(path) / "tokenizer.json"
+    if tok.is_file() and not data_cfg.tokenizer:
+        data_cfg.tokenizer = str(tok)
+
+
+def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "model.safetensors.index.json").is_file():
+        from safetensors.torch import load_file
+
+        shards = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(path / shard)).items()}
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"{where} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def hf_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors renamed and reshaped to plait's GPT (positions cut to `context` when given)."""
+    path = Path(path)
+    where = f"{key} = {str(path)!r}"
+    hf = read_hf_config(path, key)
+    src = {k.removeprefix("transformer."): v for k, v in _load_tensors(path, where).items() if not IGNORED.search(k)}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ConfigError(f"{where} does not hold a GPT-2 checkpoint: tensor {name} is missing (it has "
+                              f"{len(src)} tensors, e.g. {list(src)[:3]})")
+        return src.pop(name)
+
+    wte, wpe = take("wte.weight"), take("wpe.weight")
+    out = {"tok_emb.weight": wte, "pos_emb.weight": wpe[:context] if context else wpe}
+    for i in range(hf["n_layer"]):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        q, k, v = take(h + "attn.c_attn.weight").t().chunk(3, dim=0)  # Conv1D (in, 3 out) -> three Linear (out, in)
+        qb, kb, vb = take(h + "attn.c_attn.bias").chunk(3)
+        out.update({b + "attn.q.weight": q, b + "attn.k.weight": k, b + "attn.v.weight": v,
+                    b + "attn.q.bias": qb, b + "attn.k.bias": kb, b + "attn.v.bias": vb})
+        for hf_name, name, transpose in (("ln_1", "ln1", False), ("ln_2", "ln2", False), ("attn.c_proj", "attn.proj", True),
+                                         ("mlp.c_fc", "mlp.up", True), ("mlp.c_proj", "mlp.down", True)):
+            w = take(h + hf_name + ".weight")
+            out[b + name + ".weight"] = w.t() if transpose else w
+            out[b + name + ".bias"] = take(h + hf_name + ".bias")
+    out["ln_f.weight"], out["ln_f.bias"] = take("ln_f.weight"), take("ln_f.bias")
+    lm_head = src.pop("lm_head.weight", None)
+    if hf["tie_word_embeddings"]:
+        out["head.weight"] = wte
+    elif lm_head is None:
+        raise ConfigError(f"{where}: config.json has tie_word_embeddings = false but there is no lm_head.weight")
+    else:
+        out["head.weight"] = lm_head
+    if src:
+        raise ConfigError(f"{where} has tensors plait's GPT does not, first {next(iter(src))}; is it a GPT-2 checkpoint?")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_hf_model(path: str | Path, key: str = "plait serve"):
+    """(model config, spec, GPT with the checkpoint's weights, tokenizer or None) for serving the directory."""
+    from plait.config import DataConfig, ModelConfig
+    from plait.data.spec import DataSpec
+    from plait.models.gpt import build_gpt
+
+    path = Path(path)
+    model_cfg, data_cfg = ModelConfig(), DataConfig()
+    apply_hf_config(model_cfg, data_cfg, path, key)
+    spec = DataSpec(name="huggingface", task="lm", input_shape=[model_cfg.context], vocab_size=model_cfg.vocab_size,
+                    tokens_per_sample=model_cfg.context)
+    model = build_gpt(model_cfg, spec)
+    model.load_state_dict(hf_state_dict(path, model_cfg.context, key))
+    tokenizer = None
+    if data_cfg.tokenizer:
+        from plait.data.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer.from_file(data_cfg.tokenizer, f"{key} {str(path)!r}: tokenizer.json")
+    return model_cfg, spec, model, tokenizer
