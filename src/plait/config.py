@@ -215,7 +215,7 @@ class LaunchConfig:
                                          "mismatch behind a hang)")
 
 
-TRACKERS = {"tensorboard": "tensorboard"}  # log.trackers: name -> the package it needs
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # log.trackers: name -> the package it needs
 
 
 @dataclass
@@ -224,8 +224,9 @@ class LogConfig:
     progress: bool = opt(True, "show a live progress bar on rank 0")
     report: bool = opt(True, "write report.html with plots at the end")
     profile_steps: list = opt([], "torch.profiler Chrome traces of steps [first, last] to RUN_DIR/traces/rank<r>.json")
-    trackers: list = opt([], "live views of the metrics besides metrics.jsonl: [\"tensorboard\"] writes event files to "
-                             "RUN_DIR/tensorboard (pip install 'plait[tensorboard]')")
+    trackers: list = opt([], "live views of the metrics besides metrics.jsonl (rank 0): \"tensorboard\" (event files in "
+                             "RUN_DIR/tensorboard), \"mlflow\" (a file store in RUN_DIR/mlruns), \"wandb\" (an offline run "
+                             "in RUN_DIR/wandb); each its extra: pip install 'plait[NAME]'")
 
 
 @dataclass

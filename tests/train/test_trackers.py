@@ -42,5 +42,7 @@ def test_a_distributed_run_writes_the_losses_it_logs(pool2, tiny_text, tmp_path)
 
 
 def test_an_unknown_tracker_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"log.trackers: 'wandb' is not a tracker plait writes; choose from \['tensorboard'\]"):
-        load_config(None, ["log.trackers=['wandb']"])
+    with pytest.raises(ConfigError,
+                       match=r"log.trackers: 'comet' is not a tracker plait writes; choose from \['mlflow', 'tensorboard', "
+                             r"'wandb'\]"):
+        load_config(None, ["log.trackers=['comet']"])

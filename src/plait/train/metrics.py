@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from plait.report.trackers import open_trackers, scalars
 from plait.runtime import synchronize
 
 
@@ -73,12 +74,8 @@ class MetricsWriter:
 
     def __init__(self, path: Path | None, keep_through: int | None = None, trackers: list[str] | tuple = ()):
         self.path = path
-        self._tb = None
-        if path and "tensorboard" in trackers:  # every numeric field of a step's record, as a scalar at that step
-            from torch.utils.tensorboard import SummaryWriter  # lazily: tensorboard is an optional extra
-
-            self._tb = SummaryWriter(log_dir=str(path.parent / "tensorboard"),
-                                     purge_step=None if keep_through is None else keep_through + 1)
+        # every numeric field of a step's record, as a scalar at that step, to each of log.trackers (rank 0: has a path)
+        self._trackers = open_trackers(path.parent, trackers, keep_through) if path and trackers else []
         if path and keep_through is not None and path.is_file():
             kept = []
             for line in path.read_text().splitlines():
@@ -97,27 +94,16 @@ class MetricsWriter:
         if self._f:
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
-        if self._tb is not None and isinstance(record.get("step"), int):
-            for key, value in _scalars(record):
-                self._tb.add_scalar(key, value, record["step"])
+        if self._trackers and isinstance(record.get("step"), int):
+            found = list(scalars(record))
+            for tracker in self._trackers:
+                tracker.log(record["step"], found)
 
     def close(self) -> None:
         if self._f:
             self._f.close()
             self._f = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def _scalars(record: dict, prefix: str = ""):
-    """(name, number) for every numeric field of a record, nested dicts as name/field (the step itself excluded)."""
-    for key, value in record.items():
-        if key == "step" and not prefix:
-            continue
-        if isinstance(value, dict):
-            yield from _scalars(value, f"{prefix}{key}/")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield f"{prefix}{key}", value
-
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 

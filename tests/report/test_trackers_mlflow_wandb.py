@@ -1,0 +1,87 @@
+"""log.trackers = ["mlflow", "wandb"]: the MLflow file store and the W&B offline run hold the losses metrics.jsonl holds
+(read back with MLflow's client and W&B's own protobuf records), written by rank 0 alone; a missing package is a
+config error naming the extra."""
+
+import importlib.util
+import json
+import struct
+
+import pytest
+
+from helpers import rank0_params, tiny_gpt_config
+from plait.config import load_config
+from plait.errors import ConfigError
+
+pytest.importorskip("mlflow", reason="needs MLflow: pip install 'plait[mlflow]' (in the dev extra)")
+pytest.importorskip("wandb", reason="needs W&B: pip install 'plait[wandb]' (in the dev extra)")
+
+
+def wandb_history(run_file) -> list[dict]:
+    """The history rows of a .wandb file: a LevelDB-style log (32 KiB blocks, 7-byte chunk headers) of Record protos."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, chunks, partial = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7 or data[pos:pos + 7] == bytes(7):  # a block's zero-filled tail
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:  # full
+            chunks.append(chunk)
+        elif kind == 2:  # first
+            partial = chunk
+        elif kind == 3:  # middle
+            partial += chunk
+        elif kind == 4:  # last
+            chunks.append(partial + chunk)
+    rows = []
+    for chunk in chunks:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tracked_run(pool2, tiny_text, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tracked")
+    cfg = tiny_gpt_config(tiny_text, "train.steps=4", "log.every=1", "log.trackers=['mlflow', 'wandb']")
+    pool2.run(rank0_params, cfg, run_dir)
+    logged = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4]
+    return run_dir, logged
+
+
+def test_the_mlflow_file_store_holds_the_logged_losses(tracked_run, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only with this opt-in
+
+    run_dir, logged = tracked_run
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("plait").experiment_id])  # one run: rank 0's
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(m["step"], m["loss"]) for m in logged]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "time/forward_backward")] == \
+        [m["time"]["forward_backward"] for m in logged]
+    assert run.info.status == "FINISHED"
+
+
+def test_the_wandb_offline_run_holds_the_logged_losses(tracked_run):
+    run_dir, logged = tracked_run
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # one run: rank 0's
+    rows = wandb_history(run_file)
+    assert [(r["_step"], r["loss"]) for r in rows] == [(m["step"], m["loss"]) for m in logged]
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+def test_a_missing_package_is_a_config_error_naming_the_extra(tracker, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find_spec(name, *a))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"log.trackers=['{tracker}']"])
+    assert str(e.value) == f"log.trackers = ['{tracker}'] needs the {tracker} package: pip install 'plait[{tracker}]'"
