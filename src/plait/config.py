@@ -276,6 +276,9 @@ class FinetuneConfig:
     lora_targets: list = opt(["*attn.q", "*attn.v"], "LoRA: glob patterns over the names of the Linear layers to adapt")
     quantize_base: str = opt("none", "QLoRA: store the adapted layers' frozen base weights in 4-bit NormalFloat (nf4, "
                                      "bitsandbytes: plait[qlora]) or not (none)", ("none", "nf4"))
+    progressive_freeze: bool = opt(False, "freeze model.blocks front to back during training (FreezeOut): block i of L "
+                                          "after floor(t0 + i (T - t0) / L) steps, t0 = progressive_freeze_start * T")
+    progressive_freeze_start: float = opt(0.5, "progressive_freeze: the share of train.steps before block 0 freezes")
 
 
 @dataclass

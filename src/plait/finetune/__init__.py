@@ -17,10 +17,12 @@ import torch.nn as nn
 from plait.errors import ConfigError
 from plait.finetune.freeze import freeze, trainable_params
 from plait.finetune.lora import LoRALinear, adapter_state_dict, apply_lora, lora_layers, merge_lora
+from plait.finetune.progressive import ProgressiveFreeze, freeze_steps
+from plait.finetune.progressive import check as check_progressive
 
 
 def active(cfg) -> bool:
-    return bool(cfg.finetune.freeze) or cfg.finetune.lora_rank > 0
+    return bool(cfg.finetune.freeze) or cfg.finetune.lora_rank > 0 or cfg.finetune.progressive_freeze
 
 
 def check(cfg) -> None:
@@ -48,12 +50,13 @@ def check(cfg) -> None:
         if cfg.parallel.zero:
             raise ConfigError("finetune.quantize_base = 'nf4' is supported with data parallel (parallel.zero = 0): ZeRO "
                               "would not shard its 4-bit buffers; set parallel.zero=0")
+    check_progressive(cfg)
     if not active(cfg):
         return
     p = cfg.parallel
     if p.tp > 1 or p.pp > 1 or p.sync != "allreduce" or p.ep > 1 or p.embedding_sharding != "none":
-        raise ConfigError(f"finetune.freeze / finetune.lora_rank are supported with data parallel and ZeRO 1-3 "
-                          f"(tp = pp = ep = 1, sync = 'allreduce', no embedding_sharding); here tp = {p.tp}, pp = {p.pp}, "
+        raise ConfigError(f"finetune.freeze / lora_rank / progressive_freeze are supported with data parallel and ZeRO "
+                          f"1-3 (tp = pp = ep = 1, sync = 'allreduce', no embedding_sharding); here tp = {p.tp}, pp = {p.pp}, "
                           f"ep = {p.ep}, sync = {p.sync!r}: change the layout or drop the [finetune] keys")
     if f.lora_rank and cfg.train.compile:
         raise ConfigError("finetune.lora_rank with train.compile = true is not supported yet; set train.compile=false")
@@ -68,5 +71,5 @@ def apply_finetune(model: nn.Module, ft) -> nn.Module:
     return model
 
 
-__all__ = ["LoRALinear", "active", "adapter_state_dict", "apply_finetune", "apply_lora", "check", "freeze",
-           "lora_layers", "merge_lora", "trainable_params"]
+__all__ = ["LoRALinear", "ProgressiveFreeze", "active", "adapter_state_dict", "apply_finetune", "apply_lora", "check",
+           "check_progressive", "freeze", "freeze_steps", "lora_layers", "merge_lora", "trainable_params"]

@@ -21,7 +21,7 @@ from plait.data.augment import two_views
 from plait.data.packed import source_name
 from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
-from plait.finetune import apply_finetune
+from plait.finetune import apply_finetune, check_progressive
 from plait.finetune import check as check_finetune
 from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
@@ -46,7 +46,7 @@ def check_job(cfg: Config) -> Layout:
     if finetune_active(cfg):  # patterns against the model's names (on the meta device) before any worker starts
         spec = build_data(cfg.data, cfg.model).spec
         with torch.device("meta"):
-            apply_finetune(build_model(cfg.model, spec), cfg.finetune)
+            check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
     check_distill(cfg)
     check_callbacks(cfg)
     check_optimizer(cfg)

@@ -71,6 +71,7 @@ class Telemetry:
         self._window_reset()
         self.loop_t0 = time.perf_counter()
         self._counting = counting(self.comm)
+        self.fields: list = []  # callables returning more fields for every step record (e.g. frozen_blocks)
 
     def _window_reset(self, t0: float | None = None) -> None:
         """A new metrics window starts: its clock and the bytes and wait counted from here."""
@@ -88,6 +89,15 @@ class Telemetry:
             self.window_t0 += time.perf_counter() - t0
             self.window_sent0 += self.comm.bytes_sent - sent
             self.window_wait0 += self.comm.wait_s - wait
+
+    def between_steps(self):
+        """Work between two steps (blocks frozen, DDP rebuilt): left out of the step time and traffic."""
+        return self._aside()
+
+    def note(self, records: list[dict]) -> None:
+        """Event records (each with its "step") for metrics.jsonl."""
+        for r in records:
+            self.writer.write(r)
 
     # ---- the loop
     def __enter__(self) -> Telemetry:
@@ -173,6 +183,8 @@ class Telemetry:
             record["grad_norm"] = float(grad_norm)
         record.update(self.strategy.step_metrics(record))
         record.update(self._model_metrics(n))
+        for f in self.fields:
+            record.update(f())
         self.writer.write(record)
         self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
         self._window_reset(now)

@@ -32,6 +32,7 @@ from plait.train.distill import Distiller
 from plait.train.job import check_job
 from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.progressive import Freezer
 from plait.train.telemetry import Telemetry
 from plait.train.weights import init_from
 
@@ -78,6 +79,10 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
+    freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze: what is due by `start`, frozen now
+    if freezer is not None:
+        tel.fields.append(freezer.fields)
+        events = freezer.update(start)
     step, saved_at, stopping = start, start, False
     best = Best(cfg.checkpoint.keep_best) if cfg.checkpoint.keep_best else None
     early = EarlyStop.from_config(t.early_stop)
@@ -85,7 +90,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     batches = iter(loader)
     try:
         with tel:
+            if freezer is not None and start == 0:
+                tel.note(events)  # blocks frozen from the first step (progressive_freeze_start = 0)
             while step < stop:
+                if freezer is not None and step > start:
+                    with tel.between_steps():
+                        tel.note(freezer.update(step))
                 tel.begin(step + 1)
                 with tel.phase("data"):  # prepared ahead by the loader's thread: this is the wait + copy
                     micro = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))

@@ -1,0 +1,107 @@
+"""Progressive freezing (FreezeOut, Brock et al. 2017; AutoFreeze, Liu et al. 2021): blocks freeze front to back.
+
+    plan = ProgressiveFreeze(model, steps=T, start=0.5)   # block i of L freezes after step freeze_steps(L, T, 0.5)[i]
+    newly = plan.advance(done)                           # before each step: the parameters frozen now (often none)
+
+The schedule is linear from t0 = start * T: block i (of L) is frozen once floor(t0 + i (T - t0) / L) steps
+are done, so block 0 freezes at t0 and the last block a (T - t0) / L steps before the end. The input
+embeddings (every nn.Embedding directly on the model) freeze with block 0, except a token embedding
+tied to the output head, which keeps training through the head. Once blocks 0..k are frozen, a forward
+hook detaches block k's output: backward stops there, so the frozen front costs its forward alone and
+the step time falls as the blocks freeze. Frozen parameters get requires_grad = False; the trainer
+(plait.train.progressive) drops their optimizer state and rebuilds the gradient synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch.nn as nn
+
+from plait.errors import ConfigError
+
+
+def freeze_steps(layers: int, steps: int, start: float) -> list[int]:
+    """Steps done after which each block is frozen: floor(t0 + i * (T - t0) / L), t0 = start * T (exact arithmetic)."""
+    t0 = Fraction(repr(float(start))) * steps
+    return [math.floor(t0 + Fraction(i) * (steps - t0) / layers) for i in range(layers)]
+
+
+def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the model's repeated blocks in order (`model.blocks`, a ModuleList or ModuleDict)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return [(f"blocks.{k}", m) for k, m in blocks.items()]
+    if isinstance(blocks, nn.ModuleList):
+        return [(f"blocks.{i}", m) for i, m in enumerate(blocks)]
+    return []
+
+
+def check(cfg, model: nn.Module | None = None) -> None:
+    """finetune.progressive_freeze's values, its layouts, and (given the model) that the model has blocks."""
+    f, p = cfg.finetune, cfg.parallel
+    if not 0.0 <= f.progressive_freeze_start < 1.0:
+        raise ConfigError(f"finetune.progressive_freeze_start = {f.progressive_freeze_start} must be in [0, 1) (the "
+                          "share of train.steps before block 0 freezes), e.g. 0.5")
+    if not f.progressive_freeze:
+        return
+    if p.zero:
+        raise ConfigError(
+            f"finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = {p.zero} "
+            "lays its buffers out once: ZeRO-1's flat gradient buffer would still be reduce-scattered and stepped, and "
+            "FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen blocks would "
+            "still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed finetune.freeze")
+    if cfg.train.compile:
+        raise ConfigError("finetune.progressive_freeze moves a hook between blocks during training, which recompiles "
+                          "the model each time; set train.compile=false")
+    if model is not None and not blocks_of(model):
+        raise ConfigError(f"finetune.progressive_freeze freezes model.blocks front to back, and model "
+                          f"{cfg.model.factory or cfg.model.name!r} has no `blocks` (a ModuleList or ModuleDict); use "
+                          "finetune.freeze patterns instead")
+
+
+def _detach(module: nn.Module, args, output):
+    return output.detach()
+
+
+class ProgressiveFreeze:
+    """Which blocks are frozen after how many steps, and the freezing itself (requires_grad, the detach hook)."""
+
+    def __init__(self, model: nn.Module, steps: int, start: float):
+        self.blocks = blocks_of(model)
+        self.at = freeze_steps(len(self.blocks), steps, start)
+        tied = set(getattr(model, "tied_parameters", dict)().values()) if hasattr(model, "tied_parameters") else set()
+        self.front = [(f"{name}.{pname}", p) for name, child in model.named_children() if isinstance(child, nn.Embedding)
+                      for pname, p in child.named_parameters() if f"{name}.{pname}" not in tied]
+        self.frozen = 0
+        self._hook = None
+
+    def due(self, done: int) -> int:
+        """How many blocks are frozen once `done` steps are done."""
+        return sum(1 for s in self.at if s <= done)
+
+    def advance(self, done: int) -> list[tuple[str, nn.Parameter]]:
+        """Freeze the blocks due after `done` steps; returns the (name, parameter) newly frozen (trainable before)."""
+        want = self.due(done)
+        newly: list[tuple[str, nn.Parameter]] = []
+        while self.frozen < want:
+            i = self.frozen
+            name, block = self.blocks[i]
+            params = [(f"{name}.{n}", p) for n, p in block.named_parameters()]
+            if i == 0:
+                params = self.front + params
+            for n, p in params:
+                if p.requires_grad:
+                    p.requires_grad_(False)
+                    newly.append((n, p))
+            self.frozen += 1
+        if want and (self._hook is None or self._hooked != want):
+            if self._hook is not None:
+                self._hook.remove()
+            self._hook = self.blocks[want - 1][1].register_forward_hook(_detach)
+            self._hooked = want
+        return newly
+
+    def names(self, count: int) -> list[str]:
+        return [name for name, _ in self.blocks[:count]]

@@ -1,0 +1,83 @@
+"""finetune.progressive_freeze: the schedule, frozen blocks fixed from their step on, dp=2 equal to one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ft_helpers import assert_same, gpt, run_trajectory
+
+from plait.config import load_config
+from plait.errors import ConfigError
+from plait.finetune import freeze_steps
+from plait.train.job import check_job
+
+# Tiny GPT (2 blocks), 4 steps, t0 = 0.25 * 4 = 1: block 0 (with pos_emb) frozen after step 1, block 1 after step 2.
+PROGRESSIVE = ("train.steps=4", "finetune.progressive_freeze=true", "finetune.progressive_freeze_start=0.25")
+
+
+def test_the_schedule_is_floor_of_t0_plus_i_times_the_rest_over_the_blocks():
+    assert freeze_steps(4, 100, 0.5) == [50, 62, 75, 87]
+    assert freeze_steps(3, 10, 0.3) == [3, 5, 7]  # 3 + i 7/3, exact (0.3 is read as 3/10)
+    assert freeze_steps(2, 4, 0.25) == [1, 2]
+    assert freeze_steps(4, 8, 0.0) == [0, 2, 4, 6]
+
+
+def test_layouts_that_cannot_change_what_trains_are_refused(tiny_text):
+    with pytest.raises(ConfigError, match=r"parallel.zero = 3 lays its buffers out once.*use parallel.zero=0"):
+        check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE, "parallel.dp=2", "parallel.zero=3")))
+    with pytest.raises(ConfigError, match=r"progressive_freeze_start = 1.0 must be in \[0, 1\)"):
+        check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE[:2], "finetune.progressive_freeze_start=1.0")))
+    with pytest.raises(ConfigError, match=r"model 'deepfm' has no `blocks`"):
+        check_job(load_config(None, ["model.name='deepfm'", "data.name='clicks'", "finetune.progressive_freeze=true"]))
+
+
+def _run(cfg, run_dir):
+    """Pool task: the trajectory, plus rank 0's metrics.jsonl rows."""
+    out = run_trajectory(cfg, run_dir)
+    if out is None:
+        return None
+    return (*out, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_text, tmp_path_factory):
+    """The 4-step run in one process, and the same run stopped after 1 and 2 steps (the weights at the freezes)."""
+    root = tmp_path_factory.mktemp("progressive")
+    return {n: _run(load_config(None, gpt(tiny_text, "parallel.dp=1", *PROGRESSIVE, f"train.stop_after={n}")), root / f"s{n}")
+            for n in (1, 2, 4)}
+
+
+def _block(params: dict, prefixes: tuple[str, ...]) -> list[str]:
+    return [k for k in params if k.startswith(prefixes)]
+
+
+def test_frozen_blocks_keep_their_weights_from_their_step_while_the_rest_trains(runs):
+    after1, after2, final = runs[1][2], runs[2][2], runs[4][2]
+    front = _block(final, ("pos_emb.", "blocks.0."))
+    block1 = _block(final, ("blocks.1.",))
+    rest = _block(final, ("tok_emb.", "ln_f.", "head."))  # the tied token embedding trains through the head
+    assert front and block1 and rest
+    assert all(torch.equal(final[k], after1[k]) for k in front)
+    assert all(torch.equal(final[k], after2[k]) for k in block1)
+    assert not any(torch.equal(after2[k], after1[k]) for k in block1 if k.endswith("weight"))  # moved at step 2
+    assert not any(torch.equal(final[k], after2[k]) for k in rest if k.endswith("weight"))
+    rows = runs[4][4]
+    assert [r["frozen_blocks"] for r in rows if "loss" in r] == [0, 1, 2, 2]
+    assert [(r["step"], r["froze"]) for r in rows if "froze" in r] == [(1, "blocks.0"), (2, "blocks.1")]
+    n = {k: v.numel() for k, v in final.items()}
+    assert runs[4][3]["trainable_params"] == sum(n[k] for k in ("tok_emb.weight", "ln_f.weight", "ln_f.bias"))
+
+
+def test_dp2_follows_the_single_process_trajectory_and_sends_only_what_trains(pool2, runs, tiny_text, tmp_path):
+    got = pool2.run(_run, load_config(None, gpt(tiny_text, "parallel.dp=2", *PROGRESSIVE)), tmp_path)[0]
+    assert_same(runs[4][:4], got[:4])
+    params = got[2]
+    n = lambda prefixes: sum(params[k].numel() for k in _block(params, prefixes))  # noqa: E731
+    trainable = [n(("tok_emb.", "ln_f.", "pos_emb.", "blocks.")), n(("tok_emb.", "ln_f.", "blocks.1.")),
+                 n(("tok_emb.", "ln_f."))]
+    sent = [r["comm_bytes"] for r in got[4] if "loss" in r]
+    # DDP at dp=2 sends 4 bytes per trainable element, rebuilt at each freeze; + the 24-byte gather of the logged loss.
+    assert sent[1:] == [4 * trainable[1] + 24, 4 * trainable[2] + 24, 4 * trainable[2] + 24]
+    assert sent[0] == 4 * trainable[0]
