@@ -81,3 +81,12 @@ def test_dp2_follows_the_single_process_trajectory_and_sends_only_what_trains(po
     # DDP at dp=2 sends 4 bytes per trainable element, rebuilt at each freeze; + the 24-byte gather of the logged loss.
     assert sent[1:] == [4 * trainable[1] + 24, 4 * trainable[2] + 24, 4 * trainable[2] + 24]
     assert sent[0] == 4 * trainable[0]
+
+
+def test_the_report_plots_step_time_with_the_freezes_marked(runs, tmp_path):
+    from plait.report.plots import freeze_points
+
+    rows = runs[4][4]
+    assert freeze_points(rows, tmp_path / "freeze.png") == tmp_path / "freeze.png"
+    assert (tmp_path / "freeze.png").stat().st_size > 1000
+    assert freeze_points([r for r in rows if "froze" not in r], tmp_path / "none.png") is None  # no freezes, no plot

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plait.report.bottleneck import breakdown
 from plait.report.bottleneck import html as bottleneck_html
-from plait.report.plots import expert_load, loss_curve, step_time_breakdown, training_curves
+from plait.report.plots import expert_load, freeze_points, loss_curve, step_time_breakdown, training_curves
 from plait.report.runfiles import read_metrics
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:64em;color:#222}
@@ -128,6 +128,7 @@ def write_report(run_dir: str | Path) -> Path:
         loss_curve(metrics, run_dir / "loss.png", summary.get("unigram_val_loss")),
         step_time_breakdown(metrics, run_dir / "step_time.png"),
         expert_load(metrics, run_dir / "expert_load.png"),
+        freeze_points(metrics, run_dir / "freeze.png"),
     ]
     plots += [run_dir / name for name in ("pipeline.png",) if (run_dir / name).is_file()]
     imgs = "\n".join(f'<img src="{p.name}" alt="{p.stem}">' for p in plots if p is not None)

@@ -64,6 +64,28 @@ def step_time_breakdown(metrics: list[dict], out: Path) -> Path | None:
     return out
 
 
+def freeze_points(metrics: list[dict], out: Path) -> Path | None:
+    """Step time over the steps with each block's freeze (finetune.progressive_freeze) marked where it happened."""
+    events = [m for m in metrics if "froze" in m]
+    rows = [(m["step"], m["step_time_s"] * 1000) for m in metrics if "step_time_s" in m]
+    if not events or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*rows), lw=1.5, label="step time")
+    for i, e in enumerate(events):
+        ax.axvline(e["step"], ls="--", c="C3", lw=1, label="a block frozen" if i == 0 else None)
+        ax.annotate(e["froze"], (e["step"], 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                    ha="right", va="top", xytext=(-2, -2), textcoords="offset points")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step")
+    ax.set_ylim(bottom=0)
+    ax.set_title("progressive freezing: step time as the blocks freeze")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, out)
+    return out
+
+
 def expert_load(metrics: list[dict], out: Path, max_layers: int = 4) -> Path | None:
     """Each expert's share of its MoE layer's routed tokens over the steps (one panel per layer, the first few),
     against the uniform share 1/E; the share of dropped assignments, if any, on the first panel."""
