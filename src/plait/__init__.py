@@ -1,3 +1,41 @@
-"""plait: distributed training and serving for PyTorch."""
+"""plait: distributed training and serving for PyTorch.
+
+    import plait
+    cfg = plait.Config.load().override("model.name=mlp", "data.name=digits", "train.steps=20")
+    result = plait.train(cfg, out="runs/x")    # Config, train, export, serve, load: docs/api.md
+
+The API (plait.api) is imported on first use: `import plait` imports no torch. plait.train, plait.serve
+and plait.export are also plait's subpackages of those names: the package objects are callable and call
+the API's function (plait.train(cfg) trains; plait.train.trainer is still the module).
+"""
+
+import importlib
+import types
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["Config", "Result", "Server", "TrainingFailed", "export", "load", "parallelize", "serve", "train"]
+
+_API = ("Config", "Result", "Server", "TrainingFailed", "load")
+_VERBS = ("train", "serve", "export")  # API functions that share their name with a subpackage
+
+
+class CallableModule(types.ModuleType):
+    """A plait subpackage named like an API verb (plait.train, plait.serve, plait.export): calling it calls the verb."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module("plait.api"), self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module("plait.api"), name)
+    if name in _VERBS:
+        return importlib.import_module(f"plait.{name}")
+    if name == "parallelize":  # your own loop on plait's layouts (plait.userloop, docs/models.md)
+        return importlib.import_module("plait.userloop").parallelize
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

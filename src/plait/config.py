@@ -72,9 +72,17 @@ class DataConfig:
     name: str = opt(
         "stdlib-text",
         "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
-        "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`)",
-        ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed"),
+        "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
+        "Parquet file; ignored when factory is set)",
+        ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table"),
     )
+    factory: str = opt("", "'package.module:function' returning your own map-style dataset (__len__, __getitem__ giving "
+                           "(input, target); optional collate) or a (train, val) pair; called with **data.options")
+    options: dict = opt({}, "keyword arguments passed to data.factory")
+    features: list = opt([], "table: the feature columns (empty: every column but data.target)")
+    target: str = opt("", "table: the column to predict")
+    task: str = opt("auto", "table and data.factory: classification or regression (mse loss); auto: regression when the "
+                            "targets are non-integer numbers", ("auto", "classification", "regression"))
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
                         "class folders; packed: the folder `plait data pack` wrote")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
@@ -124,6 +132,10 @@ class TrainConfig:
                                        "NT-Xent against the whole global batch, a linear probe at the end)",
                          ("supervised", "contrastive"))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
+    loss: str = opt("", "'package.module:function' (outputs, targets) -> the micro-batch's mean loss, instead of the "
+                        "data's task loss (cross-entropy, mse, ...); validation reports it as val_loss")
+    eval_metrics: list = opt([], "'package.module:function' (outputs, targets) -> a batch mean, each reported as "
+                                 "val_<function> at every evaluation")
     init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint), a model.safetensors or "
                              "a Hugging Face GPT-2 directory (config.json sets [model]); names and shapes must match; "
                              "step, optimizer and schedule start fresh")
@@ -592,7 +604,7 @@ def validate_config(cfg: Config) -> Config:
     if cfg.data.image_size < 4 or cfg.data.workers < 0:
         raise ConfigError(f"data.image_size = {cfg.data.image_size} must be >= 4 and data.workers = {cfg.data.workers} "
                           ">= 0")
-    if cfg.data.name in ("text", "tensors", "images", "packed") and not cfg.data.path:
+    if cfg.data.name in ("text", "tensors", "images", "packed", "table") and not cfg.data.path and not cfg.data.factory:
         raise ConfigError(f"data.name = {cfg.data.name!r} needs data.path (a file or folder); set --set data.path=...")
     _validate_federated(cfg)
     return cfg

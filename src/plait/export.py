@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from plait import CallableModule
 from plait.config import ModelConfig
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, PlaitError
@@ -230,3 +232,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["export", "load_exported", "rebuild_model"]
+
+
+# plait.export(run_dir, out) calls the API's export (docs/api.md): this module is the package's `export` attribute.
+sys.modules[__name__].__class__ = CallableModule

@@ -239,6 +239,8 @@ def read_meta(path: str) -> dict:
 
 def source_name(data_cfg) -> str:
     """data.name, or for packed data the name of the source it was packed from (what model checks need)."""
+    if getattr(data_cfg, "factory", ""):
+        return "factory"
     if data_cfg.name != "packed" or not data_cfg.path or _is_remote(data_cfg.path):
         return data_cfg.name
     try:

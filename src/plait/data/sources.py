@@ -18,7 +18,9 @@ from plait.data.images import image_folder
 from plait.data.packed import packed_source
 from plait.data.sampler import balanced_class_weights
 from plait.data.spec import DataSpec
+from plait.data.table import table_source
 from plait.data.tokenizer import CharTokenizer
+from plait.data.user import factory_source
 from plait.errors import DataError
 
 SPLIT_SEED = 0  # the train/validation split never depends on train.seed
@@ -215,14 +217,17 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
 
 
 SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "clicks": clicks,
-           "tensors": user_tensors, "images": image_folder, "packed": packed_source}
+           "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source}
 
 
 def build_data(data_cfg, model_cfg) -> DataBundle:
     """Load the configured source; every rank gets the same datasets (sampling is by index)."""
-    if data_cfg.name not in SOURCES:
+    if getattr(data_cfg, "factory", ""):  # the user's own dataset: data.name is not used
+        bundle = factory_source(data_cfg, model_cfg)
+    elif data_cfg.name not in SOURCES:
         raise DataError(f"data.name = {data_cfg.name!r} is not one of: {', '.join(SOURCES)}")
-    bundle = SOURCES[data_cfg.name](data_cfg, model_cfg)
+    else:
+        bundle = SOURCES[data_cfg.name](data_cfg, model_cfg)
     if getattr(data_cfg, "exclude", ""):
         from plait.data.exclude import exclude  # lazily: only runs that exclude audited samples need it
 

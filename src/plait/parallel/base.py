@@ -96,6 +96,8 @@ class Strategy:
         self.precision = precision
         self.local_batch = local_batch  # samples per step on this data-parallel rank
         self.activation_meter = None  # set by the trainer on the steps where it measures memory
+        self.eval_metrics: dict[str, Callable] | None = None  # train.eval_metrics: name -> fn(outputs, targets)
+        self.last_metrics: torch.Tensor | None = None  # their values on the last eval_batch, float64
 
     def no_sync(self):
         """Context in which backward does not synchronise gradients (all but the last micro-batch)."""
@@ -134,7 +136,11 @@ class Strategy:
         with self.precision.autocast():
             logits = self.model(x)
         loss = self.loss_fn(logits, y).double()
-        if logits.dim() == 2:
+        metrics = getattr(self, "eval_metrics", None)  # set by the trainer on every strategy
+        if metrics:
+            self.last_metrics = torch.stack([torch.as_tensor(fn(logits, y), dtype=torch.float64, device=logits.device)
+                                             .reshape(()) for fn in metrics.values()])
+        if logits.dim() == 2 and not y.is_floating_point():  # float targets of 2-D outputs: regression, no classes
             correct = (logits.argmax(-1) == y).sum().double()
         elif logits.dim() == 1:  # one logit per sample: a binary label
             correct = ((logits > 0).long() == y.long()).sum().double()

@@ -21,6 +21,8 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
     losses = torch.zeros(len(batches), dtype=torch.float64)
     correct = torch.zeros(len(batches), dtype=torch.float64)
+    names = list(getattr(strategy, "eval_metrics", None) or {})  # train.eval_metrics: batch means, combined as the loss
+    extra = torch.zeros(len(names), len(batches), dtype=torch.float64)
     dp = rt.group_size("dp")
     r = rt.axis_rank("dp") if dp > 1 else 0
     model = strategy.model
@@ -37,13 +39,17 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
             x, y = dataset.fetch(batches[i])
             loss, right = strategy.eval_batch(x.to(rt.device), y.to(rt.device))
             losses[i], correct[i] = loss.cpu(), right.cpu()
+            if names:
+                extra[:, i] = strategy.last_metrics.cpu()
     model.train(was_training)
     if dp > 1:
-        both = torch.stack([losses, correct]).to(rt.device)
+        both = torch.cat([torch.stack([losses, correct]), extra]).to(rt.device)
         dist.all_reduce(both, group=rt.axis_group("dp"))
-        losses, correct = both.cpu()
+        losses, correct, extra = both[0].cpu(), both[1].cpu(), both[2:].cpu()
     sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
     out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
+    for name, values in zip(names, extra):
+        out[name] = float((values * sizes).sum() / sizes.sum())
     if task in ("classification", "binary"):
         out["val_accuracy"] = float(correct.sum() / sizes.sum())
     return out

@@ -19,6 +19,7 @@ from plait.config import Config, load_config, validate_config
 from plait.data import build_data
 from plait.data.augment import two_views
 from plait.data.packed import source_name
+from plait.data.user import import_object
 from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
 from plait.finetune import apply_finetune, check_progressive
@@ -49,11 +50,33 @@ def check_job(cfg: Config) -> Layout:
             check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
     check_distill(cfg)
     check_callbacks(cfg)
+    check_user_code(cfg)
     check_optimizer(cfg)
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "
                           ".safetensors file")
     return layout
+
+
+def check_user_code(cfg: Config) -> None:
+    """A user's data (data.factory, or a table), loss and metrics, imported and tried before any worker starts."""
+    if cfg.data.factory or cfg.data.name == "table":
+        build_data(cfg.data, cfg.model)  # a dataset without __len__, samples that do not collate, a missing column
+    if cfg.train.loss:
+        import_object("train.loss", cfg.train.loss)
+    for ref in cfg.train.eval_metrics:
+        if not isinstance(ref, str):
+            raise ConfigError(f"train.eval_metrics = {cfg.train.eval_metrics}: each entry is 'package.module:function'")
+        import_object("train.eval_metrics", ref)
+    if cfg.train.eval_metrics and (cfg.parallel.pp > 1 or cfg.parallel.sync == "ps"):
+        raise ConfigError("train.eval_metrics are computed on the whole model's outputs: pipeline stages "
+                          f"(parallel.pp = {cfg.parallel.pp}) and the parameter server do not have them on one rank; "
+                          "use pp = 1 and allreduce, or leave train.eval_metrics empty")
+
+
+def metric_name(ref: str) -> str:
+    """train.eval_metrics entry -> the key it is reported under: 'pkg.mod:mae' -> 'val_mae'."""
+    return "val_" + ref.rpartition(":")[2].rpartition(".")[2]
 
 
 def check_optimizer(cfg: Config) -> None:

@@ -38,6 +38,11 @@ def binary_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.reshape(-1).float(), targets.reshape(-1).float())
 
 
+def regression_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over the micro-batch's samples (and each sample's outputs)."""
+    return F.mse_loss(outputs.float().reshape(targets.shape), targets.float())
+
+
 def nt_xent(z: torch.Tensor, temperature: float, group=None) -> torch.Tensor:
     """NT-Xent (SimCLR, Chen et al. 2020) of this rank's views against every view of the global batch.
 
@@ -68,7 +73,8 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
         return lambda z, _labels: nt_xent(z, temperature, group)
     if spec.task == "classification" and spec.class_weights:
         return weighted_classification_loss(torch.tensor(spec.class_weights, dtype=torch.float32))
-    return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss}[spec.task]
+    return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss,
+            "regression": regression_loss}[spec.task]
 
 
 def with_extra_loss(loss_fn: Callable, model) -> Callable:

@@ -22,6 +22,7 @@ from plait.data import build_data
 from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
+from plait.data.user import import_object
 from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
@@ -29,7 +30,7 @@ from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.callbacks import Best, EarlyStop
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.distill import Distiller
-from plait.train.job import check_job
+from plait.train.job import check_job, metric_name
 from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.progressive import Freezer
@@ -59,7 +60,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     if cfg.train.init_from:  # before any scheme wraps the model: every layout starts from the same weights
         init_from(model, cfg.train.init_from)
     apply_finetune(model, cfg.finetune)  # freezing and LoRA adapters, on the plain model's names
-    loss_fn = loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp"))
+    loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
+               else loss_for(bundle.spec, cfg.train.temperature, rt.axis_group("dp")))
     if cfg.distill.teacher:
         distiller = Distiller.from_run(cfg.distill, bundle.spec, rt.device)
         distiller.attach(model)
@@ -70,6 +72,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)
+    strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
     start = _resume(strategy, run_dir, rt) if resume and run_dir is not None else 0
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
