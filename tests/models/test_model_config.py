@@ -53,12 +53,13 @@ def test_capabilities_of_registered_and_factory_models():
     "overrides, message",
     [
         (["model.name=mlp", "data.name=digits", "parallel.pp=2", "parallel.dp=1"],
-         "parallel.pp = 2 cuts the model into stages, but model.name = 'mlp' has no pipeline cut points (a "
-         "`pipeline_parts()` method naming its blocks, see plait.models.gpt); set parallel.pp=1"),
+         "parallel.pp = 2 cuts the model into stages, but model.name = 'mlp' has no pipeline cut points (an "
+         "nn.Sequential, or a `pipeline_parts()` method naming its blocks, see docs/models.md); set parallel.pp=1"),
         (["model.factory=torch.nn:Linear", "model.options={in_features = 4, out_features = 2}", "data.name=digits",
           "parallel.tp=2", "parallel.dp=1"],
          "parallel.tp = 2 splits the model's matrices, but torch.nn:Linear declares no tensor-parallel plan "
-         "(a `tp_plan(sequence_parallel)` method, see plait.models.gpt); set parallel.tp=1"),
+         "(a `tp_plan(sequence_parallel)` method; `tp_plan = megatron_plan` for the common patterns, see "
+         "docs/models.md); set parallel.tp=1"),
     ],
 )
 def test_layouts_a_model_cannot_take_are_refused_before_launch(overrides, message):
@@ -72,6 +73,6 @@ def test_the_cli_exits_2_before_any_worker_starts(tmp_path, capsys):
                  "--set", "parallel.dp=1", "--out", str(tmp_path / "run")])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: parallel.pp = 2 cuts the model into stages, but model.name = 'mlp' has no pipeline cut points (a "
-        "`pipeline_parts()` method naming its blocks, see plait.models.gpt); set parallel.pp=1"]
+        "error: parallel.pp = 2 cuts the model into stages, but model.name = 'mlp' has no pipeline cut points (an "
+        "nn.Sequential, or a `pipeline_parts()` method naming its blocks, see docs/models.md); set parallel.pp=1"]
     assert not (tmp_path / "run" / "logs").exists()  # no worker was started

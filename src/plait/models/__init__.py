@@ -23,6 +23,7 @@ from plait.models.deepfm import build_deepfm
 from plait.models.gpt import build_gpt
 from plait.models.mlp import build_mlp
 from plait.models.moe import moe_layers
+from plait.models.protocols import pipeline_parts
 
 MODELS: dict[str, Callable] = {"gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "deepfm": build_deepfm}
 
@@ -85,7 +86,7 @@ def capabilities(model_cfg) -> frozenset[str]:
     """"pipeline" (it has pipeline cut points) and "tensor_parallel" (a TP plan), where the model has them.
 
     A user's factory is called on the meta device (no memory, no initialisation cost) and its
-    model asked for `pipeline_parts` and `tp_plan`.
+    model asked for `pipeline_parts` (an nn.Sequential has them) and `tp_plan`.
     """
     if not model_cfg.factory:
         return CAPABILITIES.get(model_cfg.name, frozenset())
@@ -93,7 +94,7 @@ def capabilities(model_cfg) -> frozenset[str]:
 
     with torch.device("meta"):
         model = load_factory(model_cfg.factory)(**model_cfg.options)
-    found = {"pipeline"} if callable(getattr(model, "pipeline_parts", None)) else set()
+    found = {"pipeline"} if pipeline_parts(model) is not None else set()
     if callable(getattr(model, "tp_plan", None)):
         found.add("tensor_parallel")
     return frozenset(found)

@@ -46,12 +46,29 @@ SCHEMES: list[Scheme] = [
 ]
 
 
-def check_config(cfg, schemes: list[Scheme] | None = None) -> Layout:
-    """Check the layout against the config before any worker starts; returns the Layout."""
+def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_known: bool = True) -> Layout:
+    """Check the layout against the config before any worker starts; returns the Layout.
+
+    What the layout asks of the model (pipeline cut points, a TP plan) is checked on `model` when given, else on
+    the model cfg names (a factory's is built on the meta device); model_known=False (`plait launch` of a user's
+    script, whose model is built inside it) leaves that to plait.parallelize.
+    """
     layout = Layout.from_config(cfg)
     layout.check_launch(cfg.max_nodes, cfg.launch.nnodes, cfg.launch.nproc_per_node)
-    for scheme in SCHEMES if schemes is None else schemes:
+    schemes = SCHEMES if schemes is None else schemes
+    for scheme in schemes:
         scheme.check(cfg)
+    asks = [s for s in schemes if s.check_model is not None and s.applies(cfg)]
+    if asks and model_known:
+        if model is None and cfg.model.factory:
+            import torch
+
+            from plait.models import load_factory
+
+            with torch.device("meta"):  # no memory, no initialisation cost
+                model = load_factory(cfg.model.factory)(**cfg.model.options)
+        for scheme in asks:
+            scheme.check_model(cfg, model)
     return layout
 
 

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
+from plait.models.protocols import pipeline_blocks, pipeline_parts
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
 from plait.parallel.scheme import Build, Scheme
@@ -44,6 +45,11 @@ def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> f
 def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
     """One module holding all of a rank's stages under the plain model's names (for optimizer and checkpoints)."""
     union = nn.Module()
+    if blocks_attr == "":  # an nn.Sequential: its blocks are its children, named as in the plain model
+        for part in parts:
+            for name, child in part.named_children():
+                union.add_module(name, child)
+        return union
     blocks = nn.ModuleDict()
     for part in parts:
         for name, child in part.named_children():
@@ -319,11 +325,6 @@ def check(cfg) -> None:
             f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices")
     if p.pp == 1:
         return
-    if "pipeline" not in capabilities(cfg.model):
-        what = cfg.model.factory or f"model.name = {cfg.model.name!r}"
-        raise ConfigError(
-            f"parallel.pp = {p.pp} cuts the model into stages, but {what} has no pipeline cut points (a "
-            "`pipeline_parts()` method naming its blocks, see plait.models.gpt); set parallel.pp=1")
     if p.microbatches and t.global_batch_size % (p.dp * p.microbatches):
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
@@ -333,10 +334,36 @@ def check(cfg) -> None:
         raise ConfigError(
             f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
             f"of parallel.pp ({p.pp}); set parallel.microbatches={p.pp * max(1, m // p.pp)}")
-    if cfg.model.name == "gpt" and not cfg.model.factory and p.pp * p.virtual_stages > cfg.model.layers:
+
+
+def check_model(cfg, model: nn.Module | None) -> None:
+    """The model can be cut into pp * virtual_stages stages (model None: the registered model cfg.model names)."""
+    p = cfg.parallel
+    stages = p.pp * p.virtual_stages
+    if model is None:
+        if "pipeline" not in capabilities(cfg.model):
+            raise ConfigError(
+                f"parallel.pp = {p.pp} cuts the model into stages, but model.name = {cfg.model.name!r} has no pipeline "
+                "cut points (an nn.Sequential, or a `pipeline_parts()` method naming its blocks, see docs/models.md); "
+                "set parallel.pp=1")
+        if cfg.model.name == "gpt" and stages > cfg.model.layers:
+            raise ConfigError(
+                f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} "
+                f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers")
+        return
+    what = cfg.model.factory or type(model).__name__
+    blocks = pipeline_blocks(model)
+    if blocks is None:
         raise ConfigError(
-            f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {p.pp * p.virtual_stages} "
-            f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers")
+            f"parallel.pp = {p.pp} cuts the model into stages, but {what} ({type(model).__name__}) is no nn.Sequential "
+            "and has no `pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1")
+    if stages > len(blocks):
+        raise ConfigError(
+            f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} stages but {what} has "
+            f"{len(blocks)} block(s) to cut between: every stage needs one; set parallel.pp={max(1, len(blocks))} or lower")
+    if p.pp_split and not all(0 < i < len(blocks) for i in p.pp_split):
+        raise ConfigError(f"parallel.pp_split = {p.pp_split}: {what} has {len(blocks)} blocks; give block indices "
+                          f"strictly between 0 and {len(blocks)}")
 
 
 def build(b: Build) -> PipelineStrategy:
@@ -348,9 +375,10 @@ def build(b: Build) -> PipelineStrategy:
     parts = [b.parallelize(pipeline_stage(module, bounds, s)) for s in mine]
     tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
     strategy = PipelineStrategy(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
-                                microbatches(b.cfg), p.pp_schedule, module.pipeline_parts()["blocks"], tied,
+                                microbatches(b.cfg), p.pp_schedule, pipeline_parts(module)["blocks"], tied,
                                 dp_sync=rt.axis_size("dp") > 1)
     return strategy
 
 
-SCHEME = Scheme("pipeline", applies=lambda cfg: cfg.parallel.pp > 1, check=check, strategy=build)
+SCHEME = Scheme("pipeline", applies=lambda cfg: cfg.parallel.pp > 1, check=check, check_model=check_model,
+                strategy=build)

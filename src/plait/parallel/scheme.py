@@ -64,6 +64,8 @@ class Scheme:
     name: str
     applies: Callable[[Any], bool] = _never  # cfg -> whether the layout uses this scheme
     check: Callable[[Any], None] = _no_check  # cfg -> None, or raise ConfigError naming the key and the fix
+    # (cfg, model) -> None, or ConfigError: what the layout asks of the model (model None: the registered one cfg names)
+    check_model: Callable[[Any, nn.Module | None], None] | None = None
     transform: Callable[[nn.Module, Build], nn.Module] | None = None  # a module transform, in SCHEMES order
     strategy: Callable[[Build], Any] | None = None  # Build -> Strategy (the step owner)
     serve: Callable[[Build, Any], dict] | None = None  # (Build, run_dir) -> summary, for ranks whose role is "server"

@@ -3,7 +3,8 @@
 A model that can be cut exposes `pipeline_parts()` -> {"blocks": attribute name of an
 nn.ModuleDict of blocks keyed "0".."L-1", "first": [modules only the first stage keeps],
 "last": [modules only the last stage keeps]}; its forward must skip parts that are None
-(see plait.models.gpt.GPT.forward). A stage keeps the plain model's parameter names.
+(see plait.models.gpt.GPT.forward). An nn.Sequential needs nothing: its children are the blocks
+(plait.models.protocols). A stage keeps the plain model's parameter names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 import torch.nn as nn
 
 from plait.errors import ConfigError
+from plait.models.protocols import blocks_module, pipeline_parts
 
 
 def balanced_bounds(sizes: list[int], stages: int) -> list[tuple[int, int]]:
@@ -59,7 +61,8 @@ def bounds_from_split(split: list[int], n_blocks: int) -> list[tuple[int, int]]:
 
 def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) -> list[tuple[int, int]]:
     """Block ranges per stage: the user's split if given, else balanced by parameter count."""
-    blocks = getattr(model, model.pipeline_parts()["blocks"])
+    parts = pipeline_parts(model)
+    blocks = dict(blocks_module(model, parts).named_children())
     if split:
         if len(split) != stages - 1:
             raise ConfigError(f"parallel.pp_split = {split} gives {len(split) + 1} stages but parallel.pp = {stages}; "
@@ -77,7 +80,6 @@ def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) 
                     total += p.numel()
         return total
 
-    parts = model.pipeline_parts()
     sizes = [size([b]) for b in blocks.values()]
     sizes[0] += size(getattr(model, n) for n in parts["first"])
     sizes[-1] += size(getattr(model, n) for n in parts["last"])
@@ -86,15 +88,16 @@ def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) 
 
 def pipeline_stage(model: nn.Module, bounds: list[tuple[int, int]], stage: int) -> nn.Module:
     """A copy of `model` holding only stage `stage`'s blocks (plus embeddings first, head last)."""
-    if not hasattr(model, "pipeline_parts"):
-        raise ConfigError(f"{type(model).__name__} cannot be split into pipeline stages: it has no pipeline_parts()")
-    parts = model.pipeline_parts()
+    parts = pipeline_parts(model)
+    if parts is None:
+        raise ConfigError(f"{type(model).__name__} cannot be split into pipeline stages: it is no nn.Sequential and has "
+                          "no pipeline_parts() (docs/models.md)")
     start, stop = bounds[stage]
     part = copy.deepcopy(model)
-    blocks = getattr(part, parts["blocks"])
-    for name in list(blocks.keys()):
-        if not start <= int(name) < stop:
-            del blocks[name]
+    blocks = blocks_module(part, parts)
+    for i, name in enumerate(list(blocks._modules)):  # by position; the kept blocks keep their names
+        if not start <= i < stop:
+            del blocks._modules[name]
     if stage != 0:
         for name in parts["first"]:
             setattr(part, name, None)

@@ -12,14 +12,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.errors import ConfigError
 from plait.models import capabilities
+from plait.models.protocols import check_tp_plan
 from plait.parallel.scheme import Build, Scheme
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
     """Split the model's matrices over the tp axis; parameter names do not change."""
     if not hasattr(model, "tp_plan"):
-        raise ConfigError(f"{type(model).__name__} declares no tensor-parallel plan (tp_plan); set parallel.tp=1")
-    model.tp_check(tp_mesh.size())
+        raise ConfigError(f"{type(model).__name__} declares no tensor-parallel plan (tp_plan, docs/models.md); "
+                          "set parallel.tp=1")
+    if hasattr(model, "tp_check"):
+        model.tp_check(tp_mesh.size())
     tied = getattr(model, "tied_parameters", dict)()
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
     # parallelize_module replaces each module's parameters one module at a time: a weight shared by
@@ -45,20 +48,31 @@ def check(cfg) -> None:
     p = cfg.parallel
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1; set parallel.tp=2 or turn it off")
-    if p.tp > 1:
-        if "tensor_parallel" not in capabilities(cfg.model):
-            what = cfg.model.factory or f"model.name = {cfg.model.name!r}"
-            raise ConfigError(
-                f"parallel.tp = {p.tp} splits the model's matrices, but {what} declares no tensor-parallel plan "
-                "(a `tp_plan(sequence_parallel)` method, see plait.models.gpt); set parallel.tp=1")
-        m = cfg.model
-        if not m.factory and m.name == "gpt" and m.heads % p.tp:
+
+
+def check_model(cfg, model: nn.Module | None) -> None:
+    """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one)."""
+    p, m = cfg.parallel, cfg.model
+    what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
+    has_plan = callable(getattr(model, "tp_plan", None)) if model is not None else "tensor_parallel" in capabilities(m)
+    if not has_plan:
+        raise ConfigError(
+            f"parallel.tp = {p.tp} splits the model's matrices, but {what} declares no tensor-parallel plan "
+            "(a `tp_plan(sequence_parallel)` method; `tp_plan = megatron_plan` for the common patterns, see "
+            "docs/models.md); set parallel.tp=1")
+    if model is None:
+        if m.name == "gpt" and m.heads % p.tp:
             raise ConfigError(f"model.heads ({m.heads}) is not divisible by parallel.tp = {p.tp}; "
                               f"set model.heads to a multiple of {p.tp}")
+        return
+    if callable(getattr(model, "tp_check", None)):
+        model.tp_check(p.tp)
+    check_tp_plan(model, model.tp_plan(p.sequence_parallel), p.tp)
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
     return apply_tp(model, b.rt.mesh["tp"], b.cfg.parallel.sequence_parallel)
 
 
-SCHEME = Scheme("tensor_parallel", applies=lambda cfg: cfg.parallel.tp > 1, check=check, transform=transform)
+SCHEME = Scheme("tensor_parallel", applies=lambda cfg: cfg.parallel.tp > 1, check=check, check_model=check_model,
+                transform=transform)

@@ -1,0 +1,122 @@
+"""What a model offers the layouts beyond data parallel: pipeline cut points and a tensor-parallel plan.
+
+    pipeline_parts(model)        # how to cut it: the model's own pipeline_parts(), or an nn.Sequential's children
+    pipeline_blocks(model)       # its blocks in order, {name: module}, or None when it cannot be cut
+    megatron_plan(model)         # a Megatron-style TP plan for the common patterns (one line in a user's model)
+    check_tp_plan(model, plan, tp)   # ConfigError when a split matrix does not divide over tp ranks
+
+A model's `pipeline_parts()` returns {"blocks": attribute of an nn.ModuleDict of blocks (or "" for the model
+itself, an nn.Sequential), "first": [modules only the first stage keeps], "last": [modules only the last stage
+keeps]}. A model's `tp_plan(sequence_parallel)` returns {module name: ParallelStyle} for
+torch.distributed.tensor.parallel.parallelize_module. docs/models.md shows both on a user's model.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from plait.errors import ConfigError
+
+# Modules that act on each feature alone: a Linear pair may have them between its two matrices.
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softplus,
+               nn.Hardswish, nn.Dropout, nn.Identity)
+# Attention projections by the names common models give them: (q, k, v) and the output.
+QKV_NAMES = (("q", "k", "v"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv"))
+OUT_NAMES = ("proj", "out_proj", "o_proj", "out", "o", "wo", "c_proj")
+# Two-matrix feed-forward modules by name: (up, down).
+MLP_NAMES = (("up", "down"), ("fc1", "fc2"), ("w1", "w2"), ("c_fc", "c_proj"), ("up_proj", "down_proj"))
+
+
+def pipeline_parts(model: nn.Module) -> dict | None:
+    """The model's cut points: its own `pipeline_parts()`, an nn.Sequential's children in order, else None."""
+    own = getattr(model, "pipeline_parts", None)
+    if callable(own):
+        return own()
+    if isinstance(model, nn.Sequential):
+        return {"blocks": "", "first": [], "last": []}
+    return None
+
+
+def blocks_module(model: nn.Module, parts: dict) -> nn.Module:
+    """The container of the blocks ("" : the model itself)."""
+    return model if parts["blocks"] == "" else getattr(model, parts["blocks"])
+
+
+def pipeline_blocks(model: nn.Module) -> dict[str, nn.Module] | None:
+    """The blocks a pipeline cuts between, in order ({name: module}), or None when the model cannot be cut."""
+    parts = pipeline_parts(model)
+    if parts is None:
+        return None
+    return dict(blocks_module(model, parts).named_children())
+
+
+def _linear(mod: nn.Module | None) -> bool:
+    return isinstance(mod, nn.Linear)
+
+
+def megatron_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
+    """Megatron-LM's split for the patterns most models use, as a plan for parallelize_module.
+
+    Attention: q, k, v column-parallel and the output row-parallel (each rank keeps whole heads, so the
+    model must reshape with -1 heads: `q.view(b, t, -1, head_dim)`). Feed-forward: two Linears in a row
+    (in an nn.Sequential, with only activations or dropout between them, or a module's up/down, fc1/fc2
+    pair) column- then row-parallel. One all-reduce per pair; everything else is replicated.
+    Use it as a method of your model: `tp_plan = plait.models.protocols.megatron_plan`.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if sequence_parallel:
+        raise ConfigError("megatron_plan does not shard activations along the sequence; set "
+                          "parallel.sequence_parallel=false (or write the plan yourself, see docs/models.md)")
+    plan: dict = {}
+
+    def pair(a: str, b: str) -> None:
+        if a not in plan and b not in plan:
+            plan[a], plan[b] = ColwiseParallel(), RowwiseParallel()
+
+    for prefix, mod in model.named_modules():
+        at = f"{prefix}." if prefix else ""
+        children = dict(mod.named_children())
+        for qkv in QKV_NAMES:
+            out = next((o for o in OUT_NAMES if _linear(children.get(o))), None)
+            if out and all(_linear(children.get(n)) for n in qkv):
+                for n in qkv:
+                    plan[at + n] = ColwiseParallel()
+                plan[at + out] = RowwiseParallel()
+        for up, down in MLP_NAMES:
+            if _linear(children.get(up)) and _linear(children.get(down)):
+                pair(at + up, at + down)
+        if isinstance(mod, nn.Sequential):
+            pending = None
+            for name, child in children.items():
+                if _linear(child):
+                    if pending is not None and children[pending].out_features == child.in_features:
+                        pair(at + pending, at + name)
+                        pending = None
+                    else:
+                        pending = name
+                elif not isinstance(child, ELEMENTWISE):
+                    pending = None
+    return plan
+
+
+def check_tp_plan(model: nn.Module, plan: dict, tp: int) -> None:
+    """Every column-parallel Linear's outputs and row-parallel Linear's inputs must divide over tp ranks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not plan:
+        raise ConfigError(f"parallel.tp = {tp}: the model's tensor-parallel plan splits nothing (no attention "
+                          "q/k/v/out or Linear pairs found); give it a tp_plan (docs/models.md) or set parallel.tp=1")
+    for name, style in plan.items():
+        try:
+            mod = model.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(f"parallel.tp = {tp}: the tensor-parallel plan names {name!r}, which the model does not "
+                              "have; fix its tp_plan") from None
+        if not _linear(mod):
+            continue
+        dim, size = (("out_features", mod.out_features) if isinstance(style, ColwiseParallel)
+                     else ("in_features", mod.in_features) if isinstance(style, RowwiseParallel) else (None, 0))
+        if dim and size % tp:
+            raise ConfigError(f"parallel.tp = {tp} splits {name} ({dim} = {size}), which is not divisible by {tp}; "
+                              f"make it a multiple of {tp} or set parallel.tp=1")
