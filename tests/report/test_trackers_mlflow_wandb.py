@@ -8,12 +8,12 @@ import struct
 
 import pytest
 
-from helpers import rank0_params, tiny_gpt_config
 from plait.config import load_config
 from plait.errors import ConfigError
 
 pytest.importorskip("mlflow", reason="needs MLflow: pip install 'plait[mlflow]' (in the dev extra)")
 pytest.importorskip("wandb", reason="needs W&B: pip install 'plait[wandb]' (in the dev extra)")
+# the run: tracked_run in conftest.py (4 steps on 2 ranks with every installed tracker)
 
 
 def wandb_history(run_file) -> list[dict]:
@@ -44,16 +44,6 @@ def wandb_history(run_file) -> list[dict]:
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
     return rows
-
-
-@pytest.fixture(scope="module")
-def tracked_run(pool2, tiny_text, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tracked")
-    cfg = tiny_gpt_config(tiny_text, "train.steps=4", "log.every=1", "log.trackers=['mlflow', 'wandb']")
-    pool2.run(rank0_params, cfg, run_dir)
-    logged = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
-    assert [m["step"] for m in logged] == [1, 2, 3, 4]
-    return run_dir, logged
 
 
 def test_the_mlflow_file_store_holds_the_logged_losses(tracked_run, monkeypatch):
