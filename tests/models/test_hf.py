@@ -91,6 +91,13 @@ def test_a_conflicting_model_override_names_both_values(hf):
                             "checkpoint has no positions beyond it; set model.context <= 64")
 
 
+def test_a_missing_tokenizer_is_refused_before_launch(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_job(None, ["data.name=text", f"data.path='{tmp_path}'", f"data.tokenizer='{tmp_path / 'nope.json'}'"])
+    assert str(e.value) == (f"data.tokenizer = '{tmp_path / 'nope.json'}' does not exist; give a Hugging Face "
+                            "tokenizer.json")
+
+
 def test_unsupported_architecture_is_one_line_and_exit_2(hf, tmp_path, monkeypatch, capsys):
     from plait.cli import main
 
@@ -105,7 +112,7 @@ def test_unsupported_architecture_is_one_line_and_exit_2(hf, tmp_path, monkeypat
     assert err.strip() == f"error: {message}"
     assert not (tmp_path / "run").exists()
     assert main(["serve", str(llama)]) == 2
-    assert "architecture 'LlamaForCausalLM' is not supported" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "error: " + message.replace("train.init_from =", "plait serve")
 
 
 def test_serve_gives_transformers_logits_and_generates_with_the_tokenizer(hf):
@@ -146,6 +153,28 @@ def test_text_data_is_encoded_with_the_checkpoints_tokenizer(hf, tmp_path):
     assert bundle.train.tokens.tolist() == hf["tokenizer"].encode(CORPUS[:cut]).ids
     assert bundle.spec.vocab_size == hf["tokenizer"].get_vocab_size() and bundle.tokenizer.decode([5, 6]) == \
         hf["tokenizer"].decode([5, 6])
+
+
+def test_a_run_from_the_checkpoint_keeps_its_weights_and_tokenizer(hf, tmp_path):
+    """init_from inside train() (a step too small to move a weight): the run's model is transformers' model and
+    its tokenizer.json, which serving and exports read, is the checkpoint's."""
+    from plait.serve.model import ModelRef, load_model
+    from plait.train.trainer import train
+    from plait.train.weights import load_run_model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    cfg = load_config(None, [f"train.init_from='{hf['dir']}'", "data.name=text", f"data.path='{corpus}'",
+                             "model.context=16", "train.steps=1", "optim.name=sgd", "optim.lr=1e-20", "parallel.dp=1",
+                             "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_samples=4",
+                             "train.sample_tokens=4", "log.progress=false", "log.report=false", "checkpoint.every=1"])
+    train(cfg, tmp_path / "run")
+    _, _, model = load_run_model(tmp_path / "run")
+    with torch.no_grad():
+        assert (model.eval()(hf["ids"][:, :16]) - hf["logits"][:, :16]).abs().max().item() <= TOL
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == hf["tokenizer"].to_str()
+    served = load_model(ModelRef(str(tmp_path / "run")))
+    assert served.can_generate and served.tokenizer.encode("def add").tolist() == hf["tokenizer"].encode("def add").ids
 
 
 def test_gelu_tanh_is_the_only_difference_from_the_default_block():

@@ -27,14 +27,11 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise DataError(f"{key} = {str(path)!r} does not exist; give a Hugging Face tokenizer.json")
-        return cls._parse(path.read_text(encoding="utf-8"), f"{key} = {str(path)!r}")
+        return cls.from_json(path.read_text(encoding="utf-8"), f"{key} = {str(path)!r}")
 
     @classmethod
-    def from_json(cls, text: str) -> HFTokenizer:
-        return cls._parse(text, "the tokenizer")
-
-    @classmethod
-    def _parse(cls, text: str, where: str) -> HFTokenizer:
+    def from_json(cls, text: str, where: str = "the tokenizer") -> HFTokenizer:
+        """`where` names the file in errors."""
         try:
             from tokenizers import Tokenizer
         except ImportError:

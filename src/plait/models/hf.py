@@ -29,6 +29,11 @@ DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "vo
             "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "tie_word_embeddings": True}
 
 
+def _where(key: str, path) -> str:
+    """What the message is about: `train.init_from = 'DIR'` (a config key) or `plait serve 'DIR'` (a command)."""
+    return f"{key} {str(path)!r}" if key.startswith("plait") else f"{key} = {str(path)!r}"
+
+
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model directory (config.json), not a plait run directory (config.toml)."""
     path = Path(path)
@@ -38,7 +43,7 @@ def is_hf_dir(path: str | Path) -> bool:
 def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
     """config.json of a supported architecture, with GPT-2's defaults for keys it leaves out."""
     path = Path(path)
-    where = f"{key} = {str(path)!r}"
+    where = _where(key, path)
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -83,7 +88,7 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
     from plait.config import ModelConfig
 
     hf = read_hf_config(path, key)
-    where = f"{key} = {str(path)!r}"
+    where = _where(key, path)
     default = ModelConfig()
     if model_cfg.factory:
         raise ConfigError(f"{where} is a GPT-2 checkpoint, but model.factory = {model_cfg.factory!r} builds another "
@@ -126,7 +131,7 @@ def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
 def hf_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors renamed and reshaped to plait's GPT (positions cut to `context` when given)."""
     path = Path(path)
-    where = f"{key} = {str(path)!r}"
+    where = _where(key, path)
     hf = read_hf_config(path, key)
     src = {k.removeprefix("transformer."): v for k, v in _load_tensors(path, where).items() if not IGNORED.search(k)}
 
@@ -179,5 +184,6 @@ def load_hf_model(path: str | Path, key: str = "plait serve"):
     if data_cfg.tokenizer:
         from plait.data.hf_tokenizer import HFTokenizer
 
-        tokenizer = HFTokenizer.from_file(data_cfg.tokenizer, f"{key} {str(path)!r}: tokenizer.json")
+        tok = Path(data_cfg.tokenizer)
+        tokenizer = HFTokenizer.from_json(tok.read_text(encoding="utf-8"), f"{_where(key, path)}: {tok.name}")
     return model_cfg, spec, model, tokenizer

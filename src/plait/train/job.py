@@ -52,6 +52,8 @@ def check_job(cfg: Config) -> Layout:
     check_callbacks(cfg)
     check_user_code(cfg)
     check_optimizer(cfg)
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer = {cfg.data.tokenizer!r} does not exist; give a Hugging Face tokenizer.json")
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "
                           ".safetensors file")
