@@ -4,15 +4,17 @@
     tok.encode("def f") -> np.ndarray; tok.decode([...]) -> str; tok.to_json() -> the tokenizer.json text
 
 A run trained with one writes that JSON as its tokenizer.json, so the run directory, its exports and
-`plait serve` use the same tokenizer.
+`plait serve` use the same tokenizer; `tokenizer_from_json` reads either kind back (packed data).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
+from plait.data.tokenizer import CharTokenizer
 from plait.errors import DataError
 
 INSTALL = "pip install 'plait[hf]' (the tokenizers library)"
@@ -56,3 +58,11 @@ class HFTokenizer:
     def to_json(self) -> str:
         return self.tokenizer.to_str()
 
+
+
+def tokenizer_from_json(text: str) -> CharTokenizer | HFTokenizer:
+    """A stored tokenizer: plait's character tokenizer ({"type": "char", ...}) or a Hugging Face tokenizer.json."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "chars" not in data and "model" in data:
+        return HFTokenizer.from_json(text)
+    return CharTokenizer.from_json(text)

@@ -251,8 +251,8 @@ def source_name(data_cfg) -> str:
 
 def packed_source(data_cfg, model_cfg):
     """data.name = "packed": the train and validation splits of a folder written by `plait data pack`."""
+    from plait.data.hf_tokenizer import tokenizer_from_json
     from plait.data.sources import DataBundle  # the bundle type lives with the other sources
-    from plait.data.tokenizer import CharTokenizer
 
     if not data_cfg.path:
         raise DataError("data.name = 'packed' needs data.path = the folder `plait data pack` wrote")
@@ -275,7 +275,7 @@ def packed_source(data_cfg, model_cfg):
         splits[split].source_index = torch.tensor(ids, dtype=torch.long)
     for split, labels in (meta.get("labels") or {}).items():
         splits[split].stored_labels = torch.tensor(labels, dtype=torch.long)
-    tok = CharTokenizer.from_json(meta["tokenizer"]) if meta.get("tokenizer") else None
+    tok = tokenizer_from_json(meta["tokenizer"]) if meta.get("tokenizer") else None
     if spec.task == "lm" and model_cfg.context != spec.input_shape[0]:
         raise DataError(f"data.path = {data_cfg.path!r} was packed with model.context = {spec.input_shape[0]}; set "
                         f"model.context={spec.input_shape[0]} or pack again with --set model.context={model_cfg.context}")
