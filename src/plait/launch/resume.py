@@ -19,7 +19,7 @@ from plait.train.checkpoint import latest_checkpoint
 # model.* keys that leave every parameter's shape as it was: a resume may change them
 RESUMABLE_MODEL_KEYS = {"dropout", "moe_capacity_factor", "moe_aux_weight"}
 # path-valued keys, stored absolute in a run's config.toml
-PATH_KEYS = (("data", "path"), ("data", "exclude"), ("train", "init_from"), ("distill", "teacher"))
+PATH_KEYS = (("data", "path"), ("data", "exclude"), ("data", "tokenizer"), ("train", "init_from"), ("distill", "teacher"))
 
 
 def check_resume_overrides(saved: Config, cfg: Config, run_dir: Path) -> None:
