@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -65,6 +67,19 @@ def test_int8_through_torchao_quarters_the_linear_weights_and_keeps_the_loss(pre
     loaded, meta = load_exported(tmp_path / "q.safetensors")
     cfg = load_config(pretrained / "config.toml", validate=False)
     assert val_loss(loaded, cfg, _bundle(cfg)) == pytest.approx(a["val_loss"], abs=1e-4)
+    # plait serve takes the file as it is, and `plait serve RUN --quantize int8` goes the same torchao path
+    from plait.serve.model import ModelRef, load_model
+    from plait.serve.service import ServeOptions, Service
+
+    service = Service(str(tmp_path / "q.safetensors"), ServeOptions())
+    served = service.served.module
+    on_the_fly = load_model(ModelRef(str(pretrained), "int8")).module
+    for m in (served, on_the_fly):
+        assert {n for n, x in m.named_modules() if type(getattr(x, "weight", None)).__name__ == "Int8Tensor"} == set(
+            json.loads(meta["plait.quantize"])["layers"])
+    x = service.served.example_input(4)
+    with torch.inference_mode():
+        torch.testing.assert_close(served(x), on_the_fly(x), rtol=0, atol=5e-3)  # the file's scales, re-derived
 
 
 def test_the_cli_prints_the_table_and_refuses_two_methods(pretrained, tmp_path):

@@ -45,6 +45,25 @@ def own_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and owners[id(m.weight)] == 1}
 
 
+def int8_weight_only(model: nn.Module, layers: list[str] | None = None) -> list[str]:
+    """Quantize Linear layers in place to torchao's int8 weight-only (one scale per output row); returns their names.
+
+    layers: the names to quantize (default: every own Linear whose weight is still a plain float tensor, so a
+    head tied to the embedding and layers already quantized are left alone). The one int8 path of plait:
+    `plait compress --quantize int8` and `plait serve --quantize int8` both go through it.
+    """
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ConfigError("int8 quantization uses torchao: pip install 'plait[lowbit]'") from None
+    if layers is None:
+        layers = [n for n, m in own_linears(model).items() if type(m.weight) in (torch.Tensor, nn.Parameter)]
+    wanted = set(layers)
+    if wanted:
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in wanted)
+    return layers
+
+
 def _params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -112,7 +131,7 @@ def compress_low_rank(run_dir: str | Path, out: str | Path, rank: int | None = N
 def compress_int8(run_dir: str | Path, out: str | Path) -> dict:
     """int8 weight-only through torchao (per-row symmetric scales); the file holds the int8 weights and scales."""
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        import torchao.quantization  # noqa: F401
     except ImportError:
         raise ConfigError("plait compress --quantize int8 uses torchao: pip install 'plait[lowbit]'") from None
     run_dir, out = Path(run_dir), Path(out)
@@ -121,7 +140,7 @@ def compress_int8(run_dir: str | Path, out: str | Path) -> dict:
     layers = list(own_linears(model))
     bytes_before = sum(m.weight.numel() * m.weight.element_size() for m in own_linears(model).values())
     before = {"params": _params(model), "linear_weight_bytes": bytes_before, "val_loss": val_loss(model, cfg, bundle)}
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in layers)
+    int8_weight_only(model, layers)
     tensors, bytes_after = {}, 0
     for name, t in model.state_dict().items():
         layer = name.removesuffix(".weight")

@@ -111,8 +111,16 @@ def _tokenizer(text: str, where: str) -> CharTokenizer | HFTokenizer:
 
 def _check_finite(module: nn.Module, where: str) -> None:
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ServeError(f"{where}: {name} holds NaN or Inf; refusing to serve a model with broken weights")
+        for part in _plain_parts(t):
+            if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                raise ServeError(f"{where}: {name} holds NaN or Inf; refusing to serve a model with broken weights")
+
+
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor subclass (torchao's int8 weights of a `plait compress` file) as the plain tensors it holds."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    return [p for n in t.__tensor_flatten__()[0] for p in _plain_parts(getattr(t, n))]
 
 
 def load_model(ref: ModelRef) -> ServedModel:

@@ -1,7 +1,9 @@
-"""`--quantize int8`: dynamic int8 quantization of the linear layers (CPU), and what it costs in accuracy.
+"""`--quantize int8`: int8 weights for the linear layers (torchao), and what it costs in accuracy.
 
-Dynamic quantization stores Linear weights as int8 and quantizes activations on the fly, so
-it needs no calibration data. The accuracy change is measured at start-up on the run's
+The layers get torchao's int8 weight-only quantization (one fp32 scale per output row), the same path
+as `plait compress --quantize int8` (plait.compress.core.int8_weight_only), so it needs no calibration
+data; a head tied to the embedding stays fp32. Serving a `plait compress --quantize int8` file needs no
+flag: its layers load as int8 already. The accuracy change is measured at start-up on the run's
 validation data when the run directory is served, else on fixed random inputs (agreement of
 the top-1 prediction with the fp32 model), and printed before the server accepts requests.
 """
@@ -9,36 +11,30 @@ the top-1 prediction with the fp32 model), and printed before the server accepts
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from plait.compress.core import int8_weight_only
 from plait.config import load_config
 from plait.data import build_data
 from plait.data.datasets import eval_batches
-from plait.models.gpt import GPT
+from plait.errors import ConfigError
+from plait.serve.protocol import ServeError
 from plait.train.loss import loss_for
 
 QUANTIZE_CHOICES = ("int8",)
 
 
 def quantize_int8(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose nn.Linear layers run in int8 (weights per tensor, activations dynamic)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
-        from torch.ao.quantization import quantize_dynamic
-
-        q = copy.deepcopy(module)
-        if isinstance(q, GPT) and q.head is not None and q.head.weight is q.tok_emb.weight:
-            # The tied head keeps fp32: quantizing it would also change the embedding table's meaning.
-            head = q.head
-            q.head = None
-            q = quantize_dynamic(q, {nn.Linear}, dtype=torch.qint8)
-            q.head = head
-            return q
-        return quantize_dynamic(q, {nn.Linear}, dtype=torch.qint8)
+    """A copy of `module` whose own nn.Linear layers hold int8 weights (torchao weight-only, a scale per row)."""
+    q = copy.deepcopy(module)
+    try:
+        int8_weight_only(q)  # a tied head keeps fp32: quantizing it would change the embedding table too
+    except ConfigError:
+        raise ServeError("--quantize int8 uses torchao: pip install 'plait[lowbit]', or serve without --quantize") from None
+    return q
 
 
 @torch.inference_mode()
