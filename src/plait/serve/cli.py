@@ -101,7 +101,8 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (health probes stay open); visible in ps, "
                                    f"so prefer --token-file or ${TOKEN_ENV}")
     s.add_argument("--token-file", help=f"file whose first line is the bearer token (default: ${TOKEN_ENV}, if set)")
-    s.add_argument("--quantize", choices=["int8"], help="int8 weights for the linear layers (torchao weight-only, as `plait compress --quantize int8`; CPU)")
+    s.add_argument("--quantize", choices=["int8"], help="int8 weights for the linear layers (torchao weight-only, as "
+                   "`plait compress --quantize int8`; CPU)")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the model runs: auto (cuda when available; cpu with --quantize), cpu or cuda; replicas "
                         "and pipeline stages take GPU i mod the GPUs there are (several on one GPU share it)")
