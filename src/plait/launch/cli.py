@@ -6,6 +6,7 @@
     plait k8s [CONFIG] --nodes N --nproc-per-node P --image IMAGE [--kind pytorchjob|trainjob|jobset]
               [--elastic MIN:MAX] [--gpus-per-node G] [--pvc NAME] [--set ...]
     plait k8s serve RUN_DIR --image IMAGE [--pvc NAME] [--min-replicas N] [--kserve]
+    plait launch [--set ...] [--out DIR] [CONFIG] script.py [args...]     (plait.launch.script)
 
 Bad flags exit 2 naming the flag (argparse's own message for types and ranges).
 """
@@ -96,6 +97,18 @@ def cmd_slurm(a) -> int:
     return 0
 
 
+def cmd_launch(a) -> int:
+    import time
+
+    from plait.launch.script import check_script_job, launch_script, split_args  # lazily: no torch for --help
+
+    config, script, args = split_args(a.rest)
+    cfg = load_config(config, a.set)
+    check_script_job(cfg)  # before the run dir exists: a bad layout leaves nothing behind
+    out = a.out or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}"
+    return launch_script(cfg, out, script, args)
+
+
 def cmd_k8s(a) -> int:
     from plait.launch import k8s  # lazily: `plait --help` loads this module
 
@@ -172,3 +185,11 @@ def add_parsers(sub, bench) -> None:
     k.add_argument("--max-replicas", type=_at_least(0), default=0, help="serve with --kserve: replicas at most")
     k.add_argument("--kserve", action="store_true", help="serve: a KServe InferenceService instead of a Deployment")
     k.set_defaults(fn=cmd_k8s)
+
+    la = sub.add_parser("launch", help="run your own script in the layout's processes (torchrun's agent); "
+                                       "plait.parallelize(model) inside it applies the layout",
+                        description="plait launch [--set SECTION.KEY=VALUE ...] [--out DIR] [CONFIG] script.py [args...]")
+    la.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    la.add_argument("--out", type=Path, help="run directory for config.toml and logs (default: runs/launch-<time>)")
+    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="[CONFIG] script.py [args...]")
+    la.set_defaults(fn=cmd_launch)

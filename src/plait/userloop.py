@@ -1,0 +1,213 @@
+"""Your own training loop on plait's layouts: `plait.parallelize(model, config)` owns the step, you own the loop.
+
+    p = plait.parallelize(model, loss=F.cross_entropy)      # config: the one `plait launch` passed (PLAIT_CONFIG)
+    for batch in p.batches(dataset, steps=100):             # plait's layout-independent sampler, this rank's share
+        out = p.step(batch, max_norm=1.0)                   # forward, backward, sync, clip, optimizer: out.loss, out.grad_norm
+    p.save(run_dir, step=100)                               # DCP checkpoint, plain names; p.load(run_dir) -> step
+    weights = p.state_dict()                                # the whole plain model's weights, on every rank
+    p.close()
+
+The layout is the config's (parallel.dp, zero, tp, pp, compression, precision): the same Scheme objects as
+`plait train` (plait.parallel.SCHEMES) apply it, so a run of your loop and of `plait train` take the same
+steps. Without a launcher (`python script.py`) the loop runs on one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from plait.config import Config, load_config, validate_config
+from plait.data.loader import StepLoader
+from plait.data.sampler import make_sampler
+from plait.errors import ConfigError
+from plait.launch.job import fit_to_world
+from plait.launch.script import CONFIG_ENV
+from plait.parallel import SCHEMES, Build, Precision, build_strategy, check_config
+from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
+from plait.train.loss import with_extra_loss
+from plait.train.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's mean loss (every rank gets the same)
+    grad_norm: float  # the global gradient norm before clipping
+
+
+class _MapData:
+    """A map-style dataset (`__len__`, `__getitem__` -> (input, target)) as plait's loader fetches it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def fetch(self, idx: torch.Tensor):
+        from torch.utils.data import default_collate
+
+        return default_collate([self.dataset[int(i)] for i in idx])
+
+
+def resolve_config(config: Config | str | Path | None) -> Config:
+    """The config given, else PLAIT_CONFIG (set by `plait launch`), else the defaults on one process."""
+    if isinstance(config, Config):
+        cfg = config
+    elif config is not None:
+        cfg = load_config(config)
+    elif os.environ.get(CONFIG_ENV):
+        cfg = load_config(os.environ[CONFIG_ENV])
+    else:
+        cfg = load_config(None)
+    validate_config(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "RANK" not in os.environ:  # `python script.py`: the same loop, global batch and steps, one process
+        cfg = fit_to_world(_no_sharding(cfg), 1) if cfg.parallel.tp == cfg.parallel.pp == 1 else cfg
+    return cfg
+
+
+def _no_sharding(cfg: Config) -> Config:
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.zero, cfg.parallel.compression = 0, "none"
+    return cfg
+
+
+class Parallel:
+    """The user's model under the configured layout: the step, data, checkpoints (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, loss: Callable, optimizer: Callable | None = None):
+        layout = check_config(cfg, model=model)  # pipeline cut points and the TP plan of *this* model
+        self.cfg, self.layout = cfg, layout
+        self.rt = layout.init_runtime(cfg.launch)
+        model = model.to(self.rt.device)
+        if self.rt.distributed:  # every rank starts from rank 0's weights, however the script seeded
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t.data, src=0)
+        self._schedule = optimizer is None  # plait's optimizer follows optim.* (its lr schedule too)
+
+        def make_optimizer(m: nn.Module, only=None):
+            if optimizer is None:
+                return build_optimizer(m, cfg.optim, only)
+            return optimizer([q for q in m.parameters() if q.requires_grad and (only is None or id(q) in only)])
+
+        b = Build(cfg, self.rt, layout, model, make_optimizer, with_extra_loss(loss, model),
+                  Precision(cfg.precision.dtype, self.rt.device), SCHEMES)
+        self.strategy = build_strategy(b)
+        self.strategy.model.train()
+        self.steps_done = 0
+
+    # ---- what the loop uses
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model forward runs (DDP, FSDP, TP; a pipeline rank's stages)."""
+        return self.strategy.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The plain model: the single-process parameter names (this rank's shards or stages)."""
+        return self.strategy.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    @property
+    def rank(self) -> int:
+        return self.rt.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rt.is_main
+
+    def batches(self, dataset, steps: int | None = None, start: int | None = None) -> Iterator[list]:
+        """This rank's micro-batches for each step in [start, steps): train.global_batch_size samples per step,
+        drawn by plait's seeded sampler, so the global batches do not depend on the layout.
+
+        dataset: plait's (with `fetch`) or any map-style dataset whose items are (input, target).
+        """
+        t = self.cfg.train
+        if not hasattr(dataset, "fetch"):
+            if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+                raise ConfigError(f"p.batches: a {type(dataset).__name__} has no __len__/__getitem__; give a map-style "
+                                  "dataset of (input, target) items")
+            dataset = _MapData(dataset)
+        start = self.steps_done if start is None else start
+        stop = t.steps if steps is None else steps
+        sampler = make_sampler(dataset, t.global_batch_size, t.seed, self.cfg.data.sampler)
+        return iter(StepLoader(dataset, sampler, start, stop, self.rt.axis_rank("dp"), self.layout.dp,
+                               t.micro_batch_size, pin_memory=self.rt.device.type == "cuda"))
+
+    def step(self, batch: list, max_norm: float = 0.0) -> StepResult:
+        """One optimizer step on this rank's micro-batches (from `batches`); max_norm > 0 clips the global norm."""
+        s = self.strategy
+        if self._schedule:
+            set_lr(s.optimizer, lr_at(self.steps_done, self.cfg.optim, self.cfg.train.steps, self.cfg.train.global_batch_size))
+        micro = [(x.to(self.rt.device), y.to(self.rt.device)) for x, y in batch]
+        loss = s.forward_backward(micro).detach().float().reshape(())
+        norm = s.clip_grad_norm(max_norm, need_norm=True)
+        s.optimizer_step()
+        if self.rt.distributed and self.layout.dp > 1:  # each dp rank has its share's mean: average them
+            dist.all_reduce(loss, group=self.rt.axis_group("dp"))
+            loss = loss / self.layout.dp
+        self.steps_done += 1
+        return StepResult(float(loss), float(norm))
+
+    # ---- checkpoints: DCP, the plain model's names, any layout can load them
+    def save(self, run_dir: str | Path, step: int | None = None, keep: int = 2) -> Path:
+        """Write run_dir/checkpoints/step_NNNNNNN (every rank calls it); returns the folder."""
+        from plait.train.checkpoint import checkpoint_dir, step_name
+
+        step = self.steps_done if step is None else step
+        ckpt = Checkpointer(run_dir, self.rt, keep)
+        ckpt.save(self.strategy, step, {})
+        return checkpoint_dir(run_dir) / step_name(step)
+
+    def load(self, run_dir: str | Path) -> int:
+        """Load the newest checkpoint of run_dir (saved at any layout); returns its step (0: none)."""
+        found = [None]
+        if self.rt.is_main or not self.rt.distributed:
+            path = find_resumable(run_dir)
+            found = [str(path) if path is not None else None]
+        if self.rt.distributed:
+            dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return 0
+        self.steps_done = int(load_checkpoint(self.strategy, Path(found[0]))["step"])
+        return self.steps_done
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole plain model's weights on every rank (gathered from shards and stages), on the CPU."""
+        return self.strategy.full_model_state_dict()
+
+    def close(self) -> None:
+        """Leave the process group (call it at the end of the script)."""
+        self.strategy.finish()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Parallel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parallelize(model: nn.Module, config: Config | str | Path | None = None, *, loss: Callable,
+                optimizer: Callable | None = None) -> Parallel:
+    """Apply the configured layout to your model; the returned Parallel owns the step (see the module docstring).
+
+    config: a Config, a TOML path, or None for the one `plait launch` passed (PLAIT_CONFIG; without a launcher,
+    the defaults on one process). loss(outputs, targets) -> mean loss. optimizer: params -> torch Optimizer
+    (default: optim.* of the config, with its learning-rate schedule).
+    """
+    return Parallel(model, resolve_config(config), loss, optimizer)

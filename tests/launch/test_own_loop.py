@@ -1,0 +1,80 @@
+"""`plait launch` runs a user's own loop (examples/own_loop.py: plain SGD on digits, plait.parallelize) in the
+layout's processes; at dp = 2 and at ZeRO-3 its steps and weights are those of the same script on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOP = ROOT / "examples" / "own_loop.py"
+BASE = "[train]\nsteps = 6\nglobal_batch_size = 32\nmicro_batch_size = 16\n[parallel]\ndp = 1\n"
+
+
+def single(config: Path, out: Path) -> None:
+    """The loop as `PLAIT_CONFIG=config python own_loop.py out`, in this process (no process group)."""
+    argv, os.environ["PLAIT_CONFIG"] = sys.argv, str(config)
+    try:
+        sys.argv = [str(LOOP), str(out)]
+        runpy.run_path(str(LOOP), run_name="__main__")
+    finally:
+        sys.argv = argv
+        del os.environ["PLAIT_CONFIG"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own_loop")
+    (tmp / "base.toml").write_text(BASE)
+    jobs = []  # both launches at once: most of their time is importing torch, which overlaps
+    for name, sets in (("dp2", ["parallel.dp=2"]), ("zero3", ["parallel.dp=2", "parallel.zero=3"])):
+        args = [a for s in sets for a in ("--set", s)]
+        cmd = ["launch", *args, "--out", tmp / f"run-{name}", tmp / "base.toml", LOOP, tmp / name]
+        jobs.append(subprocess.Popen([sys.executable, "-m", "plait", *map(str, cmd)], cwd=tmp, env=ENV, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    single(tmp / "base.toml", tmp / "one")
+    for job in jobs:
+        out = job.communicate(timeout=240)[0]
+        assert job.returncode == 0, out
+    return tmp
+
+
+@pytest.mark.parametrize("layout", ["dp2", "zero3"])
+def test_own_loop_under_plait_launch_matches_one_process(runs, layout):
+    one, got = (json.loads((runs / d / "steps.json").read_text()) for d in ("one", layout))
+    assert len(one) == 6
+    for a, b in zip(one, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-5)
+    w1, w2 = (torch.load(runs / d / "weights.pt") for d in ("one", layout))
+    assert w1.keys() == w2.keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= 1e-5
+    assert (runs / layout / "checkpoints" / "latest").resolve().name == "step_0000006"
+    config = (runs / f"run-{layout}" / "config.toml").read_text()  # what PLAIT_CONFIG pointed the workers at
+    assert "dp = 2" in config and ("zero = 3" in config) == (layout == "zero3")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch"], "error: plait launch needs a script: plait launch [CONFIG] [--set launch.KEY=VALUE ...] script.py "
+                 "[args...]"),
+    (["launch", "nowhere.py"], "error: plait launch nowhere.py: not a Python file here; give the path of your script "
+                               "(script.py)"),
+    (["launch", "--set", "parallel.dp=3", str(LOOP)],
+     "error: train.global_batch_size (32) must be divisible by train.micro_batch_size (16) * parallel.dp (3) = 48; "
+     "change train.global_batch_size to a multiple of 48 or lower train.micro_batch_size"),
+])
+def test_bad_launches_exit_2_before_any_process_starts(tmp_path, capsys, args, message):
+    from plait.cli import main
+
+    assert main([*args[:1], "--out", str(tmp_path / "run"), *args[1:]]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]
+    assert not (tmp_path / "run").exists()
