@@ -1,4 +1,6 @@
-"""`plait cluster simulate`: replay a trace of jobs under each scheduling policy and compare them.
+"""`plait cluster run` and `plait cluster simulate`: a queue of jobs under a scheduling policy, real or simulated.
+
+    plait cluster run JOBS.toml --slots 4 --policy tiresias [--quantum 30] [--out DIR]
 
     plait cluster simulate --synthetic 1000 --devices 64 [--policy all] [--load 0.9] [--seed 0] [--out DIR]
     plait cluster simulate --trace jobs.csv --devices 16 --policy fifo,tiresias --quantum 360 --switch-cost 10
@@ -67,12 +69,11 @@ def cmd_simulate(a) -> int:
         raise ConfigError("give a trace: --trace JOBS.csv (arrival,devices,duration per row) or --synthetic N")
     if a.devices < 1:
         raise ConfigError(f"--devices {a.devices}: the cluster needs at least 1 device")
-    if a.quantum <= 0 or a.switch_cost < 0:
-        raise ConfigError("--quantum must be > 0 seconds and --switch-cost >= 0 seconds")
+    if a.switch_cost < 0:
+        raise ConfigError(f"--switch-cost {a.switch_cost}: give seconds >= 0")
     names = policies(a.policy)
+    params = _params(a)
     trace = read_trace(a.trace) if a.trace else synthetic(a.synthetic, a.devices, a.seed, a.load)
-    params = Params(quantum=a.quantum, promote=a.promote,
-                    thresholds=tuple(float(t) for t in a.thresholds.split(",")) if a.thresholds else Params().thresholds)
     results = []
     for name in names:
         t0 = time.perf_counter()
@@ -94,24 +95,96 @@ def cmd_simulate(a) -> int:
     return 0
 
 
+def _policy_flags(p) -> None:
+    p.add_argument("--quantum", type=float, default=Params().quantum,
+                   help=f"seconds: gandiva's shortest turn (default {Params().quantum:g})")
+    p.add_argument("--thresholds", help="tiresias: queue boundaries in device-seconds, comma separated "
+                                        f"(default {','.join(str(t) for t in Params().thresholds)})")
+    p.add_argument("--promote", type=float, default=Params().promote,
+                   help="tiresias: a job that waited longer than this x its run time returns to the top queue "
+                        f"(default {Params().promote:g})")
+
+
+def _params(a) -> Params:
+    if a.quantum <= 0:
+        raise ConfigError(f"--quantum {a.quantum}: give a positive number of seconds")
+    try:
+        thresholds = tuple(float(t) for t in a.thresholds.split(",")) if a.thresholds else Params().thresholds
+    except ValueError:
+        raise ConfigError(f"--thresholds {a.thresholds!r}: give device-seconds separated by commas, e.g. 3200,25600"
+                          ) from None
+    return Params(quantum=a.quantum, promote=a.promote, thresholds=thresholds)
+
+
+def format_jobs(rows: list[dict]) -> str:
+    from plait.report.html import human_seconds
+
+    def sec(v):
+        return human_seconds(v) if v is not None else "-"
+
+    head = f"{'job':<12} {'steps':>6} {'arrival':>9} {'queueing':>10} {'completion':>11} {'preempt.':>8} {'procs':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['job']:<12} {r['steps']:>6} {sec(r['arrival_s']):>9} {sec(r['queueing_s']):>10} "
+                     f"{sec(r['completion_s']):>11} {r['preemptions']:>8} {','.join(map(str, r['procs'])):>8}"
+                     + (f"  FAILED: {r['failed']}" if r["failed"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_run(a) -> int:
+    from plait.cluster.run import LocalCluster, gantt, read_jobs
+
+    if a.slots < 1:
+        raise ConfigError(f"--slots {a.slots}: give at least 1 process slot")
+    policies(a.policy)
+    if a.policy == "all" or "," in a.policy:
+        raise ConfigError(f"--policy {a.policy!r}: a real run takes one policy; compare several with plait cluster "
+                          f"simulate")
+    specs = read_jobs(a.jobs, a.slots)
+    out = Path(a.out or f"runs/cluster-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"plait cluster run: {len(specs)} jobs on {a.slots} slots, policy {a.policy}; runs in {out / 'jobs'}",
+          flush=True)
+    c = LocalCluster(specs, a.slots, a.policy, out, _params(a), poll=a.poll)
+    try:
+        c.run(timeout=a.timeout)
+    except KeyboardInterrupt:
+        c.stop_all()  # every running job checkpoints; `plait train --resume` continues any of them
+        raise
+    summary = c.summary()
+    (out / "cluster.json").write_text(json.dumps(summary, indent=1))
+    png = gantt(c, out / "gantt.png")
+    print(format_jobs(summary["jobs"]))
+    from plait.report.html import human_seconds
+
+    print(f"makespan {human_seconds(summary['makespan_s'])}, slot utilisation "
+          f"{summary['slot_utilisation'] * 100:.1f} %, average completion {human_seconds(summary['avg_completion_s'])}")
+    print(f"wrote {out / 'cluster.json'} and {png}")
+    return 1 if any(r["failed"] for r in summary["jobs"]) else 0
+
+
 def add_parsers(sub, bench) -> None:
     c = sub.add_parser("cluster", help="share a cluster among plait jobs: scheduling policies and their simulator")
     csub = c.add_subparsers(dest="cluster_cmd", required=True)
-    s = csub.add_parser("simulate", help="replay a trace of jobs under scheduling policies (simulated clock)",
-                        formatter_class=__import__("argparse").ArgumentDefaultsHelpFormatter)
+    r = csub.add_parser("run", help="run a queue of plait jobs on this machine's process slots under a policy")
+    r.add_argument("jobs", type=Path, help="JOBS.toml: [[job]] tables (name, config, set, arrival, min/max_procs)")
+    r.add_argument("--slots", type=int, required=True, help="worker processes this machine runs at once")
+    r.add_argument("--policy", default="fifo", help=f"one of {', '.join(POLICIES)} (default fifo)")
+    _policy_flags(r)
+    r.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the queue (default 0.5)")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds: give up (every job checkpoints) after this long "
+                                                                "(default 3600)")
+    r.add_argument("--out", help="the jobs' run dirs, cluster.json and gantt.png (default: runs/cluster-<time>)")
+    r.set_defaults(fn=cmd_run)
+    s = csub.add_parser("simulate", help="replay a trace of jobs under scheduling policies (simulated clock)")
     s.add_argument("--trace", type=Path, help="CSV with arrival,devices,duration[,id] per job (seconds)")
     s.add_argument("--synthetic", type=int, metavar="N", help="draw N jobs (Poisson arrivals, heavy-tailed lengths)")
     s.add_argument("--devices", type=int, required=True, help="device slots in the cluster")
-    s.add_argument("--policy", default="all", help=f"all, or a comma list of {', '.join(POLICIES)}")
-    s.add_argument("--quantum", type=float, default=Params().quantum,
-                   help="seconds: gandiva's shortest turn, and how often time-sliced policies decide")
-    s.add_argument("--thresholds", help="tiresias: queue boundaries in device-seconds, comma separated "
-                                        f"(default {','.join(str(t) for t in Params().thresholds)})")
-    s.add_argument("--promote", type=float, default=Params().promote,
-                   help="tiresias: a job that waited longer than this x its run time returns to the top queue")
+    s.add_argument("--policy", default="all", help=f"all (the default), or a comma list of {', '.join(POLICIES)}")
+    _policy_flags(s)
     s.add_argument("--switch-cost", type=float, default=10.0,
-                   help="seconds a preempted job spends restoring its checkpoint when it runs again")
-    s.add_argument("--load", type=float, default=0.9, help="--synthetic: offered load as a fraction of the devices")
-    s.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
+                   help="seconds a preempted job spends restoring its checkpoint when it runs again (default 10)")
+    s.add_argument("--load", type=float, default=0.9, help="--synthetic: offered load as a fraction of the devices (default 0.9)")
+    s.add_argument("--seed", type=int, default=0, help="--synthetic: random seed (default 0)")
     s.add_argument("--out", help="write results.json, trace.csv and jct_cdf.png here")
     s.set_defaults(fn=cmd_simulate)
