@@ -214,3 +214,68 @@ def test_calibration_measures_this_machine_and_the_profile_round_trips(pool2, tm
     assert set(over) == {"tp", "tp_sp", "fsdp"} and min(over["tp"] + over["tp_sp"] + [over["fsdp"]]) >= 0
     hw = Hardware(flops=m["flops"]["float32"], comm=m["comm"], layer_overhead_s=over)
     assert Hardware.load(hw.save(tmp_path / "profile.json")) == hw
+
+
+def _subparser(verb: str):
+    import argparse
+
+    from plait.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[verb]
+
+
+@pytest.mark.parametrize("verb", ["plan", "simulate"])
+def test_every_flag_of_plan_and_simulate_has_help(verb):
+    actions = [a for a in _subparser(verb)._actions if a.dest != "help"]
+    assert len(actions) >= 10
+    assert [a.dest for a in actions if not (a.help or "").strip()] == []
+
+
+def test_a_tiny_model_is_planned_on_the_devices_it_gains_from():
+    # 0.8M parameters on 64 devices: every layout of all 64 is communication (dp8 tp2 pp4 sp at 0.03 % MFU);
+    # the ranking covers fewer devices too, and puts first a layout plait train runs, with a real MFU.
+    from plait.plan.search import plan_up_to, refusal, table
+
+    cfg = load_config(None)
+    shape = Shape.from_config(cfg.model, 114)
+    hw = Hardware()
+    preds = plan_up_to(shape, 64, 32, hw)
+    best = preds[0]
+    assert best["layout"].devices < 64 and best["time"]["mfu"] > 0.01
+    full = min((p for p in preds if p["layout"].devices == 64), key=lambda p: p["time"]["step_s"])
+    assert best["time"]["step_s"] < full["time"]["step_s"] / 2 and full["time"]["mfu"] < 0.001
+    assert all(refusal(p["layout"], shape, 32) is None for p in preds[:20])
+    row = table(preds, 1)[0]
+    assert row[1] == str(best["layout"].devices) and float(row[7]) == pytest.approx(best["time"]["mfu"] * 100, rel=0.05)
+
+
+def test_simulate_refuses_layouts_plait_train_refuses_and_names_the_rule():
+    cfg = load_config(None)
+    shape = Shape.from_config(cfg.model, 114)
+    rows = scaling(shape, 32, Hardware(), 1024, {"tp": 4})
+    assert [r["devices"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    ran = [r for r in rows if "refused" not in r]
+    assert [r["layout"].split()[0] for r in ran] == ["dp2", "dp4", "dp8", "dp16", "dp32"]  # dp32 x mb1 = 32
+    assert rows[5]["refused"].startswith("train.global_batch_size (32) must be divisible by train.micro_batch_size (1) "
+                                         "* parallel.dp (64)")
+    eff = [r["efficiency"] for r in ran]
+    assert eff == sorted(eff, reverse=True)  # no jump: a refused layout has no figures
+
+
+def test_plans_name_the_calibration_file_they_use(tmp_path, monkeypatch):
+    import argparse
+
+    import plait.plan.cost as cost
+    from plait.plan.cli import hardware
+
+    profile = tmp_path / "device_profile.json"
+    Hardware(name="this machine", flops=5e10).save(profile)
+    monkeypatch.setattr(cost, "PROFILE_PATH", profile)
+    flags = dict(profile=None, device_memory=None, device_flops=None, link_bandwidth=None, devices_per_node=None)
+    hw, source = hardware(argparse.Namespace(**flags))
+    assert hw.flops == 5e10 and f"the calibration file {profile}" in source
+    hw, source = hardware(argparse.Namespace(**{**flags, "device_flops": "1e12"}))
+    assert hw.flops == 1e12 and source.startswith("hardware: datasheet figures") and "--device-flops as given" in source
+    profile.unlink()
+    assert "no calibration file is used" in hardware(argparse.Namespace(**flags))[1]

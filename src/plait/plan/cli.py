@@ -36,10 +36,23 @@ def parse_rate(text: str, what: str) -> float:
 
 
 def hardware(a):
+    """The Hardware the flags describe, and in words where its figures come from (which profile file, if any)."""
     from plait.plan.cost import PROFILE_PATH, Hardware  # lazily: plait --help must not import torch
 
-    hw = Hardware.load(Path(a.profile)) if a.profile else (Hardware.load() if PROFILE_PATH.is_file() and not any(
-        (a.device_memory, a.device_flops, a.link_bandwidth)) else Hardware())
+    flags = [f for f, v in (("--device-memory", a.device_memory), ("--device-flops", a.device_flops),
+                            ("--link-bandwidth", a.link_bandwidth), ("--devices-per-node", a.devices_per_node)) if v]
+    if a.profile:
+        hw, source = Hardware.load(Path(a.profile)), f"the profile {a.profile} (--profile)"
+    elif PROFILE_PATH.is_file() and not any((a.device_memory, a.device_flops, a.link_bandwidth)):
+        hw = Hardware.load(PROFILE_PATH)
+        source = (f"the calibration file {PROFILE_PATH} (written by `plait plan --calibrate`; --profile FILE "
+                  "or the hardware flags choose other figures)")
+    else:
+        hw = Hardware()
+        source = ("datasheet figures (80 GB, 989 TFLOP/s, 400 Gbps in a node, 25 Gbps across; no calibration file "
+                  "is used)")
+    if flags:
+        source += f", with {', '.join(flags)} as given"
     if a.device_memory:
         hw.memory_bytes = parse_size(a.device_memory, "--device-memory")
     if a.device_flops:
@@ -51,7 +64,7 @@ def hardware(a):
         hw.comm = {}
     if a.devices_per_node:
         hw.devices_per_node = a.devices_per_node
-    return hw
+    return hw, f"hardware: {source}"
 
 
 def _model(a):
@@ -74,7 +87,7 @@ def cmd_plan(a) -> int:
 
     # lazily: plait --help must not import torch or matplotlib
     from plait.plan.calibrate import calibrate
-    from plait.plan.search import explain_no_fit, plan, plot, table
+    from plait.plan.search import COLUMNS, explain_no_fit, percent, plan, plan_up_to, plot, table
 
     cfg, shape = _model(a)
     if a.calibrate:
@@ -91,25 +104,36 @@ def cmd_plan(a) -> int:
             print(f"  fixed cost per layer: tensor parallel {over['tp'][0] * 1e3:.2f} ms + {over['tp'][1] * 1e3:.3f} ms "
                   f"per sample (with sequence parallel {over['tp_sp'][0] * 1e3:.2f} ms + {over['tp_sp'][1] * 1e3:.3f}); "
                   f"fully_shard {over['fsdp'] * 1e3:.2f} ms per step")
-        print(f"wrote {path}; `plait plan` uses it from now on")
+        print(f"wrote the calibration file {path}; `plait plan` and `plait simulate` use it from now on (they say so; "
+              f"--profile FILE picks another, delete {path} to go back to datasheet figures)")
         return 0
     if not a.devices:
         raise ConfigError("plait plan needs --devices N (or --calibrate)")
-    hw = hardware(a)
+    hw, source = hardware(a)
+    print(source)
     gb = cfg.train.global_batch_size
-    preds = plan(shape, a.devices, gb, hw)
-    if not preds[0]["fits"]:
-        raise ConfigError(explain_no_fit(shape, a.devices, gb, hw, preds))
+    whole = plan(shape, a.devices, gb, hw)
+    if not whole[0]["fits"]:
+        raise ConfigError(explain_no_fit(shape, a.devices, gb, hw, whole))
+    preds = plan_up_to(shape, a.devices, gb, hw)  # all of them, or fewer where a small model runs faster on fewer
     fitting = [p for p in preds if p["fits"]]
-    t = Table(title=f"{shape.params / 1e6:.1f}M-parameter GPT, global batch {gb}, {a.devices} devices ({hw.name}); "
-                    f"{len(fitting)} of {len(preds)} layouts fit {hw.memory_bytes / 1e9:.1f} GB")
-    for col in ("layout", "GB/device", "step ms", "compute", "comm", "bubble", "MFU %", "fits"):
+    t = Table(title=f"{shape.params / 1e6:.1f}M-parameter GPT, global batch {gb}, up to {a.devices} devices "
+                    f"({hw.name}); {len(fitting)} of {len(preds)} layouts fit {hw.memory_bytes / 1e9:.1f} GB")
+    for col in COLUMNS:
         t.add_column(col, justify="right" if col != "layout" else "left")
     for row in table(fitting, a.top):
         t.add_row(*row)
-    Console(width=140).print(t)
-    best = fitting[0]["layout"]
-    print(f"best: {best.label()} -> plait train {a.config or ''} {best.sets()}".replace("  ", " "))
+    Console(width=160).print(t)
+    best = fitting[0]
+    lay = best["layout"]
+    if lay.devices < a.devices:
+        full = next(p for p in whole if p["fits"])
+        print(f"a {shape.params / 1e6:.1f}M-parameter model runs fastest on {lay.devices} of the {a.devices} devices: "
+              f"{best['time']['step_s'] * 1e3:.2f} ms per step (MFU {percent(best['time']['mfu'])} %) against "
+              f"{full['time']['step_s'] * 1e3:.2f} ms (MFU {percent(full['time']['mfu'])} %) for the best layout of all "
+              f"{a.devices} ({full['layout'].label()}): more devices only add communication")
+    print(f"best: {lay.label()} on {lay.devices} device{'s' * (lay.devices > 1)} -> plait train {a.config or ''} "
+          f"{lay.sets()}".replace("  ", " "))
     out = Path(a.out) if a.out else Path("runs") / f"plan-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     print(f"wrote {plot(fitting, out / 'plan.png', a.top)}")
@@ -117,47 +141,84 @@ def cmd_plan(a) -> int:
 
 
 def cmd_simulate(a) -> int:
-    from plait.plan.simulate import plot_scaling, scaling  # lazily: plait --help must not import torch or matplotlib
+    # lazily: plait --help must not import torch or matplotlib
+    from plait.plan.search import percent
+    from plait.plan.simulate import plot_scaling, scaling
 
     cfg, shape = _model(a)
-    hw = hardware(a)
-    fixed = dict(kv.split("=") for kv in a.layout.split(",")) if a.layout else {}
-    rows = scaling(shape, cfg.train.global_batch_size, hw, a.devices, {k: int(v) for k, v in fixed.items()},
-                   weak=a.weak)
-    print(f"{'devices':>8} {'layout':32} {'step ms':>10} {'MFU %':>7} {'scaling eff. %':>15}")
+    hw, source = hardware(a)
+    print(source)
+    fixed = _fixed_layout(a.layout)
+    gb = cfg.train.global_batch_size
+    rows = scaling(shape, gb, hw, a.devices, fixed, weak=a.weak)
+    print(f"{'devices':>8} {'layout':32} {'global batch':>12} {'step ms':>10} {'MFU %':>7} {'scaling eff. %':>15}")
+    refused = []
     for r in rows:
-        print(f"{r['devices']:>8} {r['layout']:32} {r['step_s'] * 1000:>10.1f} {r['mfu'] * 100:>7.1f} "
-              f"{r['efficiency'] * 100:>15.1f}")
+        if "refused" in r:
+            refused.append(r)
+            print(f"{r['devices']:>8} {r['layout']:32} {r['global_batch']:>12} {'plait train refuses this layout (below)':>34}")
+            continue
+        print(f"{r['devices']:>8} {r['layout']:32} {r['global_batch']:>12} {r['step_s'] * 1000:>10.2f} "
+              f"{percent(r['mfu']):>7} {percent(r['efficiency']):>15}")
+    if refused:  # the same rule refuses them all: the first one's reason
+        print(f"{refused[0]['devices']} devices ({refused[0]['layout']}): {refused[0]['refused']}")
+    if refused and not a.weak:
+        print(f"{len(refused)} device count(s) have no layout plait train runs with the global batch of {gb}: "
+              "--weak grows the batch with the data-parallel degree, or raise train.global_batch_size")
     out = Path(a.out) if a.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     print(f"wrote {plot_scaling(rows, out / 'scaling.png')}")
     return 0
 
 
-def _hardware_flags(p) -> None:
-    p.add_argument("--device-memory", help="memory per device, e.g. 80GB")
-    p.add_argument("--device-flops", help="peak FLOP/s per device in the training dtype, e.g. 989e12")
-    p.add_argument("--link-bandwidth", help="inside a node,across nodes, e.g. 400Gbps,25Gbps")
-    p.add_argument("--devices-per-node", type=int)
-    p.add_argument("--profile", help="device profile JSON (default: ~/.cache/plait/device_profile.json if calibrated)")
-    p.add_argument("--out", help="where the PNG goes (default: runs/plan-<time>)")
+def _fixed_layout(text: str | None) -> dict:
+    """--layout tp=8,pp=1 -> {"tp": 8, "pp": 1}."""
+    keys = ("tp", "pp", "zero", "micro", "ac")
+    out = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition("=")
+        if key.strip() not in keys or not value.strip().isdigit():
+            raise ConfigError(f"--layout {text!r}: write KEY=N pairs separated by commas with KEY one of "
+                              f"{', '.join(keys)}, e.g. --layout tp=8,pp=1")
+        out[key.strip()] = int(value)
+    return out
+
+
+def _hardware_flags(p, what: str) -> None:
+    p.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: 80GB, or the calibration file's)")
+    p.add_argument("--device-flops", help="peak FLOP/s per device in the training dtype, e.g. 989e12 (default: 989e12, "
+                                          "or the calibration file's)")
+    p.add_argument("--link-bandwidth", help="inside a node,across nodes, e.g. 400Gbps,25Gbps (the default)")
+    p.add_argument("--devices-per-node", type=int, help="devices that share the fast in-node links (default: 8)")
+    p.add_argument("--profile", help="device profile JSON to use (default: ~/.cache/plait/device_profile.json when "
+                                     "`plait plan --calibrate` wrote it and no hardware flag is given)")
+    p.add_argument("--out", help=f"folder for the PNG (default: runs/{what}-<time>)")
+
+
+CONFIG_HELP = "the job's TOML config (default: the built-in default job); its model and global batch are planned"
+SET_HELP = "override a config key, as for plait train (repeatable)"
 
 
 def add_parsers(sub, bench) -> None:
     p = sub.add_parser("plan", help="rank every layout for N devices by predicted step time and memory")
-    p.add_argument("config", nargs="?")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--devices", type=int)
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--calibrate", action="store_true", help="measure this machine and store a device profile")
-    p.add_argument("--world", type=int, default=2, help="--calibrate: local processes to measure")
-    _hardware_flags(p)
+    p.add_argument("config", nargs="?", help=CONFIG_HELP)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    p.add_argument("--devices", type=int, help="devices available; layouts on all of them, and on fewer when a small "
+                                               "model runs faster so, are ranked")
+    p.add_argument("--top", type=int, default=10, help="layouts shown (default: 10)")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and write the calibration file "
+                                                            "~/.cache/plait/device_profile.json (or --profile)")
+    p.add_argument("--world", type=int, default=2, help="--calibrate: local processes to measure (default: 2)")
+    _hardware_flags(p, "plan")
     p.set_defaults(fn=cmd_plan)
     s = sub.add_parser("simulate", help="project step time, MFU and scaling efficiency up to many devices")
-    s.add_argument("config", nargs="?")
-    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    s.add_argument("--devices", type=int, required=True, help="the largest device count")
-    s.add_argument("--layout", help="fix the model-parallel part, e.g. tp=8,pp=1 (default: the best at each size)")
+    s.add_argument("config", nargs="?", help=CONFIG_HELP)
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    s.add_argument("--devices", type=int, required=True, help="the largest device count (doubling from 8 up to it)")
+    s.add_argument("--layout", help="fix the model-parallel part, e.g. tp=8,pp=1 (keys tp, pp, zero, micro, ac; "
+                                    "default: the planner's best at each size)")
     s.add_argument("--weak", action="store_true", help="grow the global batch with the data-parallel degree")
-    _hardware_flags(s)
+    _hardware_flags(s, "simulate")
     s.set_defaults(fn=cmd_simulate)

@@ -21,6 +21,11 @@ def _divisors(n: int) -> list[int]:
 
 def supported(lay: Layout, shape: Shape, global_batch: int) -> bool:
     """Whether plait's schemes accept this layout (asked of the schemes' own checks, as `plait train` would)."""
+    return refusal(lay, shape, global_batch) is None
+
+
+def refusal(lay: Layout, shape: Shape, global_batch: int) -> str | None:
+    """Why `plait train` would refuse this layout (the schemes' own message), or None when it runs it."""
     cfg = Config()
     cfg.model.layers, cfg.model.heads = shape.layers, shape.heads
     if shape.moe_layers:
@@ -33,9 +38,9 @@ def supported(lay: Layout, shape: Shape, global_batch: int) -> bool:
     cfg.train.activation_checkpointing = lay.ac
     try:
         check_config(cfg)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
@@ -76,6 +81,22 @@ def plan(shape: Shape, devices: int, global_batch: int, hw: Hardware, optimizer_
     return preds
 
 
+def plan_up_to(shape: Shape, devices: int, global_batch: int, hw: Hardware, optimizer_k: int = 8) -> list[dict]:
+    """plan() over every device count that divides `devices` (each prediction's layout says how many it uses):
+    a model too small for all of them runs fastest on a few, and the ranking says so."""
+    preds = []
+    for n in _divisors(devices):
+        try:
+            preds += plan(shape, n, global_batch, hw, optimizer_k)
+        except ConfigError:
+            continue
+    if not preds:
+        plan(shape, devices, global_batch, hw, optimizer_k)  # raises, naming the device count asked for
+    preds.sort(key=lambda p: (not p["fits"], round(p["time"]["step_s"], 12), p["layout"].devices,
+                              p["memory"]["total"]))
+    return preds
+
+
 def smallest_fit(shape: Shape, devices: int, global_batch: int, hw: Hardware, limit: int = 1 << 16) -> int | None:
     """The smallest device count, doubling from `devices`, on which some layout fits."""
     n = devices
@@ -99,14 +120,24 @@ def explain_no_fit(shape: Shape, devices: int, global_batch: int, hw: Hardware, 
             f"too much; {where}")
 
 
+COLUMNS = ("layout", "devices", "GB/device", "step ms", "compute ms", "comm ms", "bubble ms", "MFU %", "fits")
+
+
+def percent(fraction: float) -> str:
+    """A share in %: one decimal, or two significant digits below 1 % (a tiny model's MFU is not 0.0)."""
+    value = fraction * 100
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
+
+
 def table(preds: list[dict], top: int = 10) -> list[list[str]]:
+    """Rows under COLUMNS."""
     rows = []
     for p in preds[:top]:
         t, m = p["time"], p["memory"]
         comm = t["dp_exposed_s"] + t["tp_comm_s"] + t["pp_comm_s"] + t["ep_comm_s"]
-        rows.append([p["layout"].label(), f"{m['total'] / GB:.3f}", f"{t['step_s'] * 1000:.1f}",
-                     f"{t['compute_s'] * 1000:.1f}", f"{comm * 1000:.1f}",
-                     f"{t['bubble_s'] * 1000:.1f}", f"{t['mfu'] * 100:.1f}", "yes" if p["fits"] else "NO"])
+        rows.append([p["layout"].label(), str(p["layout"].devices), f"{m['total'] / GB:.3f}",
+                     f"{t['step_s'] * 1000:.2f}", f"{t['compute_s'] * 1000:.2f}", f"{comm * 1000:.2f}",
+                     f"{t['bubble_s'] * 1000:.2f}", percent(t["mfu"]), "yes" if p["fits"] else "NO"])
     return rows
 
 
@@ -130,4 +161,4 @@ def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
     return out
 
 
-__all__ = ["layouts", "plan", "explain_no_fit", "table", "plot", "replace", "smallest_fit"]
+__all__ = ["layouts", "plan", "plan_up_to", "refusal", "explain_no_fit", "table", "plot", "replace", "smallest_fit"]

@@ -12,14 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from plait.config import ModelConfig
+from plait.errors import ConfigError
 from plait.plan.cost import Hardware, model_flops, predict, predict_time
 from plait.plan.memory import Layout, Shape
-from plait.plan.search import plan
+from plait.plan.search import plan, refusal
 from plait.report.plots import plt, save
 
 
 def scaling(shape: Shape, global_batch: int, hw: Hardware, max_devices: int, fixed: dict | None = None,
-            weak: bool = False, elem: int = 4) -> list[dict]:
+            weak: bool = False, elem: int = 4, check: bool = True) -> list[dict]:
+    """One row per device count; a row with "refused" (the reason) where `plait train` would not run the layout.
+
+    check=False skips plait's own layout checks (a paper's setting plait does not run, e.g. Megatron-LM's model).
+    """
     fixed = fixed or {}
     mp = fixed.get("tp", 1) * fixed.get("pp", 1)
     n = max(8, mp)
@@ -37,10 +42,18 @@ def scaling(shape: Shape, global_batch: int, hw: Hardware, max_devices: int, fix
             dp = n // mp
             lay = Layout(dp=dp, tp=fixed.get("tp", 1), pp=fixed.get("pp", 1), zero=fixed.get("zero", 0),
                          micro=fixed.get("micro", max(1, gb // dp)), schedule="1f1b", ac=bool(fixed.get("ac", 0)))
+            why = refusal(lay, shape, gb) if check else None
+            if why:  # `plait train` would refuse it: no figures for a layout that cannot run
+                rows.append({"devices": n, "layout": lay.label(), "global_batch": gb, "refused": why})
+                continue
             pred = predict(shape, lay, gb, hw)
             pred["time"] = _with_elem(shape, lay, gb, hw, elem)
         else:
-            pred = plan(shape, n, gb, hw)[0]
+            try:
+                pred = plan(shape, n, gb, hw)[0]
+            except ConfigError as e:
+                rows.append({"devices": n, "layout": "-", "global_batch": gb, "refused": str(e)})
+                continue
         t = pred["time"]
         achieved = model_flops(shape, gb) / t["step_s"] / n
         rows.append({"devices": n, "layout": pred["layout"].label(), "global_batch": gb, "step_s": t["step_s"],
@@ -72,6 +85,7 @@ def megatron_2019() -> tuple[Shape, Hardware, dict, int]:
 
 
 def plot_scaling(rows: list[dict], out: Path) -> Path:
+    rows = [r for r in rows if "refused" not in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["devices"] for r in rows]
     ax.plot(xs, [r["efficiency"] * 100 for r in rows], "o-", label="scaling efficiency")
