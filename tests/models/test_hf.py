@@ -85,6 +85,8 @@ def test_a_conflicting_model_override_names_both_values(hf):
         load_job(None, [f"train.init_from='{hf['dir']}'", "model.width=64"])
     assert str(e.value) == (f"model.width = 64 conflicts with n_embd = 32 in {hf['dir'] / 'config.json'}; "
                             "drop the model.width override (the checkpoint sets it)")
+    with pytest.raises(ConfigError, match=r"^model.name = 'mlp' conflicts with architecture = 'GPT2LMHeadModel' in "):
+        load_job(None, [f"train.init_from='{hf['dir']}'", "model.name=mlp"])
     with pytest.raises(ConfigError) as e:
         load_job(None, [f"train.init_from='{hf['dir']}'", "model.context=100"])
     assert str(e.value) == (f"model.context = 100 conflicts with n_positions = 64 in {hf['dir'] / 'config.json'}: the "

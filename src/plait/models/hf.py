@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
+from plait.config import DataConfig, ModelConfig
+from plait.data.hf_tokenizer import HFTokenizer
+from plait.data.spec import DataSpec
 from plait.errors import ConfigError
+from plait.models.gpt import build_gpt
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -72,7 +76,7 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
 
 def hf_model_keys(hf: dict) -> dict:
     """The [model] keys config.json fixes: {key: (value, the config.json name it comes from)}."""
-    return {"name": ("gpt", "model_type"), "layers": (hf["n_layer"], "n_layer"), "heads": (hf["n_head"], "n_head"),
+    return {"name": ("gpt", "architecture"), "layers": (hf["n_layer"], "n_layer"), "heads": (hf["n_head"], "n_head"),
             "width": (hf["n_embd"], "n_embd"), "vocab_size": (hf["vocab_size"], "vocab_size"),
             "tie_embeddings": (bool(hf["tie_word_embeddings"]), "tie_word_embeddings"),
             "activation": (ACTIVATIONS[hf["activation_function"]], "activation_function"),
@@ -85,8 +89,6 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
     A key left at its default takes the checkpoint's value; one set to another value is an error naming
     both, except model.context, which may be shorter than n_positions (the first positions are kept).
     """
-    from plait.config import ModelConfig
-
     hf = read_hf_config(path, key)
     where = _where(key, path)
     default = ModelConfig()
@@ -98,7 +100,8 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
     for name, (value, hf_name) in hf_model_keys(hf).items():
         have = getattr(model_cfg, name)
         if have != value and have != getattr(default, name):
-            raise ConfigError(f"model.{name} = {have!r} conflicts with {hf_name} = {value!r} in {Path(path) / 'config.json'}"
+            shown = (hf.get("architectures") or ["GPT2LMHeadModel"])[0] if name == "name" else hf[hf_name]
+            raise ConfigError(f"model.{name} = {have!r} conflicts with {hf_name} = {shown!r} in {Path(path) / 'config.json'}"
                               f"; drop the model.{name} override (the checkpoint sets it)")
         setattr(model_cfg, name, value)
     n_pos = int(hf["n_positions"])
@@ -169,10 +172,6 @@ def hf_state_dict(path: str | Path, context: int | None = None, key: str = "trai
 
 def load_hf_model(path: str | Path, key: str = "plait serve"):
     """(model config, spec, GPT with the checkpoint's weights, tokenizer or None) for serving the directory."""
-    from plait.config import DataConfig, ModelConfig
-    from plait.data.spec import DataSpec
-    from plait.models.gpt import build_gpt
-
     path = Path(path)
     model_cfg, data_cfg = ModelConfig(), DataConfig()
     apply_hf_config(model_cfg, data_cfg, path, key)
@@ -182,8 +181,6 @@ def load_hf_model(path: str | Path, key: str = "plait serve"):
     model.load_state_dict(hf_state_dict(path, model_cfg.context, key))
     tokenizer = None
     if data_cfg.tokenizer:
-        from plait.data.hf_tokenizer import HFTokenizer
-
         tok = Path(data_cfg.tokenizer)
         tokenizer = HFTokenizer.from_json(tok.read_text(encoding="utf-8"), f"{_where(key, path)}: {tok.name}")
     return model_cfg, spec, model, tokenizer
