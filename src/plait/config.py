@@ -119,7 +119,7 @@ class TrainConfig:
     global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks")
     micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)")
     seed: int = opt(1234, "seed for model init and the data order")
-    eval_every: int = opt(0, "evaluate on validation data every N steps (0: only at the end)")
+    eval_every: int = opt(100, "evaluate on validation data every N steps and at the end (0: only at the end)")
     early_stop: dict = opt({}, "stop when a validation metric has not improved for `patience` evaluations: "
                                "{metric = 'val_loss', patience = 3, min_delta = 0.0}; {} off")
     eval_samples: int = opt(256, "validation samples per evaluation")

@@ -26,7 +26,7 @@ def test_accuracy_is_better_when_higher():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["train.early_stop={patience=2}"], "train.early_stop decides at evaluations: set train.eval_every"),
+    (["train.eval_every=0", "train.early_stop={patience=2}"], "train.early_stop decides at evaluations: set train.eval_every"),
     (["train.eval_every=5", "train.early_stop={patience=0}"], "train.early_stop.patience = 0 must be an integer >= 1"),
     (["train.eval_every=5", "train.early_stop={patients=2}"], "train.early_stop has unknown keys ['patients']"),
     (["train.eval_every=5", "train.early_stop={metric='loss'}"], "train.early_stop.metric = 'loss': choose one of"),
