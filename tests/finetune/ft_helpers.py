@@ -47,3 +47,17 @@ def val_loss(model, cfg) -> float:
     from plait.data import build_data
 
     return loss_of(model, cfg, build_data(cfg.data, cfg.model))
+
+
+def load_benchmark(register_only: bool = False):
+    """benchmarks/finetune.py as the module `bench_finetune`; a pool's ranks load it too, to unpickle its pool tasks."""
+    import importlib.util
+    import sys
+
+    if "bench_finetune" not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "finetune.py"
+        spec = importlib.util.spec_from_file_location("bench_finetune", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_finetune"] = module
+        spec.loader.exec_module(module)
+    return None if register_only else sys.modules["bench_finetune"]
