@@ -31,21 +31,25 @@ def test_import_plait_is_cheap_and_the_verbs_are_callable():
 
 
 def test_docs_api_examples_run_in_order(tmp_path):
-    """Each python block as a script in one folder (file blocks written first): train, export, load, serve, tables."""
-    ran = 0
+    """Each python block as a script in one folder (file blocks written first): train, export, load, serve, tables.
+
+    The scripts run one after another in one interpreter (runpy, a fresh namespace each): torch is imported once.
+    """
+    scripts = []
     for directive, arg, lang, code in blocks():
         if directive == "skip" or lang != "python":
             continue
         if directive == "file":
             (tmp_path / arg.strip()).write_text(code)
             continue
-        script = tmp_path / f"block{ran}.py"
-        script.write_text(code)
-        r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=ENV,
-                           timeout=300)
-        assert r.returncode == 0, f"block {ran} of docs/api.md failed:\n{code}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-        ran += 1
-    assert ran == 5  # Config, train, export and load, serve, tables
+        scripts.append(tmp_path / f"block{len(scripts)}.py")
+        scripts[-1].write_text(code)
+    assert len(scripts) == 5  # Config, train, export and load, serve, tables
+    runner = ("import runpy, sys; sys.path.insert(0, '.')\n"
+              "for s in sys.argv[1:]:\n    print('== ' + s, flush=True); runpy.run_path(s, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", runner, *map(str, scripts)], cwd=tmp_path, capture_output=True, text=True,
+                       env=ENV, timeout=300)
+    assert r.returncode == 0, f"docs/api.md:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "houses.csv has no column 'cost' (data.target); its columns: size, rooms, price" in r.stdout
     summary = plait.api.Result.from_run_dir(tmp_path / "runs" / "api").summary
     assert summary["steps"] == 30 and summary["world_size"] == 1
