@@ -15,6 +15,7 @@ steps. Without a launcher (`python script.py`) the loop runs on one process with
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,4 +211,12 @@ def parallelize(model: nn.Module, config: Config | str | Path | None = None, *, 
     the defaults on one process). loss(outputs, targets) -> mean loss. optimizer: params -> torch Optimizer
     (default: optim.* of the config, with its learning-rate schedule).
     """
-    return Parallel(model, resolve_config(config), loss, optimizer)
+    try:
+        return Parallel(model, resolve_config(config), loss, optimizer)
+    except ConfigError as e:
+        if not (os.environ.get(CONFIG_ENV) and "RANK" in os.environ):
+            raise
+        # under `plait launch`: one line from rank 0 and exit 2, as plait train says a bad layout (no traceback)
+        if os.environ["RANK"] == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

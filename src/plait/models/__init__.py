@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -23,6 +25,7 @@ from plait.models.deepfm import build_deepfm
 from plait.models.gpt import build_gpt
 from plait.models.mlp import build_mlp
 from plait.models.moe import moe_layers
+from plait.models.protocols import megatron_plan as megatron_plan  # re-exported: `from plait.models import megatron_plan`
 from plait.models.protocols import pipeline_parts
 
 MODELS: dict[str, Callable] = {"gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "deepfm": build_deepfm}
@@ -32,13 +35,25 @@ def load_factory(path: str) -> Callable:
     """Import 'package.module:function'."""
     module_name, _, attr = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here(module_name)
     except ImportError as e:
         raise ConfigError(f"model.factory = {path!r}: cannot import module {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"model.factory = {path!r}: {module_name} has no callable {attr!r}")
     return fn
+
+
+def _import_here(module_name: str):
+    """Import a module, also from the working directory (as `python -m` would; the `plait` script's path lacks it)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module_name.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # after everything installed: a local file never shadows a package
+        return importlib.import_module(module_name)
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
