@@ -122,3 +122,20 @@ def test_table_errors_name_file_row_column_and_value(tmp_path):
     assert str(e.value) == f"{good} has no column 'y' (data.target); its columns: a, b, c, label, price"
     with pytest.raises(ConfigError, match="data.name = 'table' needs data.target"):
         check_job(load_config(None, [*TABLE, f"data.path='{good}'"]))
+
+
+
+def test_plait_train_refuses_bad_user_data_in_one_line_with_exit_2(tmp_path, capsys):
+    """The command line's own path (in this process): the launcher's checks, before any worker or run directory."""
+    from plait.cli import main
+
+    csv = _csv(tmp_path / "t.csv")
+    for sets, message in ((["data.name=table", f"data.path={csv}", "data.target=y"],
+                           f"error: {csv} has no column 'y' (data.target); its columns: a, b, c, label, price\n"),
+                          (["data.factory=user_code:not_a_dataset"],
+                           "error: data.factory = 'user_code:not_a_dataset' returned range_iterator, which has no")):
+        args = [a for s in ["model.name=mlp", *sets] for a in ("--set", s)]
+        assert main(["train", *args, "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "run").exists()
