@@ -90,3 +90,18 @@ def test_the_report_plots_step_time_with_the_freezes_marked(runs, tmp_path):
     assert freeze_points(rows, tmp_path / "freeze.png") == tmp_path / "freeze.png"
     assert (tmp_path / "freeze.png").stat().st_size > 1000
     assert freeze_points([r for r in rows if "froze" not in r], tmp_path / "none.png") is None  # no freezes, no plot
+
+
+def test_a_resumed_run_freezes_what_its_checkpoint_had_frozen_and_continues_exactly(tiny_text, tmp_path):
+    """AdamW (optimizer state exists): stopped after step 2 (block 0 frozen, its state dropped), resumed to step 4."""
+    from plait.train.trainer import train
+
+    adamw = (*PROGRESSIVE, "parallel.dp=1", "optim.name='adamw'", "optim.lr=3e-3")
+    whole = run_trajectory(load_config(None, gpt(tiny_text, *adamw)), tmp_path / "whole")
+    train(load_config(None, gpt(tiny_text, *adamw, "train.stop_after=2")), tmp_path / "split")
+    resumed = train(load_config(None, gpt(tiny_text, *adamw)), tmp_path / "split", resume=True)
+    got = resumed.strategy.full_model_state_dict()
+    assert all(torch.equal(got[k], whole[2][k]) for k in got)
+    rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["froze"]) for r in rows if "froze" in r] == [(1, "blocks.0"), (2, "blocks.1")]
+    assert [r["frozen_blocks"] for r in rows if "loss" in r] == [0, 1, 2, 2]

@@ -3,6 +3,9 @@
     freezer = Freezer.build(cfg, strategy, rt)   # None unless finetune.progressive_freeze
     events = freezer.update(done)                # before each step; records {"step", "frozen_blocks", "froze"}
 
+A resumed run calls update(checkpoint step) before loading the checkpoint: the optimizer then holds
+exactly the parameters whose state the checkpoint has.
+
 When blocks freeze, their parameters leave the optimizer (their state is dropped) and, at dp > 1, DDP
 is rebuilt over the parameters that still train: DDP lays its buckets out once, from the parameters
 that require a gradient, so the rebuilt one sends only what trains. A rebuild is a collective (every
@@ -22,6 +25,7 @@ from plait.parallel.ddp import apply_ddp
 class Freezer:
     def __init__(self, plan: ProgressiveFreeze, strategy, rt, compression: Compression | None):
         self.plan, self.strategy, self.rt, self.compression = plan, strategy, rt, compression
+        self.events: list[dict] = []  # one record per block frozen so far
 
     @classmethod
     def build(cls, cfg, strategy, rt) -> Freezer | None:
@@ -57,5 +61,7 @@ class Freezer:
             old._remove_autograd_hooks()
             self.strategy.model = apply_ddp(self.strategy.module, self.rt.mesh["dp"], self.rt.device, self.compression)
             del old
-        return [{"step": self.plan.at[i], "frozen_blocks": i + 1, "froze": name}
-                for i, name in enumerate(self.plan.names(self.plan.frozen)) if i >= before]
+        new = [{"step": self.plan.at[i], "frozen_blocks": i + 1, "froze": name}
+               for i, name in enumerate(self.plan.names(self.plan.frozen)) if i >= before]
+        self.events += new
+        return new

@@ -28,7 +28,7 @@ from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
 from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.callbacks import Best, EarlyStop
-from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
+from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
 from plait.train.loss import loss_for, with_extra_loss
@@ -73,7 +73,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)
     strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
-    start = _resume(strategy, run_dir, rt) if resume and run_dir is not None else 0
+    freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze (a resume freezes what its step has frozen)
+    start = _resume(strategy, run_dir, rt, freezer) if resume and run_dir is not None else 0
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
     files = run_dir is not None and rt.role != "worker"  # a parameter server's other workers write nothing
@@ -82,10 +83,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
-    freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze: what is due by `start`, frozen now
     if freezer is not None:
         tel.fields.append(freezer.fields)
-        events = freezer.update(start)
+        freezer.update(start)  # what is due by `start`, frozen now
     step, saved_at, stopping = start, start, False
     best = Best(cfg.checkpoint.keep_best) if cfg.checkpoint.keep_best else None
     early = EarlyStop.from_config(t.early_stop)
@@ -93,8 +93,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     batches = iter(loader)
     try:
         with tel:
-            if freezer is not None and start == 0:
-                tel.note(events)  # blocks frozen from the first step (progressive_freeze_start = 0)
+            if freezer is not None:  # blocks frozen before this session's first step that no earlier session wrote
+                tel.note([e for e in freezer.events if e["step"] >= start])
             while step < stop:
                 if freezer is not None and step > start:
                     with tel.between_steps():
@@ -143,7 +143,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     return TrainResult(summary, strategy.module, strategy, rt)
 
 
-def _resume(strategy: Strategy, run_dir: Path, rt: Runtime) -> int:
+def _resume(strategy: Strategy, run_dir: Path, rt: Runtime, freezer: Freezer | None = None) -> int:
     """Rank 0 picks the newest checkpoint that verifies (falling back past damaged ones); every rank loads it."""
     choice = [None]
     if rt.is_main or not rt.distributed:
@@ -153,6 +153,8 @@ def _resume(strategy: Strategy, run_dir: Path, rt: Runtime) -> int:
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return 0
+    if freezer is not None:  # blocks frozen by the checkpoint's step have no optimizer state in it
+        freezer.update(int(read_trainer_state(Path(choice[0]))["step"]))
     state = load_checkpoint(strategy, Path(choice[0]))
     strategy.precision.load_state_dict(state.get("precision", {}))
     rt.print(f"resuming from {choice[0]} at step {int(state['step'])}")
