@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from plait.config import Config as _Config
 from plait.config import apply_overrides, dump_config, format_config, load_config, validate_config
-from plait.errors import ConfigError, PlaitError
+from plait.errors import CheckpointError, ConfigError, PlaitError
 
 if TYPE_CHECKING:  # `plait.Config` must not import torch
     import torch.nn as nn
@@ -278,12 +278,6 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
     """
     run_dir = Path(run_dir)
     target = Path(out) if out is not None else None
-    checkpoint = None
-    if best:
-        link = run_dir / "checkpoints" / "best"
-        if not link.is_symlink():
-            raise ConfigError(f"{run_dir} has no best checkpoint; train with checkpoint.keep_best='val_loss'")
-        checkpoint = link.resolve()
     if target is not None and target.suffix in (".onnx", ".pt2", ".pte"):
         from plait.edge import check_request, export_edge  # lazily: ONNX and ExecuTorch are optional extras
 
@@ -305,7 +299,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
 
         src = run_dir / "model.safetensors"
         if not src.is_file():
-            raise PlaitError(f"{run_dir} is a federated run without model.safetensors: it has not finished")
+            raise CheckpointError(f"{run_dir} is a federated run without model.safetensors: it has not finished")
         if target is not None and target.resolve() != src.resolve():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, target)
@@ -313,6 +307,12 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
         return src
     from plait.export import export as export_weights
 
+    checkpoint = None
+    if best:
+        link = run_dir / "checkpoints" / "best"
+        if not link.is_symlink():
+            raise ConfigError(f"{run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
+        checkpoint = link.resolve()
     return export_weights(run_dir, target, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                           adapters_only=adapters_only)
 

@@ -133,31 +133,13 @@ def cmd_export(a) -> int:
                           "name the file with one of these suffixes")
     if a.batch is not None or a.edge_quantize or a.aoti:
         raise ConfigError("--batch, --quantize and --aoti apply to edge exports: pass -o model.onnx or -o model.pt2")
-    from plait.federated.report import is_federated_run
+    from plait.api import export  # lazily: plait --help must not import torch (the flags are checked above)
 
-    if is_federated_run(a.run_dir):  # its global model is already exported, in the same format
-        import shutil
+    out = export(a.run_dir, a.output, best=a.best, trust_checkpoint=a.trust_checkpoint, adapters_only=a.adapters_only)
+    from plait.federated.report import is_federated_run  # its global model is exported as it finishes
 
-        src = a.run_dir / "model.safetensors"
-        if not src.is_file():
-            raise CheckpointError(f"{a.run_dir} is a federated run without model.safetensors: it has not finished")
-        out = a.output or src
-        if out.resolve() != src.resolve():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, out)
-        print(f"wrote {out}" if out != src else f"{out} (a federated run's global model, already exported)")
-        return 0
-    from plait.export import export  # lazily: plait --help must not import torch
-
-    best = None
-    if a.best:
-        best = a.run_dir / "checkpoints" / "best"
-        if not best.is_symlink():
-            raise ConfigError(f"{a.run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
-        best = best.resolve()
-    out = export(a.run_dir, a.output, checkpoint=best, trust_checkpoint=a.trust_checkpoint,
-                 adapters_only=a.adapters_only)
-    print(f"wrote {out}")
+    print(f"{out} (a federated run's global model, already exported)" if a.output is None and
+          is_federated_run(a.run_dir) else f"wrote {out}")
     return 0
 
 
