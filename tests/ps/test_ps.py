@@ -143,7 +143,19 @@ def sync_run(tmp_path_factory) -> Path:
     args = [f"--set={o}" for o in [*DIGITS, *PS, "parallel.ps_servers=2", f"checkpoint.every={STEPS // 2}"]]
     r = plait("train", *args, "--out", run, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
+    (run.parent / "stdout.txt").write_text(r.stdout)
+    (run.parent / "stderr.txt").write_text(r.stderr)
     return run
+
+
+@pytest.mark.slow  # the sync run's own output: no seconds of its own
+def test_a_clean_ps_run_says_nothing_on_stderr_and_its_header_counts_the_workers(sync_run):
+    # The ranks leave RPC together (an orderly shutdown): no TensorPipe "pipe closed" / "EOF" warnings.
+    err = (sync_run.parent / "stderr.txt").read_text()
+    assert not [line for line in err.splitlines() if "tensorpipe" in line.lower() or "EOF" in line], err
+    header = (sync_run.parent / "stdout.txt").read_text().splitlines()[0]
+    assert "4 processes (dp=2, ps-sync: 2 workers + 2 servers)" in header, header
+    assert "global batch 32 = 16 x 1 accum x 2 dp" in header, header
 
 
 @pytest.mark.slow  # 35 s: a 4-process job through torchrun's agent, then its second half again

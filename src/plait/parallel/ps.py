@@ -24,6 +24,7 @@ from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 from plait.ps import server as srv
 from plait.ps.client import PSClient
 from plait.ps.policy import assign_shards, staleness_summary
+from plait.ps.rpc import leave
 
 
 class PSStrategy(Strategy):
@@ -71,6 +72,7 @@ class PSStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self) -> None:
+        self.client.completed = True  # the loop ended normally: leave the RPC job in order (every rank meets)
         if not self.chief:  # the chief's weights are still read after the loop (export, sample); it finishes at exit
             self.client.finish()
 
@@ -107,7 +109,7 @@ def shards(module, servers: int) -> list[list[str]]:
 def build(b: Build) -> PSStrategy:
     """A worker's strategy: a local optimizer only for the learning rate; the servers hold the real one."""
     p = b.cfg.parallel
-    client = PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers))
+    client = PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers), b.cfg.launch.timeout_s)
     return PSStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
                       b.local_batch, client, p.ps_mode, b.rt.rank, p.dp, p.ps_servers)
 
@@ -126,6 +128,8 @@ def serve(b: Build, run_dir) -> dict:
     if server.dead:
         print(f"ps{index}: worker(s) {sorted(server.dead)} stopped early; the others finished "
               f"({server.version} updates applied)", flush=True)
+    # Every worker said it is done: meet them all and close together (no end-of-file warnings); not with dead ones.
+    leave(not server.dead and not server.failure, cfg.launch.timeout_s)
     return summary
 
 

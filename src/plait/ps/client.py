@@ -15,16 +15,17 @@ import torch.distributed.rpc as rpc
 
 from plait.comm import accounting
 from plait.ps import server as srv
-from plait.ps.rpc import server_name
+from plait.ps.rpc import leave, server_name
 
 
 class PSClient:
-    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[str]]):
-        self.module, self.worker, self.shards = module, worker, shards
+    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[str]], timeout_s: float = 300.0):
+        self.module, self.worker, self.shards, self.timeout_s = module, worker, shards, timeout_s
         self.params = dict(module.named_parameters())
         self.versions = [0] * len(shards)
         self.rounds = 0  # sync: rounds this worker has pushed
         self.finished = False
+        self.completed = False  # set when the training loop ended normally: then the job may end in order
         # Tell the servers at exit (before the RPC agent stops: atexit runs last-in, first-out).
         atexit.register(self.finish)
 
@@ -56,14 +57,16 @@ class PSClient:
         self.pull()
 
     def finish(self) -> None:
-        """This worker will push no more (the servers stop waiting for it); idempotent, quiet if they are gone."""
+        """This worker will push no more (the servers stop waiting for it), then leaves the RPC job: in order
+        after a normal end with every worker alive, else at once. Idempotent, quiet if the servers are gone."""
         if self.finished:
             return
         self.finished = True
         try:
-            self._all(srv.finish, lambda k: (self.worker,))
+            dead = any(self._all(srv.finish, lambda k: (self.worker,)))
         except RuntimeError:
-            pass
+            dead = True
+        leave(self.completed and not dead, self.timeout_s)
 
     def pull(self) -> None:
         for k, (version, values) in enumerate(self._all(srv.pull, lambda k: ())):

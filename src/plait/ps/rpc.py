@@ -44,7 +44,7 @@ def _store(rank: int, world: int, timeout: datetime.timedelta):
 
 
 def join(rank: int, world: int, dp: int, timeout_s: float) -> None:
-    """Start this rank's RPC agent and meet the others; registers a non-graceful shutdown at exit."""
+    """Start this rank's RPC agent and meet the others; an immediate shutdown at exit unless leave() ran before."""
     if dist.is_available() and dist.is_initialized():
         raise ConfigError("parallel.sync = 'ps' starts its own processes (dp workers + ps_servers servers) and does not "
                           "run inside an existing process group; launch it with `plait train` or torchrun")
@@ -62,5 +62,18 @@ def join(rank: int, world: int, dp: int, timeout_s: float) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RPC's internal gloo group triggers a deprecation warning
         rpc.init_rpc(rank_name(rank, dp), rank=rank, world_size=world, rpc_backend_options=opts)
-    # Stop this rank's agent at exit without waiting for the others (some may be gone).
-    atexit.register(rpc.shutdown, graceful=False)
+    # At exit, if nothing stopped it before: at once, without waiting for the others (some may be gone).
+    atexit.register(leave, False)
+
+
+def leave(orderly: bool, timeout_s: float = 0.0) -> None:
+    """Stop this rank's RPC agent (once; later calls do nothing).
+
+    orderly: every rank of the job meets here, then each closes its connections (torch's graceful shutdown),
+    so nobody reads an end-of-file from a peer that went first. Only for a clean end, when every rank will come
+    (it waits up to timeout_s); otherwise the agent stops at once and the peers may log the closed pipes.
+    """
+    try:
+        rpc.shutdown(graceful=orderly, timeout=timeout_s)
+    except RuntimeError:  # already stopped, or an orderly end that some rank did not reach: stopped now all the same
+        pass

@@ -162,10 +162,12 @@ class ParameterServer:
             self._wait(lambda: self.opened)
             return self.version
 
-    def finish(self, worker: int) -> None:
+    def finish(self, worker: int) -> list[int]:
+        """Worker `worker` pushes no more; returns the workers found dead so far (then the job cannot end in order)."""
         with self.cv:
             self.done.add(worker)
             self.cv.notify_all()
+            return sorted(self.dead)
 
     def staleness(self, since: int) -> tuple[list[int], int]:
         with self.cv:
