@@ -116,8 +116,8 @@ def _labels(ds: MapDataset, chunk: int = 256) -> torch.Tensor:
 def factory_spec(train: MapDataset, val: MapDataset, task: str) -> DataSpec:
     """The DataSpec of a user's data, from a batch of it: input shape, classification or regression, output width.
 
-    Classification needs the number of classes: the dataset's `num_classes` attribute, else the largest label + 1
-    over both splits (one pass over the targets).
+    Classification needs the number of classes: the dataset's `num_classes` attribute, else the length of its
+    `classes` (torchvision's datasets), else the largest label + 1 over both splits (one pass over the samples).
     """
     x, y = _check(train)
     _check(val)
@@ -129,6 +129,9 @@ def factory_spec(train: MapDataset, val: MapDataset, task: str) -> DataSpec:
                             f"{y.dtype} of shape {tuple(y.shape[1:])} per sample: return integer labels or set "
                             "data.task='regression'")
         classes = getattr(train.dataset, "num_classes", None)
+        names = getattr(train.dataset, "classes", None)  # torchvision's datasets: the class names
+        if classes is None and isinstance(names, (list, tuple)) and names:
+            classes = len(names)
         if classes is None:
             labels = torch.cat([_labels(train), _labels(val)])
             if int(labels.min()) < 0:

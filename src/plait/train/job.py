@@ -33,7 +33,7 @@ from plait.train.callbacks import check as check_callbacks
 from plait.train.distill import check as check_distill
 
 
-def check_job(cfg: Config) -> Layout:
+def check_job(cfg: Config, user_data: bool = True) -> Layout:
     """Validate cfg for training; returns its Layout. A Hugging Face train.init_from sets cfg.model from its config.json."""
     if cfg.train.init_from and is_hf_dir(cfg.train.init_from):
         apply_hf_config(cfg.model, cfg.data, cfg.train.init_from)
@@ -50,7 +50,7 @@ def check_job(cfg: Config) -> Layout:
             check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
     check_distill(cfg)
     check_callbacks(cfg)
-    check_user_code(cfg)
+    check_user_code(cfg, user_data)
     check_optimizer(cfg)
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer = {cfg.data.tokenizer!r} does not exist; give a Hugging Face tokenizer.json")
@@ -60,9 +60,12 @@ def check_job(cfg: Config) -> Layout:
     return layout
 
 
-def check_user_code(cfg: Config) -> None:
-    """A user's data (data.factory, or a table), loss and metrics, imported and tried before any worker starts."""
-    if cfg.data.factory or cfg.data.name == "table":
+def check_user_code(cfg: Config, user_data: bool = True) -> None:
+    """A user's data (data.factory, or a table), loss and metrics, imported and tried before any worker starts.
+
+    user_data=False leaves the data to the caller, which builds it next anyway (the trainer: once per worker, not twice).
+    """
+    if user_data and (cfg.data.factory or cfg.data.name == "table"):
         build_data(cfg.data, cfg.model)  # a dataset without __len__, samples that do not collate, a missing column
     if cfg.train.loss:
         import_object("train.loss", cfg.train.loss)
