@@ -23,7 +23,6 @@ from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
 from plait.data.user import import_object
-from plait.data.user import import_object
 from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
@@ -73,7 +72,6 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)
-    strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
     strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
     freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze (a resume freezes what its step has frozen)
     start = _resume(strategy, run_dir, rt, freezer) if resume and run_dir is not None else 0
