@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from plait.config import Config
@@ -23,6 +24,7 @@ from plait.launch.env import resolve
 from plait.parallel.layout import Layout
 from plait.train.checkpoint import latest_checkpoint
 
+_STARTED = time.time()  # when this launcher started (a summary.json older than this is a previous session's)
 SHUTDOWN_TIMEOUT_S = 120  # after SIGTERM, workers finish their step and checkpoint within this, then are killed
 
 
@@ -152,8 +154,14 @@ def report_preemption(run_dir: Path, e) -> int:
     import json
 
     summary = run_dir / "summary.json"
-    preempted = summary.is_file() and json.loads(summary.read_text()).get("preempted")
+    # this session's summary only (a resumed run's folder holds the previous session's)
+    done = json.loads(summary.read_text()) if summary.is_file() and summary.stat().st_mtime >= _STARTED else {}
+    preempted = done.get("preempted")
     ckpt = latest_checkpoint(run_dir)
+    if done and not preempted:  # the signal came as the run was closing: nothing is lost
+        print(f"{e.sigval.name} arrived after the run finished (step {done.get('steps')}); nothing to resume",
+              flush=True)
+        return 0
     if preempted and ckpt is not None:
         what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"preempted ({e.sigval.name})"
         print(f"{what}: stopped cleanly at {ckpt.name}; continue with "
