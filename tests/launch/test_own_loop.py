@@ -78,3 +78,18 @@ def test_bad_launches_exit_2_before_any_process_starts(tmp_path, capsys, args, m
     assert main([*args[:1], "--out", str(tmp_path / "run"), *args[1:]]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [message]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_the_layout_cannot_cut_is_one_line_and_exit_2_in_a_launched_script(tmp_path, monkeypatch, capsys):
+    """What each rank of `plait launch --set parallel.pp=2 --set parallel.dp=1 bad.py` does, before any process group."""
+    import plait
+
+    (tmp_path / "c.toml").write_text("[parallel]\ndp = 1\npp = 2\n")
+    monkeypatch.setenv("PLAIT_CONFIG", str(tmp_path / "c.toml"))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        plait.parallelize(torch.nn.Linear(64, 10), loss=torch.nn.functional.cross_entropy)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: parallel.pp = 2 cuts the model into stages, but Linear is no nn.Sequential and has no "
+        "`pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1"]

@@ -8,6 +8,7 @@ written to the run directory first) and PLAIT_RUN_DIR. Inside, `plait.paralleliz
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -52,6 +53,8 @@ def launch_script(cfg: Config, run_dir: Path, script: str, args: list[str]) -> i
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
     _quiet_agent()
+    # the agent's own lines about stopping workers: report_failure says what failed, the script said why
+    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
     os.environ.update(worker_env(cfg))
     os.environ[CONFIG_ENV] = str((run_dir / "config.toml").resolve())
     os.environ[RUN_DIR_ENV] = str(run_dir.resolve())

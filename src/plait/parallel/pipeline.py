@@ -355,8 +355,9 @@ def check_model(cfg, model: nn.Module | None) -> None:
     blocks = pipeline_blocks(model)
     if blocks is None:
         raise ConfigError(
-            f"parallel.pp = {p.pp} cuts the model into stages, but {what} ({type(model).__name__}) is no nn.Sequential "
-            "and has no `pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1")
+            f"parallel.pp = {p.pp} cuts the model into stages, but {what}"
+            f"{f' ({type(model).__name__})' if cfg.model.factory else ''} is no nn.Sequential and has no "
+            "`pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1")
     if stages > len(blocks):
         raise ConfigError(
             f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} stages but {what} has "
