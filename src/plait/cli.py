@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait.config import dump_config, format_config, load_config
+from plait.config import auto_notes, dump_config, format_config, load_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
 
 
@@ -88,6 +88,8 @@ def cmd_train(a) -> int:
     tmp = run_dir / f".config.toml.{os.getpid()}"  # nodes sharing the run dir rewrite it: never leave it half-written
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / "config.toml")
+    for note in auto_notes(cfg):  # what "auto" became on this machine, before anything starts
+        print(f"auto: {note}")
     if a.dry_run:
         layout = Layout.from_config(cfg)
         print(f"config valid; {layout.world_size} process(es); wrote {run_dir / 'config.toml'}")

@@ -17,6 +17,7 @@ import difflib
 import importlib.util
 import math
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +163,8 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = opt(2, "data-parallel degree (model replicas)")
+    dp: int | str = opt(2, "data-parallel degree (model replicas); \"auto\": fill the machine's processes (every local "
+                           "GPU, or launch.nproc_per_node) divided by tp x pp")
     tp: int = opt(1, "tensor-parallel degree (each block's matrices split across ranks)")
     pp: int = opt(1, "pipeline-parallel degree (stages of consecutive blocks)")
     zero: int = opt(0, "ZeRO stage on the dp axis: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters",
@@ -209,7 +211,8 @@ class CheckpointConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc_per_node: int = opt(0, "worker processes on this machine; 0 = what the layout needs")
+    nproc_per_node: int | str = opt(0, "worker processes on this machine; 0 = what the layout needs; \"auto\": every "
+                                       "local GPU (on CPU: what the layout needs)")
     nnodes: str = opt("1", "machines in the job: N, or MIN:MAX for an elastic job that goes on with MIN to MAX",
                       accepts=(int,))
     node_rank: int = opt(0, "this machine's index in the job (0 hosts the rendezvous)")
@@ -346,6 +349,8 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 
 def _type_name(tp: Any) -> str:
+    if isinstance(tp, types.UnionType):  # int | str: a number or "auto"
+        return 'a whole number or "auto"' if set(tp.__args__) == {int, str} else " or ".join(map(_type_name, tp.__args__))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a table"}.get(
         tp, str(tp)
     )
@@ -355,7 +360,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check a TOML value against a field's type; ints are accepted where floats are expected."""
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp is int and isinstance(value, bool):
+    if (tp is int or isinstance(tp, types.UnionType) and int in tp.__args__) and isinstance(value, bool):
         ok = False
     else:
         ok = isinstance(value, tp)
@@ -458,9 +463,68 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p} is not valid TOML: {e}") from None
         cfg = config_from_dict(data, source=str(p))
     apply_overrides(cfg, overrides or [])
+    if isinstance(cfg.parallel.dp, str) or isinstance(cfg.launch.nproc_per_node, str):
+        resolve_auto(cfg)
     if validate:
         validate_config(cfg)
     return cfg
+
+
+def local_gpus(device: str = "auto") -> int:
+    """GPUs on this machine that launch.device lets plait use (0 on CPU or with launch.device = 'cpu')."""
+    if device == "cpu":
+        return 0
+    import torch  # lazily: only an "auto" asks, and plait --help must not import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_auto(cfg: Config, gpus: int | None = None) -> list[str]:
+    """Replace launch.nproc_per_node = "auto" and parallel.dp = "auto" by numbers, before anything launches.
+
+    nproc_per_node: every local GPU, or on CPU 0 (the layout's need). dp: the processes of the job (nproc_per_node,
+    else the GPUs, times the machines; minus parameter servers) divided by tp x pp; on CPU without
+    nproc_per_node, 1. gpus: the local GPU count (default: local_gpus()). Returns what was decided, in words (also
+    in auto_notes(cfg)).
+    """
+    lc, p = cfg.launch, cfg.parallel
+    for key, value in (("launch.nproc_per_node", lc.nproc_per_node), ("parallel.dp", p.dp)):
+        if isinstance(value, bool) or not isinstance(value, int) and value != "auto":
+            raise ConfigError(f"{key} = {value!r} must be a whole number or \"auto\"; e.g. --set {key}=auto")
+    if gpus is None:
+        gpus = local_gpus(lc.device)
+    notes = []
+    if lc.nproc_per_node == "auto":
+        lc.nproc_per_node = gpus
+        notes.append(f"launch.nproc_per_node = auto -> {gpus} (every local GPU)" if gpus else
+                     "launch.nproc_per_node = auto -> 0: no GPU here, the layout's processes")
+    if p.dp == "auto":
+        nodes = cfg.max_nodes
+        per_node = lc.nproc_per_node or gpus
+        servers = p.ps_servers if p.sync == "ps" else 0
+        model = p.tp * p.pp
+        if not per_node:
+            p.dp = 1
+            notes.append("parallel.dp = auto -> 1: no GPU here and launch.nproc_per_node is not set (set it to the "
+                         "processes to fill)")
+        else:
+            workers = per_node * nodes - servers
+            what = (f"{per_node} process{'es' * (per_node > 1)} per machine"
+                    + (f" x {nodes} machines" if nodes > 1 else "") + (f" - {servers} parameter servers" if servers else ""))
+            if workers < model or workers % model:
+                raise ConfigError(
+                    f"parallel.dp = auto: {what} = {workers} is not a multiple of parallel.tp ({p.tp}) x parallel.pp "
+                    f"({p.pp}) = {model}; set parallel.dp to a number, or launch.nproc_per_node to a multiple of {model}")
+            p.dp = workers // model
+            notes.append(f"parallel.dp = auto -> {p.dp} ({what}" + (f" / tp {p.tp} x pp {p.pp}" if model > 1 else "")
+                         + ")")
+    cfg.__dict__["_auto_notes"] = auto_notes(cfg) + notes
+    return notes
+
+
+def auto_notes(cfg: Config) -> list[str]:
+    """What load_config decided for the "auto" values of cfg, in words (empty when there were none)."""
+    return list(cfg.__dict__.get("_auto_notes", []))
 
 
 # TOML keys that are Python keywords live in fields with a trailing underscore.
