@@ -93,3 +93,31 @@ def test_a_model_the_layout_cannot_cut_is_one_line_and_exit_2_in_a_launched_scri
     assert capsys.readouterr().err.splitlines() == [
         "error: parallel.pp = 2 cuts the model into stages, but Linear is no nn.Sequential and has no "
         "`pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1"]
+
+
+def test_save_and_load_resume_the_loop(tmp_path):
+    """p.save then p.load in a new Parallel: the step and the weights come back (one process, DCP)."""
+    import plait
+    from plait.config import load_config
+
+    cfg = load_config(None, ["parallel.dp=1", "train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=8"])
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+
+    def run(steps: int, resume: bool):
+        torch.manual_seed(0)
+        p = plait.parallelize(torch.nn.Sequential(torch.nn.Linear(6, 3)), cfg, loss=torch.nn.functional.cross_entropy,
+                              optimizer=sgd)
+        if resume:
+            assert p.load(tmp_path / "ckpt") == 2
+        losses = [p.step(b).loss for b in p.batches(data, steps=steps)]
+        return p, losses
+
+    straight, losses = run(4, False)
+    half, first = run(2, False)
+    half.save(tmp_path / "ckpt")
+    rest, second = run(4, True)
+    assert first + second == losses
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), rest.state_dict().values(), strict=True))
+    for p in (straight, half, rest):
+        p.close()
