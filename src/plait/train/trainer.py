@@ -83,6 +83,10 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
                         cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
+    freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze: what is due by `start`, frozen now
+    if freezer is not None:
+        tel.fields.append(freezer.fields)
+        events = freezer.update(start)
     if freezer is not None:
         tel.fields.append(freezer.fields)
         freezer.update(start)  # what is due by `start`, frozen now
