@@ -78,3 +78,22 @@ def test_bench_prints_its_table_once_and_says_what_a_missed_target_means(monkeyp
     assert "2.00x: not met on this machine" in out and bench.MISSED in out
     assert "p99 latency with batching at concurrency 16, 1 replica <= max_delay 5 ms + 2 x batch compute 2.00 ms = " \
            "9.00 ms: 1.00 ms: met" in out
+
+
+@pytest.mark.parametrize("verb", [["serve"], ["bench", "serve"]])
+def test_serve_help_states_every_default(verb):
+    import argparse
+
+    from plait.cli import build_parser
+
+    parser = build_parser()
+    for word in verb:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    text = " ".join(parser.format_help().split())
+    with_default = [a for a in parser._actions if a.option_strings and a.default is not None and a.default is not False
+                    and a.dest != "help"]
+    assert len(with_default) >= (19 if verb == ["serve"] else 10)
+    for a in with_default:
+        assert (a.help or "").strip(), a.dest
+        assert "default" in " ".join(parser._get_formatter()._expand_help(a).split()), a.dest
+    assert "(default: 8000)" in text and "(default: 30000)" in text if verb == ["serve"] else "(default: 0:2)" in text

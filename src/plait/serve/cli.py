@@ -76,9 +76,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help that ends each option's line with its default, unless the text says it already or there is none."""
+
+    def _get_help_string(self, action):
+        text, value = action.help or "", action.default
+        if not action.option_strings or "default" in text or value is None or value is False or value == argparse.SUPPRESS:
+            return text
+        shown = ",".join(map(str, value)) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else value
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
 def add_parsers(sub, bench) -> None:
     """Add `plait serve` to the top-level verbs and `serve` to `plait bench`."""
     s = sub.add_parser("serve", help="serve a run or an exported model over HTTP (Open Inference Protocol)",
+                       formatter_class=DefaultsFormatter,
                        description="Serve RUN_DIR (its latest checkpoint), or a model.safetensors, model.onnx or "
                                    "model.pt2 from `plait export`.")
     s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2")
@@ -123,15 +135,16 @@ def add_parsers(sub, bench) -> None:
                         "may then differ from a lone request's in the last bit)")
     s.set_defaults(fn=cmd_serve)
 
-    b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas")
+    b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas",
+                         formatter_class=DefaultsFormatter)
     b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors")
     b.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop concurrencies (default 1,4,16)")
     b.add_argument("--rate", type=float, default=0.0, help="open-loop requests per second (0: 60%% of the best "
                                                            "closed-loop throughput of batching off)")
     b.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     b.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each measurement")
-    b.add_argument("--max-batch-size", type=int, default=16)
-    b.add_argument("--max-delay-ms", type=float, default=5.0)
+    b.add_argument("--max-batch-size", type=int, default=16, help="batching on: rows merged into one batch at most")
+    b.add_argument("--max-delay-ms", type=float, default=5.0, help="batching on: longest wait for a batch to fill")
     b.add_argument("--replicas", type=_ints, default=[1, 2], help="replica counts to compare (default 1,2)")
     b.add_argument("--out", type=Path, help="folder for bench_serve.png and .json (default: the run dir or the "
                                             "model's folder)")
