@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+import plait
 from helpers import max_diff, params_after, rank0_params
 from plait.config import load_config
 from plait.data import build_data
 from plait.errors import ConfigError, DataError
-from plait.train.job import check_job
+from plait.train.job import check_job, check_user_code
 
 # plain SGD, no clipping or schedule: a wrong gradient scale cannot hide (layout tests' rule)
 SGD = ["model.name='mlp'", "model.width=16", "model.depth=1", "train.global_batch_size=16", "train.micro_batch_size=8",
@@ -106,8 +107,27 @@ def test_table_classification_and_regression_from_csv_and_parquet(tmp_path):
     rp = load_config(None, [*TABLE, f"data.path='{tmp_path / 't.parquet'}'", "data.target='price'"])
     p = build_data(rp.data, rp.model)
     assert torch.equal(p.train.fetch(torch.arange(5))[0], x[:5])
-    summary = params_after(reg, tmp_path / "run") and json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["val_loss"] > 0 and "val_accuracy" not in summary  # the mse, and no accuracy for a regression
+    params_after(reg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    model = plait.load(tmp_path / "run")  # val_loss is the mean squared error of the trained model on the validation rows
+    xv, yv = r.val.fetch(torch.arange(len(r.val)))  # 6 rows: one validation batch (eval_samples 8)
+    with torch.no_grad():
+        mse = float(((model(xv).reshape(-1) - yv) ** 2).mean())
+    assert abs(summary["val_loss"] - mse) < 1e-6 and "val_accuracy" not in summary
+
+
+def test_train_loss_and_eval_metrics_are_the_users_functions(tmp_path):
+    """train.loss = plain cross-entropy of one's own: the same run as the built-in loss; a metric reported per evaluation."""
+    ref = params_after(load_config(None, FACTORY), None)
+    own = params_after(load_config(None, [*FACTORY, "train.loss='user_code:cross_entropy'",
+                                          "train.eval_metrics=['user_code:error_rate']"]), tmp_path / "own")
+    assert max_diff(own, ref) == 0.0
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert abs(summary["val_error_rate"] + summary["val_accuracy"] - 1) < 1e-6  # a float32 batch mean
+    with pytest.raises(ConfigError, match="train.loss = 'user_code:nope': module user_code has no callable 'nope'"):
+        check_job(load_config(None, [*FACTORY, "train.loss='user_code:nope'"]))
+    with pytest.raises(ConfigError, match="train.eval_metrics are computed on the whole model's outputs"):
+        check_user_code(load_config(None, [*FACTORY, "train.eval_metrics=['user_code:error_rate']", "parallel.pp=2"]))
 
 
 def test_table_errors_name_file_row_column_and_value(tmp_path):
