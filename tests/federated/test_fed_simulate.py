@@ -48,7 +48,14 @@ def test_fedavg_on_digits_10_clients_dirichlet_reaches_90_percent_within_30_roun
     with torch.no_grad():
         acc = int((model(x).argmax(-1) == y).sum()) / len(y)
     assert acc == pytest.approx(summary["test_accuracy"], abs=1e-9)
-    assert "90 % reached at round" in capsys.readouterr().out
+    assert f"; 90 % test accuracy reached at round {summary['rounds_to_90']}" in capsys.readouterr().out
+
+
+def test_a_run_that_never_reaches_90_percent_says_so_in_words():
+    from plait.federated.simulate import reached_90
+
+    assert reached_90(None, 3) == "90 % test accuracy not reached in 3 rounds"
+    assert reached_90(7, 30) == "90 % test accuracy reached at round 7"
 
 
 def test_compare_writes_one_run_per_strategy_and_a_combined_report(tmp_path):

@@ -84,10 +84,14 @@ def simulate(cfg: Config, run_dir: str | Path | None, data: FederatedData | None
     coord.finish()
     summary = recorder.finish(coord.weights, coord.strategy.name)
     if log:
-        hit = summary["rounds_to_90"]
         log(f"done: {summary['rounds']} rounds of {summary['strategy']} in {summary['wall_time_s']:.1f}s, test accuracy "
-            f"{summary['test_accuracy']:.4f}, 90 % reached {'at round ' + str(hit) if hit else 'never'}")
+            f"{summary['test_accuracy']:.4f}; {reached_90(summary['rounds_to_90'], summary['rounds'])}")
     return summary
+
+
+def reached_90(hit: int | None, rounds: int) -> str:
+    """When test accuracy first reached 90 %, in words."""
+    return f"90 % test accuracy reached at round {hit}" if hit else f"90 % test accuracy not reached in {rounds} rounds"
 
 
 def compare(cfg: Config, out_dir: str | Path, strategies: list[str], log: Callable | None = print) -> dict:
