@@ -192,6 +192,9 @@ class ParallelConfig:
                                   ("none", "table", "row"))
     ep: int = opt(1, "expert-parallel degree: each MoE layer's experts split over ep data-parallel ranks "
                      "(ep divides dp and model.moe_experts); the dense part stays data parallel")
+    hetero: str = opt("", "data parallel on devices of unequal speed: 'auto' gives each rank a share of the global "
+                          "batch proportional to its measured throughput, '1,3' fixes relative speeds; '' off")
+    hetero_every: int = opt(20, "parallel.hetero = 'auto': re-measure and re-split every N steps")
 
 
 @dataclass

@@ -5,6 +5,8 @@
     PLAIT_FAULTS="stall:rank=1:step=3:seconds=30"          rank 1 sleeps (a hang, for timeout tests)
     PLAIT_FAULTS="slow:rank=1:seconds=0.05"                rank 1 sleeps every step (a straggler)
     PLAIT_FAULTS="slow:seconds=0.1:at=data"                every rank waits 0.1 s for each batch (input-bound)
+    PLAIT_FAULTS="slow:rank=1:factor=3"                    rank 1's forward/backward takes 3x as long (it sleeps twice
+                                                           the compute it just did: a slower device, whatever its share)
     PLAIT_FAULTS="slow:seconds=0.02:at=comm"               every collective takes 20 ms longer (a slow link)
     PLAIT_FAULTS="mismatch:rank=1:step=3"                  rank 1 issues a broadcast on the dp group the others do not
     PLAIT_FAULTS="sigterm:rank=0:step=5"                   the job is asked to stop (as on preemption)
@@ -49,7 +51,7 @@ def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
     group: the process group a "mismatch" fault issues its stray collective on (the caller's dp group).
     """
     for f in _active():
-        if f["at"] != point or int(f.get("rank", rank)) != rank:
+        if f["at"] != point or int(f.get("rank", rank)) != rank or "factor" in f:
             continue
         if "step" in f and int(f["step"]) != step:
             continue
@@ -65,3 +67,10 @@ def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
             import torch.distributed as dist
 
             dist.broadcast(torch.zeros(3), dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+
+def slow_compute(rank: int, seconds: float) -> None:
+    """After a rank's forward/backward of `seconds`: a `slow:...:factor=F` fault makes it last F times as long."""
+    for f in _active():
+        if f["kind"] == "slow" and "factor" in f and int(f.get("rank", rank)) == rank:
+            time.sleep(max(0.0, float(f["factor"]) - 1.0) * seconds)

@@ -45,17 +45,23 @@ class StepLoader:
     """
 
     def __init__(self, dataset, sampler: GlobalBatchSampler, start: int, stop: int, dp_rank: int, dp: int,
-                 micro: int, prefetch: int = 2, pin_memory: bool = False, workers: int = 0):
+                 micro: int, prefetch: int = 2, pin_memory: bool = False, workers: int = 0, slices=None):
         self.dataset, self.sampler = dataset, sampler
         self.start, self.stop = start, stop
         self.dp_rank, self.dp, self.micro = dp_rank, dp, micro
         self.prefetch, self.pin, self.workers = prefetch, pin_memory, workers
+        self.slices = slices  # (step, dp rank) -> [begin, end) of the global batch (parallel.hetero); None: equal
 
     def _plan(self, step: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
         """(indices, step, epochs) of each of this rank's micro-batches at `step`."""
-        idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
+        if self.slices is not None:
+            begin, end = self.slices(step, self.dp_rank)
+            idx = self.sampler.global_batch(step)[begin:end]
+        else:
+            idx = shard(self.sampler.global_batch(step), self.dp_rank, self.dp)
+            begin = self.dp_rank * len(idx)
         per = len(idx)
-        first = step * self.sampler.batch + self.dp_rank * per  # this slice's place in the sampler's stream
+        first = step * self.sampler.batch + begin  # this slice's place in the sampler's stream
         epochs = (first + torch.arange(per)) // self.sampler.n
         return [(mb, step, ep) for mb, ep in zip(micro_batches(idx, self.micro), micro_batches(epochs, self.micro))]
 

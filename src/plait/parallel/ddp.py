@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from plait.comm.accounting import ddp_allreduce_hook
 from plait.comm.compression import Compression, register_compression
 from plait.errors import ConfigError
+from plait.parallel import hetero
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import allreduce_grads
 from plait.parallel.scheme import Build, Scheme
@@ -77,6 +78,7 @@ def applies(cfg) -> bool:
 
 def check(cfg) -> None:
     p = cfg.parallel
+    hetero.check(cfg)
     if p.powersgd_rank < 1:
         raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
                           "approximation, e.g. 2); set --set parallel.powersgd_rank=2")

@@ -10,6 +10,8 @@ and everything the run measures about itself is plait.train.telemetry's.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +25,12 @@ from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
 from plait.data.user import import_object
+from plait.faults import slow_compute
 from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
+from plait.parallel.hetero import HeteroShares
+from plait.parallel.hetero import parse as parse_hetero
 from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.callbacks import Best, EarlyStop
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
@@ -80,13 +85,14 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     files = run_dir is not None and rt.role != "worker"  # a parameter server's other workers write nothing
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files else None
     sampler = make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler)
+    hetero = (HeteroShares(parse_hetero(cfg.parallel.hetero, layout.dp), layout.dp, t.global_batch_size,
+                           cfg.parallel.hetero_every, rt.axis_group("dp"), start) if cfg.parallel.hetero else None)
     loader = StepLoader(bundle.train, sampler, start, stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size,
-                        cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers)
+                        cfg.data.prefetch, pin_memory=rt.device.type == "cuda", workers=cfg.data.workers,
+                        slices=hetero.offsets if hetero else None)
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
-    freezer = Freezer.build(cfg, strategy, rt)  # finetune.progressive_freeze: what is due by `start`, frozen now
-    if freezer is not None:
-        tel.fields.append(freezer.fields)
-        events = freezer.update(start)
+    if hetero is not None:
+        tel.fields.append(hetero.fields)
     if freezer is not None:
         tel.fields.append(freezer.fields)
         freezer.update(start)  # what is due by `start`, frozen now
@@ -111,12 +117,17 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                 if cfg.model.dropout > 0:
                     # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
                     torch.manual_seed(mix_seed(t.seed, step, rt.rank))
-                with tel.phase("forward_backward"):
+                with tel.phase("forward_backward"), (hetero.measure(sum(len(x) for x, _ in micro)) if hetero
+                                                     else contextlib.nullcontext()):
+                    t0 = time.perf_counter()
                     loss = strategy.forward_backward(micro)
+                    slow_compute(rt.rank, time.perf_counter() - t0)  # PLAIT_FAULTS="slow:rank=R:factor=F" (tests)
                 with tel.phase("optimizer"):
                     grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip, need_norm=tel.logs(step + 1))
                     strategy.optimizer_step()
                 step += 1
+                if hetero is not None:
+                    tel.note(hetero.after_step(step, rt.device))  # auto: re-measured, re-split every hetero_every steps
                 stopping = tel.end(step, loss, grad_norm)
                 if ckpt is not None and (step == stop or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
                     tel.checkpoint(step, ckpt)

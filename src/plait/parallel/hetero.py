@@ -1,0 +1,133 @@
+"""Data parallel on devices of unequal speed: each rank's share of the global batch follows its speed.
+
+`parallel.hetero = "auto"` measures every rank's compute time per sample and, every `parallel.hetero_every` steps,
+gives each rank a share of the global batch proportional to its throughput; `parallel.hetero = "1,3"` fixes the
+relative speeds instead. The global batch stays the same samples in the same order (the shares are consecutive
+slices of it) and every micro-batch's loss is weighted by its samples over the global batch (not over the rank's
+batch), so the averaged gradient is the global batch's mean gradient whatever the split: the trajectory is the
+homogeneous run's. A rank only ever waits for the slowest one's share, which shrinks.
+
+New shares take effect `hetero_every` steps after they are measured: the loader prepares batches ahead of compute
+(at most `data.prefetch` + 1 steps), so a later step is the first that no rank has sliced yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from plait.errors import ConfigError
+
+
+def parse(spec: str, dp: int) -> list[float] | None:
+    """'' -> None (off); 'auto' -> [] (measure); '1,3' -> fixed relative speeds, one per dp rank."""
+    if not spec:
+        return None
+    if spec == "auto":
+        return []
+    try:
+        speeds = [float(s) for s in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"parallel.hetero = {spec!r}: give 'auto' or one relative speed per data-parallel rank, "
+                          f"e.g. '1,3'") from None
+    if len(speeds) != dp or any(s <= 0 for s in speeds):
+        raise ConfigError(f"parallel.hetero = {spec!r}: give {dp} positive relative speeds (one per data-parallel "
+                          f"rank, parallel.dp = {dp}), e.g. '{','.join(['1'] * dp)}'")
+    return speeds
+
+
+def split_counts(total: int, speeds: list[float]) -> list[int]:
+    """`total` samples in shares proportional to `speeds` (largest remainder), every rank at least one."""
+    n = len(speeds)
+    if total < n:
+        raise ConfigError(f"a global batch of {total} cannot give each of {n} data-parallel ranks a sample")
+    s = sum(speeds)
+    exact = [1 + (total - n) * v / s for v in speeds]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(n), key=lambda i: (counts[i] - exact[i], i))[:total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class HeteroShares:
+    """The per-step sample counts of every dp rank, and (auto) their re-measurement."""
+
+    def __init__(self, speeds: list[float], dp: int, global_batch: int, every: int, group=None, start: int = 0):
+        self.dp, self.global_batch, self.every, self.group = dp, global_batch, every, group
+        self.auto = not speeds
+        first = split_counts(global_batch, speeds or [1.0] * dp)
+        self._schedule: list[tuple[int, list[int]]] = [(start, first)]  # (from step, counts), appended in order
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+        self._samples = 0
+        self.step = start
+        self.history: list[dict] = []  # every re-split: step, measured speeds, new counts, from which step
+
+    def counts(self, step: int) -> list[int]:
+        """Samples of each dp rank at `step` (the loader's thread asks ahead of compute)."""
+        with self._lock:
+            return next(c for s, c in reversed(self._schedule) if s <= step)
+
+    def offsets(self, step: int, rank: int) -> tuple[int, int]:
+        """This rank's slice [begin, end) of the step's global batch."""
+        c = self.counts(step)
+        begin = sum(c[:rank])
+        return begin, begin + c[rank]
+
+    @contextlib.contextmanager
+    def measure(self, samples: int):
+        """Time this rank's compute of `samples` samples."""
+        t0 = time.perf_counter()
+        yield
+        self._seconds += time.perf_counter() - t0
+        self._samples += samples
+
+    def fields(self) -> dict:
+        """For every metrics record: the samples each rank computed at the step just logged."""
+        return {"batch_shares": self.counts(self.step - 1)}
+
+    def after_step(self, step: int, device) -> list[dict]:
+        """Every `every` steps (auto): one all-gather of each rank's seconds per sample, then new shares.
+        Returns the re-split as an event record for metrics.jsonl (none on other steps)."""
+        self.step = step
+        if not self.auto or step % self.every:
+            return []
+        import torch.distributed as dist
+
+        mine = torch.tensor([self._seconds, float(self._samples)], dtype=torch.float64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(self.dp)]
+        dist.all_gather(every, mine, group=self.group)
+        self._seconds, self._samples = 0.0, 0
+        rates = [float(t[1] / t[0]) if t[0] > 0 and t[1] > 0 else 0.0 for t in every]
+        if min(rates) <= 0:
+            return []
+        counts = split_counts(self.global_batch, rates)
+        begin = step + self.every
+        with self._lock:
+            self._schedule.append((begin, counts))
+        event = {"step": step, "event": "hetero_resplit", "samples_per_s": [round(r, 1) for r in rates],
+                 "counts": counts, "from_step": begin + 1}  # metrics count steps from 1: the step after `begin`
+        self.history.append(event)
+        return [event]
+
+
+def check(cfg) -> None:
+    """parallel.hetero: data parallel with all-reduce only, and re-splits far enough apart for the loader."""
+    p = cfg.parallel
+    if not p.hetero:
+        return
+    dp = p.dp if isinstance(p.dp, int) else 0
+    if dp:
+        parse(p.hetero, dp)
+    if (isinstance(p.dp, int) and p.dp < 2) or p.tp > 1 or p.pp > 1 or p.zero or p.sync != "allreduce" \
+            or p.embedding_sharding != "none" or p.ep > 1:
+        raise ConfigError(f"parallel.hetero = {p.hetero!r} splits the batch of data-parallel ranks that all-reduce "
+                          f"their gradients: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0, "
+                          f"sync = 'allreduce' (here dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}, "
+                          f"sync = {p.sync!r}); set parallel.hetero='' or change the layout")
+    if p.hetero == "auto" and p.hetero_every < cfg.data.prefetch + 2:
+        raise ConfigError(f"parallel.hetero_every = {p.hetero_every} must be >= data.prefetch + 2 = "
+                          f"{cfg.data.prefetch + 2}: batches are sliced that far ahead of compute")
