@@ -192,21 +192,22 @@ def _import_roots(refs: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _worker_pythonpath(refs: list[str]) -> Iterator[None]:
-    """PYTHONPATH for the workers: where the user's modules were found in this process, then what was there."""
-    before = os.environ.get("PYTHONPATH")
-    parts = [p for p in (before or "").split(os.pathsep) if p]
+def _worker_env(refs: list[str]) -> Iterator[None]:
+    """The workers' environment: PYTHONPATH led by where the user's modules were found in this process.
+
+    The launcher also sets its defaults (OMP_NUM_THREADS, GLOO_SOCKET_IFNAME) there; the caller's environment
+    is as it was afterwards.
+    """
+    before = dict(os.environ)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     add = [r for r in dict.fromkeys(_import_roots(refs)) if r not in parts]
     if add:
         os.environ["PYTHONPATH"] = os.pathsep.join(add + parts)
     try:
         yield
     finally:
-        if add:
-            if before is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = before
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def _new_run_dir(out: str | Path | None) -> Path:
@@ -256,7 +257,7 @@ def train(config: Config | str | Path | None = None, *, model: Ref | None = None
     absolute_paths(cfg)
     refs = [r for r in (cfg.model.factory, cfg.data.factory, cfg.train.loss, *cfg.train.eval_metrics) if r]
     run_dir = _new_run_dir(out)
-    with _worker_pythonpath(refs):
+    with _worker_env(refs):
         check_job(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
