@@ -29,7 +29,7 @@ from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
 from plait.errors import ConfigError
 from plait.launch.job import fit_to_world
-from plait.launch.script import CONFIG_ENV
+from plait.launch.script import CONFIG_ENV, refuse_roles
 from plait.parallel import SCHEMES, Build, Precision, build_strategy, check_config
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.loss import with_extra_loss
@@ -68,6 +68,7 @@ def resolve_config(config: Config | str | Path | None) -> Config:
     else:
         cfg = load_config(None)
     validate_config(cfg)
+    refuse_roles(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and "RANK" not in os.environ:  # `python script.py`: the same loop, global batch and steps, one process
         cfg = fit_to_world(_no_sharding(cfg), 1) if cfg.parallel.tp == cfg.parallel.pp == 1 else cfg

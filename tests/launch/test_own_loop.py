@@ -71,6 +71,9 @@ def test_own_loop_under_plait_launch_matches_one_process(runs, layout):
     (["launch", "--set", "parallel.dp=3", str(LOOP)],
      "error: train.global_batch_size (32) must be divisible by train.micro_batch_size (16) * parallel.dp (3) = 48; "
      "change train.global_batch_size to a multiple of 48 or lower train.micro_batch_size"),
+    (["launch", "--set", "parallel.sync=ps", str(LOOP)],
+     "error: plait.parallelize: parallel.sync = 'ps' gives ranks roles (servers that do not train) that only plait "
+     "train runs; use parallel.sync='allreduce' or 'gossip' in your own loop"),
 ])
 def test_bad_launches_exit_2_before_any_process_starts(tmp_path, capsys, args, message):
     from plait.cli import main

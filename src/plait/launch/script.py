@@ -33,12 +33,20 @@ def split_args(rest: list[str]) -> tuple[str | None, str, list[str]]:
     return config, script, rest[1:]
 
 
+def refuse_roles(cfg: Config) -> None:
+    """A parameter server's ranks have roles (servers that do not train) that only plait's own loop runs."""
+    if cfg.parallel.sync == "ps":
+        raise ConfigError("plait.parallelize: parallel.sync = 'ps' gives ranks roles (servers that do not train) "
+                          "that only plait train runs; use parallel.sync='allreduce' or 'gossip' in your own loop")
+
+
 def check_script_job(cfg: Config):
     """The layout's arithmetic and every scheme's keys, before any process starts; the model is the script's."""
     from plait.config import validate_config
     from plait.parallel import check_config
 
     validate_config(cfg)
+    refuse_roles(cfg)
     return check_config(cfg, model_known=False)
 
 
