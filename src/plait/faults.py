@@ -73,4 +73,4 @@ def slow_compute(rank: int, seconds: float) -> None:
     """After a rank's forward/backward of `seconds`: a `slow:...:factor=F` fault makes it last F times as long."""
     for f in _active():
         if f["kind"] == "slow" and "factor" in f and int(f.get("rank", rank)) == rank:
-            time.sleep(max(0.0, float(f["factor"]) - 1.0) * seconds)
+            time.sleep(max(0.0, float(f["factor"]) - 1.0) * max(0.0, seconds))

@@ -13,9 +13,7 @@ New shares take effect `hetero_every` steps after they are measured: the loader 
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 
 import torch
 
@@ -77,12 +75,9 @@ class HeteroShares:
         begin = sum(c[:rank])
         return begin, begin + c[rank]
 
-    @contextlib.contextmanager
-    def measure(self, samples: int):
-        """Time this rank's compute of `samples` samples."""
-        t0 = time.perf_counter()
-        yield
-        self._seconds += time.perf_counter() - t0
+    def add(self, seconds: float, samples: int) -> None:
+        """This rank computed `samples` samples in `seconds` (collective waits excluded) at this step."""
+        self._seconds += max(0.0, seconds)
         self._samples += samples
 
     def fields(self) -> dict:

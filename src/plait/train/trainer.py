@@ -10,7 +10,6 @@ and everything the run measures about itself is plait.train.telemetry's.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +116,13 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                 if cfg.model.dropout > 0:
                     # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
                     torch.manual_seed(mix_seed(t.seed, step, rt.rank))
-                with tel.phase("forward_backward"), (hetero.measure(sum(len(x) for x, _ in micro)) if hetero
-                                                     else contextlib.nullcontext()):
-                    t0 = time.perf_counter()
+                with tel.phase("forward_backward"):
+                    t0, waited = time.perf_counter(), tel.comm.wait_s
                     loss = strategy.forward_backward(micro)
-                    slow_compute(rt.rank, time.perf_counter() - t0)  # PLAIT_FAULTS="slow:rank=R:factor=F" (tests)
+                    # compute alone (collective waits out): what a slow-device fault scales, what hetero measures
+                    slow_compute(rt.rank, time.perf_counter() - t0 - (tel.comm.wait_s - waited))
+                    if hetero is not None:
+                        hetero.add(time.perf_counter() - t0 - (tel.comm.wait_s - waited), sum(len(x) for x, _ in micro))
                 with tel.phase("optimizer"):
                     grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip, need_norm=tel.logs(step + 1))
                     strategy.optimizer_step()
