@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
 VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
                                   "plait.launch.cli", "plait.audit.cli", "plait.compress.cli",
-                                  "plait.report.cli", "plait.cluster.cli")
+                                  "plait.report.cli", "plait.cluster.cli", "plait.tune.cli")
 
 
 def _load_verbs(name: str):

@@ -1,0 +1,1 @@
+"""`plait tune`: hyperparameter search over real plait runs (Optuna underneath; pruning by preemption)."""

@@ -1,0 +1,269 @@
+"""Hyperparameter search over real `plait train` runs, with Optuna underneath.
+
+Every trial draws its values from the space, runs `plait train CONFIG --set KEY=VALUE ... --out DIR/trials/NNNN`
+(its own processes, at the config's layout) and reports each validation figure it logs (every
+`train.eval_every` steps) to the study; when the pruner says the trial cannot beat the others, the run gets
+SIGTERM — plait's preemption: it checkpoints and exits 0 — and the trial is pruned. A run that fails is recorded
+as a failed trial, with its log, and the study goes on.
+
+The study lives in DIR/study.journal (Optuna's journal file: several `plait tune` processes, on one machine or on
+a shared file system, can work on one study, and a re-run continues it) or in the database `--storage` names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.errors import ConfigError
+from plait.tune.space import Dim, as_override
+
+PRUNERS = ("asha", "hyperband", "median", "none")
+
+
+class TrialFailed(RuntimeError):
+    """A trial's run exited with an error (recorded as a failed trial; the study goes on)."""
+
+
+@dataclass
+class TuneOptions:
+    config: str | None
+    sets: list[str]
+    dims: list[Dim]
+    trials: int
+    concurrency: int = 1
+    metric: str = "val_loss"
+    direction: str = "minimize"
+    pruner: str = "asha"
+    storage: str | None = None
+    seed: int = 0
+    eval_every: int = 0  # 0: the config's train.eval_every, or steps / 10 when that is 0
+    poll: float = 0.3
+    env: dict | None = None
+
+
+def _pruner(name: str, eval_every: int, steps: int):
+    import optuna
+
+    if name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every, reduction_factor=3)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=eval_every, max_resource=steps, reduction_factor=3)
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=eval_every)
+    return optuna.pruners.NopPruner()
+
+
+def _alive(driver: str) -> bool:
+    host, _, pid = driver.rpartition(":")
+    if host != socket.gethostname():
+        return True  # another machine's driver: not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _storage(out: Path, url: str | None):
+    import optuna
+
+    if url:
+        return optuna.storages.get_storage(url)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    return JournalStorage(JournalFileBackend(str(out / "study.journal")))
+
+
+def _val_lines(metrics: Path, metric: str, offset: int) -> tuple[list[tuple[int, float]], int]:
+    """(step, value) of the metric in metrics.jsonl lines after byte `offset`; the new offset (whole lines only)."""
+    if not metrics.is_file():
+        return [], offset
+    with metrics.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    found = []
+    for line in data[:end].splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if metric in row and "step" in row:
+            found.append((int(row["step"]), float(row[metric])))
+    return found, offset + end
+
+
+def _last_step(metrics: Path) -> int:
+    found, _ = _val_lines(metrics, "step", 0)
+    return max((s for s, _ in found), default=0)
+
+
+class Tuner:
+    def __init__(self, opts: TuneOptions, out: Path):
+        from plait.config import load_config
+
+        self.o, self.out = opts, Path(out)
+        cfg = load_config(opts.config, opts.sets)  # a typo in CONFIG or --set is said before any trial starts
+        self.steps = cfg.train.steps
+        every = cfg.train.eval_every if 0 < cfg.train.eval_every < self.steps else max(1, self.steps // 10)
+        self.eval_every = opts.eval_every or every  # the pruner needs several figures per trial
+        self.lock = threading.Lock()
+        self.driver = f"{socket.gethostname()}:{os.getpid()}"
+
+    def study(self):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.out.mkdir(parents=True, exist_ok=True)
+        storage = _storage(self.out, self.o.storage)
+        sampler = optuna.samplers.TPESampler(seed=self.o.seed, n_startup_trials=max(2, min(10, self.o.trials // 3)),
+                                             constant_liar=self.o.concurrency > 1)
+        study = optuna.create_study(study_name=self.out.resolve().name, storage=storage, sampler=sampler,
+                                    pruner=_pruner(self.o.pruner, self.eval_every, self.steps),
+                                    direction=self.o.direction, load_if_exists=True)
+        from optuna.trial import TrialState
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if not _alive(t.user_attrs.get("driver", "")):  # its driver died (killed, rebooted): not running any more
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                print(f"trial {t.number}: its plait tune process is gone; marked failed", flush=True)
+        return study
+
+    def objective(self, trial) -> float:
+        import optuna
+
+        values = {d.key: d.suggest(trial) for d in self.o.dims}
+        run = self.out / "trials" / f"{trial.number:04d}"
+        log_path = self.out / "logs" / f"{trial.number:04d}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        trial.set_user_attr("run_dir", str(run))
+        trial.set_user_attr("driver", self.driver)
+        sets = [*self.o.sets, *(as_override(k, v) for k, v in values.items()),
+                f"train.eval_every={self.eval_every}", "log.progress=false"]
+        cmd = [sys.executable, "-m", "plait", "train", *([self.o.config] if self.o.config else []),
+               *[a for s in sets for a in ("--set", s)], "--out", str(run)]
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        with log_path.open("w") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.o.env, start_new_session=True)
+            offset, reported, pruned_at = 0, set(), None
+            while True:
+                done = p.poll() is not None
+                found, offset = _val_lines(run / "metrics.jsonl", self.o.metric, offset)
+                for step, value in found:
+                    if step in reported or pruned_at is not None:
+                        continue
+                    reported.add(step)
+                    trial.report(value, step)
+                    if not done and step < self.steps and trial.should_prune():
+                        p.send_signal(signal.SIGTERM)  # plait's preemption: a checkpoint, exit 0
+                        pruned_at = step
+                if done:
+                    break
+                time.sleep(self.o.poll)
+            p.wait()
+        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+        trial.set_user_attr("steps", int(summary.get("steps") or _last_step(run / "metrics.jsonl")))
+        if pruned_at is not None:  # stopped on the pruner's word (a run stopped while finishing may exit != 0)
+            with self.lock:
+                print(f"trial {trial.number}: {shown} -> pruned at step {pruned_at}", flush=True)
+            raise optuna.TrialPruned()
+        if p.returncode != 0:
+            tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+            trial.set_user_attr("error", tail[0][:300])
+            with self.lock:
+                print(f"trial {trial.number}: {shown} -> failed (exit code {p.returncode}): {tail[0][:200]}; "
+                      f"log {log_path}", flush=True)
+            raise TrialFailed(tail[0])
+        value = summary.get(self.o.metric)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            with self.lock:
+                print(f"trial {trial.number}: {shown} -> the run logged no {self.o.metric}", flush=True)
+            raise TrialFailed(f"summary.json of {run} has no {self.o.metric}; choose --metric among "
+                              f"{', '.join(k for k, v in summary.items() if isinstance(v, float))}")
+        with self.lock:
+            print(f"trial {trial.number}: {shown} -> {self.o.metric} {value:.4f} ({summary.get('steps')} steps)",
+                  flush=True)
+        return float(value)
+
+    def run(self) -> dict:
+        from optuna.trial import TrialState
+
+        study = self.study()
+        finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        have = len(study.get_trials(deepcopy=False, states=finished))
+        todo = max(0, self.o.trials - have)
+        print(f"plait tune: {todo} trials to run ({have} of {self.o.trials} done), {self.o.concurrency} at once, "
+              f"pruner {self.o.pruner}, {self.o.metric} every {self.eval_every} steps; study in {self.out}",
+              flush=True)
+        if todo:
+            study.optimize(self.objective, n_trials=todo, n_jobs=self.o.concurrency, catch=(TrialFailed,))
+        return self.finish(study)
+
+    def finish(self, study) -> dict:
+        from optuna.trial import TrialState
+
+        trials = study.get_trials(deepcopy=False)
+        count = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED,
+                                                                 TrialState.FAIL)}
+        steps_run = sum(int(t.user_attrs.get("steps", 0)) for t in trials)
+        summary = {"metric": self.o.metric, "direction": self.o.direction, "pruner": self.o.pruner,
+                   "trials": len(trials), "complete": count[TrialState.COMPLETE],
+                   "pruned": count[TrialState.PRUNED], "failed": count[TrialState.FAIL],
+                   "steps_run": steps_run, "steps_without_pruning": len(trials) * self.steps,
+                   "best_value": None, "best_params": None, "best_trial": None, "best_run": None}
+        if count[TrialState.COMPLETE]:
+            best = study.best_trial
+            summary.update(best_value=best.value, best_params=best.params, best_trial=best.number,
+                           best_run=best.user_attrs.get("run_dir"))
+            link = self.out / "best"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(Path("trials") / Path(best.user_attrs["run_dir"]).name)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_trials_csv(trials, self.out / "trials.csv")
+        from plait.tune.report import write_report
+
+        write_report(study, summary, self.out)
+        return summary
+
+
+def write_trials_csv(trials, path: Path) -> None:
+    import csv
+
+    keys = sorted({k for t in trials for k in t.params})
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["trial", "state", "value", *keys, "steps", "seconds", "run_dir", "error"])
+        for t in trials:
+            secs = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and \
+                t.datetime_start else ""
+            w.writerow([t.number, t.state.name.lower(), "" if t.value is None else t.value,
+                        *[t.params.get(k, "") for k in keys], t.user_attrs.get("steps", ""),
+                        f"{secs:.1f}" if secs != "" else "", t.user_attrs.get("run_dir", ""),
+                        t.user_attrs.get("error", "")])
+
+
+def check_options(o: TuneOptions) -> None:
+    if o.trials < 1:
+        raise ConfigError(f"--trials {o.trials}: run at least 1 trial")
+    if o.concurrency < 1:
+        raise ConfigError(f"--concurrency {o.concurrency}: run at least 1 trial at once")
+    if o.pruner not in PRUNERS:
+        raise ConfigError(f"--pruner {o.pruner!r}: choose one of {', '.join(PRUNERS)}")
+    if o.direction not in ("minimize", "maximize"):
+        raise ConfigError(f"--direction {o.direction!r}: choose minimize or maximize")
+    if not o.metric.startswith("val_"):
+        raise ConfigError(f"--metric {o.metric!r}: trials are compared on a validation figure (val_loss, "
+                          f"val_accuracy, ...): the runs log them every train.eval_every steps")
