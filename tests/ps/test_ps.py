@@ -80,7 +80,7 @@ def test_staleness_policy():
                                                "staleness_hist": {"0": 1, "1": 2, "3": 1}}
 
 
-def spawn(run: Path, overrides: list[str] | None, faults: str = "", timeout: float = 120) -> tuple[list[int], list[str]]:
+def spawn(run: Path, overrides: list[str] | None, faults: str = "", timeout: float = 240) -> tuple[list[int], list[str]]:
     """Start every rank of a job as `python -m plait.worker RUN` without torchrun's agent (which ends the whole job
     when one process dies); returns exit codes and outputs in rank order. overrides None: resume RUN."""
     if overrides is None:
