@@ -261,6 +261,9 @@ def test_simulate_refuses_layouts_plait_train_refuses_and_names_the_rule():
                                          "* parallel.dp (64)")
     eff = [r["efficiency"] for r in ran]
     assert eff == sorted(eff, reverse=True)  # no jump: a refused layout has no figures
+    free = scaling(shape, 32, Hardware(), 1024)  # best at each size; none past dp32 x tp2 x pp4 = 256 (vocab 114: tp <= 2)
+    assert [r["devices"] for r in free if "refused" in r] == [512, 1024]
+    assert free[-1]["refused"].startswith("no layout of 1024 devices divides the global batch (32) and the model")
 
 
 def test_plans_name_the_calibration_file_they_use(tmp_path, monkeypatch):

@@ -156,12 +156,14 @@ def cmd_simulate(a) -> int:
     for r in rows:
         if "refused" in r:
             refused.append(r)
-            print(f"{r['devices']:>8} {r['layout']:32} {r['global_batch']:>12} {'plait train refuses this layout (below)':>34}")
+            what = "plait train refuses this layout (below)" if fixed else "no layout plait train runs (below)"
+            print(f"{r['devices']:>8} {r['layout']:32} {r['global_batch']:>12} {what:>34}")
             continue
         print(f"{r['devices']:>8} {r['layout']:32} {r['global_batch']:>12} {r['step_s'] * 1000:>10.2f} "
               f"{percent(r['mfu']):>7} {percent(r['efficiency']):>15}")
     if refused:  # the same rule refuses them all: the first one's reason
-        print(f"{refused[0]['devices']} devices ({refused[0]['layout']}): {refused[0]['refused']}")
+        first = refused[0]
+        print(f"{first['devices']} devices" + (f" ({first['layout']})" if fixed else "") + f": {first['refused']}")
     if refused and not a.weak:
         print(f"{len(refused)} device count(s) have no layout plait train runs with the global batch of {gb}: "
               "--weak grows the batch with the data-parallel degree, or raise train.global_batch_size")
