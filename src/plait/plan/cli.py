@@ -164,7 +164,7 @@ def cmd_simulate(a) -> int:
     if refused:  # the same rule refuses them all: the first one's reason
         first = refused[0]
         print(f"{first['devices']} devices" + (f" ({first['layout']})" if fixed else "") + f": {first['refused']}")
-    if refused and not a.weak:
+    if not a.weak and any("global_batch_size" in r["refused"] or "global batch" in r["refused"] for r in refused):
         print(f"{len(refused)} device count(s) have no layout plait train runs with the global batch of {gb}: "
               "--weak grows the batch with the data-parallel degree, or raise train.global_batch_size")
     out = Path(a.out) if a.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
