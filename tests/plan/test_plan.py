@@ -282,3 +282,15 @@ def test_plans_name_the_calibration_file_they_use(tmp_path, monkeypatch):
     assert hw.flops == 1e12 and source.startswith("hardware: datasheet figures") and "--device-flops as given" in source
     profile.unlink()
     assert "no calibration file is used" in hardware(argparse.Namespace(**flags))[1]
+
+
+def test_calibrate_names_the_file_it_writes(tmp_path, monkeypatch, capsys):
+    import plait.plan.calibrate as calibrate
+    from plait.cli import main
+
+    monkeypatch.setattr(calibrate, "calibrate", lambda *args: Hardware(name="this machine", flops=5e10))  # no minutes
+    profile = tmp_path / "profile.json"
+    assert main(["plan", "--calibrate", "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote the calibration file {profile}; `plait plan` and `plait simulate` use it with --profile {profile}" in out
+    assert Hardware.load(profile).flops == 5e10

@@ -104,8 +104,11 @@ def cmd_plan(a) -> int:
             print(f"  fixed cost per layer: tensor parallel {over['tp'][0] * 1e3:.2f} ms + {over['tp'][1] * 1e3:.3f} ms "
                   f"per sample (with sequence parallel {over['tp_sp'][0] * 1e3:.2f} ms + {over['tp_sp'][1] * 1e3:.3f}); "
                   f"fully_shard {over['fsdp'] * 1e3:.2f} ms per step")
-        print(f"wrote the calibration file {path}; `plait plan` and `plait simulate` use it from now on (they say so; "
-              f"--profile FILE picks another, delete {path} to go back to datasheet figures)")
+        if a.profile:
+            print(f"wrote the calibration file {path}; `plait plan` and `plait simulate` use it with --profile {path}")
+        else:
+            print(f"wrote the calibration file {path}; `plait plan` and `plait simulate` use it from now on (they say "
+                  f"so; --profile FILE picks another, delete {path} to go back to datasheet figures)")
         return 0
     if not a.devices:
         raise ConfigError("plait plan needs --devices N (or --calibrate)")
