@@ -9,7 +9,9 @@ Scaled down by the harness, not the product (PLAIT_DOCS_TEST=1 is set for the pa
 `mpirun` are shell functions that pass their arguments through `scale()` below (`train.steps=N` -> N // 50, at least
 2; 2 steps when none are given; fed rounds and clients, audit folds and epochs, collective sizes capped). A page in
 docs/ starts where the README's Training block leaves a reader: `job.toml` (`plait config show > job.toml`) and
-`runs/x` (a trained run) are in its working directory.
+`runs/x` (a trained run) are in its working directory. The pages run two at a time (one per core): about 290 CPU
+seconds in all, the README's Training block the largest part; blocks that repeat a command with flags another test
+covers are skipped, saying which test.
 """
 
 from __future__ import annotations
