@@ -80,14 +80,19 @@ def _submit(slurm, job, run, *extra, env=None) -> str:
     return r.stdout.split("submitted job ")[1].split()[0]
 
 
-def _wait_done(slurm, job: str, out, timeout: float) -> None:
-    """Until the job has left the queue and its output says it finished (a busy slurmctld may answer late)."""
-    deadline = time.time() + timeout
+def _wait_done(slurm, job: str, out, timeout: float, release: bool = False) -> None:
+    """Until the job has left the queue and its output says it finished (a busy slurmctld may answer late).
+    release: a requeued job still pending is asked to start now every few seconds (Slurm holds one ~120 s, and an
+    update sent while it was still being requeued can be lost)."""
+    deadline, asked = time.time() + timeout, 0.0
     while time.time() < deadline:
         if out.is_file() and "done: 10 steps" in out.read_text() and slurm.state(job) == "":
             return
         if out.is_file() and "Traceback" in out.read_text() and slurm.state(job) == "":
             break
+        if release and time.time() - asked > 5 and slurm.state(job) == "PENDING":
+            slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+            asked = time.time()
         time.sleep(0.3)
     slurm.wait_gone(job, 10)
 
@@ -140,7 +145,7 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
     assert "Restarts=1" in slurm.exit_code(job)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # else Slurm holds a requeued job ~120 s
     out = run / f"slurm-{job}.out"
-    _wait_done(slurm, job, out, 150)  # the requeued job runs to its end and leaves the queue
+    _wait_done(slurm, job, out, 150, release=True)  # the requeued job runs to its end and leaves the queue
     wall = time.monotonic() - t0
     log = out.read_text()
     assert "USR1: stopping at the next logging step" in log and "requeueing" in log, log

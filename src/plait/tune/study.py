@@ -128,9 +128,15 @@ class Tuner:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.out.mkdir(parents=True, exist_ok=True)
         storage = _storage(self.out, self.o.storage)
-        sampler = optuna.samplers.TPESampler(seed=self.o.seed, n_startup_trials=max(2, min(10, self.o.trials // 3)),
+        name = self.out.resolve().name
+        try:  # a re-run seeds its sampler past the trials already drawn: it must not draw them again
+            done = len(optuna.load_study(study_name=name, storage=storage).trials)
+        except KeyError:
+            done = 0
+        sampler = optuna.samplers.TPESampler(seed=self.o.seed + done,
+                                             n_startup_trials=max(2, min(10, self.o.trials // 3)),
                                              constant_liar=self.o.concurrency > 1)
-        study = optuna.create_study(study_name=self.out.resolve().name, storage=storage, sampler=sampler,
+        study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                     pruner=_pruner(self.o.pruner, self.eval_every, self.steps),
                                     direction=self.o.direction, load_if_exists=True)
         from optuna.trial import TrialState
