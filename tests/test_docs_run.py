@@ -110,6 +110,10 @@ def scale_plait(args: list[str]) -> list[str]:
         if not given and "--resume" not in args:
             args += ["--set", "train.steps=2"]
         args += ["--set", "train.sample_tokens=0"]
+        if not any(a.startswith("log.report=") for a in args):
+            args += ["--set", "log.report=false"]  # matplotlib's plots cost seconds a run; `plait report` still draws
+        if not any(a.startswith("train.eval_samples=") for a in args):
+            args += ["--set", "train.eval_samples=32"]
     elif args[:2] == ["fed", "simulate"]:
         if not cap("--rounds", 2):
             args += ["--rounds", "2"]
