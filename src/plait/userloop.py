@@ -195,6 +195,7 @@ class Parallel:
         """Leave the process group (call it at the end of the script)."""
         self.strategy.finish()
         if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a half-closed pair)
             dist.destroy_process_group()
 
     def __enter__(self) -> Parallel:
