@@ -84,7 +84,7 @@ def _wait_done(slurm, job: str, out, timeout: float, release: bool = False) -> N
     """Until the job has left the queue and its output says it finished (a busy slurmctld may answer late).
     release: a requeued job still pending is asked to start now every few seconds (Slurm holds one ~120 s, and an
     update sent while it was still being requeued can be lost)."""
-    deadline, asked = time.time() + timeout, 0.0
+    deadline, asked = time.time() + timeout, time.time()
     while time.time() < deadline:
         if out.is_file() and "done: 10 steps" in out.read_text() and slurm.state(job) == "":
             return
@@ -143,7 +143,10 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
         time.sleep(0.2)
     assert slurm.state(job) == "PENDING", slurm.exit_code(job)
     assert "Restarts=1" in slurm.exit_code(job)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # else Slurm holds a requeued job ~120 s
+    # Slurm holds a requeued job ~120 s; release it sooner, but not within the second of the requeue: a credential
+    # issued in the same second as the old one's revocation counts as revoked and the restart is killed
+    time.sleep(2.5)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     out = run / f"slurm-{job}.out"
     _wait_done(slurm, job, out, 150, release=True)  # the requeued job runs to its end and leaves the queue
     wall = time.monotonic() - t0
