@@ -34,6 +34,7 @@ from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
 from plait.parallel.scheme import Build, Scheme
 from plait.parallel.split import pipeline_stage, stage_bounds
 
+KEEP_STEPS = 32  # steps whose slots each rank keeps for the bubble's analysis (the latest)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
@@ -87,7 +88,8 @@ class PipelineStrategy(Strategy):
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
         self._setup_tied(tied)
         self.events: list[tuple] = []
-        self.step_stats: list[tuple[float, float, float, int]] = []  # (first start, last end, busy s, peak in-flight)
+        self.step_events: list[list[tuple]] = []  # per step: this rank's slots (stage, "F"/"B", mb, start, end)
+        self.peak_inflight: list[int] = []  # per step: the most micro-batches whose activations this rank held
         self.last_timeline: list[tuple] = []
         self._last_forward = None
         for st in self.stages:
@@ -225,7 +227,7 @@ class PipelineStrategy(Strategy):
 
         def forward_one_chunk(mb, *args, **kwargs):
             t = time.time()
-            self._last_forward = (sid, mb, len(self.step_stats))
+            self._last_forward = (sid, mb, len(self.peak_inflight))
             meter = self.activation_meter.measure(self._last_forward) if self.activation_meter else None
             if meter:
                 with meter:
@@ -245,14 +247,14 @@ class PipelineStrategy(Strategy):
         stage.backward_one_chunk = backward_one_chunk
 
     def _record_step(self, t0: float, span: float) -> None:
-        busy = sum(e[4] - e[3] for e in self.events)
         inflight = peak = 0
         for _, kind, _, _, _ in sorted(self.events, key=lambda e: e[3]):
             inflight += 1 if kind == "F" else -1
             peak = max(peak, inflight)
-        first = min((e[3] for e in self.events), default=t0)
-        last = max((e[4] for e in self.events), default=t0 + span)
-        self.step_stats.append((first, last, busy, peak))
+        self.peak_inflight.append(peak)
+        self.step_events.append(list(self.events))
+        if len(self.step_events) > KEEP_STEPS + 1:  # the first step (setup) and the latest KEEP_STEPS
+            del self.step_events[1]
         self.last_timeline = list(self.events)  # absolute times; the plot lines ranks up
 
     def figures(self, reports: list[dict], run_dir) -> dict:
@@ -265,37 +267,91 @@ class PipelineStrategy(Strategy):
         return {"pipeline": summary}
 
     def report(self) -> dict:
-        """This rank's pipeline figures per step (steps after the first, which includes setup); wall-clock times."""
-        stats = self.step_stats[1:] or self.step_stats
+        """This rank's pipeline figures: the slots of the latest steps after the first (which includes setup)."""
         return {
             "pp_rank": dist.get_rank(self.pp_group),
             "stages": self.stage_ids,
-            "steps": [(first, last, busy) for first, last, busy, _ in stats],
-            "peak_inflight": max((p for *_, p in stats), default=0),
+            "step_events": self.step_events[1:] or self.step_events,
+            "peak_inflight": max(self.peak_inflight[1:] or self.peak_inflight, default=0),
             "timeline": self.last_timeline,
         }
 
 
-def pipeline_summary(per_rank: list[dict], schedule: str, p: int, m: int, v: int) -> dict:
-    """Measured bubble next to the theory, and in-flight micro-batches per stage.
+def step_bubble(events: list[list[tuple]]) -> tuple[float, float]:
+    """One step of one pipeline: (span, mean busy seconds per stage rank). events[k]: pp rank k's slots
+    (stage, "F"/"B", micro-batch, start, end). The span runs from the first forward on any stage to the last
+    backward on any stage (a rank's own schedule call ends before the pipeline does and would hide its idling)."""
+    span = max(e[4] for ev in events for e in ev) - min(e[3] for ev in events for e in ev)
+    return span, sum(sum(e[4] - e[3] for e in ev) for ev in events) / len(events)
 
-    The bubble is the theory's: each step spans one pipeline from its first forward on any stage to
-    its last backward on any stage, and every stage's idle share of that span counts (a stage's own
-    schedule call ends before the pipeline does, so its own span would hide part of its idling).
+
+def replay_span(events: list[list[tuple]], durations: dict | None = None) -> float:
+    """The span of the same schedule with no cost but compute: each rank runs its slots in the recorded order, each
+    as long as recorded (or durations["F"/"B"]), as soon as its input is there: micro-batch i's forward on stage s
+    after the one on stage s - 1, its backward after the one on stage s + 1 (after its forward on the last stage).
+    A lower bound on the measured span; the difference is what the step spent on anything but the schedule's slots
+    (sends and receives, the schedule's Python between slots)."""
+    order = [sorted(ev, key=lambda e: e[3]) for ev in events]
+    last = max(e[0] for ev in events for e in ev)
+    length = {e[:3]: durations[e[1]] if durations else e[4] - e[3] for o in order for e in o}
+    end: dict[tuple, float] = {}
+    clock, done = [0.0] * len(order), [0] * len(order)
+    while any(d < len(o) for d, o in zip(done, order)):
+        moved = False
+        for r, o in enumerate(order):
+            while done[r] < len(o):
+                s, kind, mb = o[done[r]][:3]
+                if kind == "F":
+                    after = (s - 1, "F", mb) if s > 0 else None
+                else:
+                    after = (s + 1, "B", mb) if s < last else (s, "F", mb)
+                if after is not None and after not in end:
+                    break
+                end[s, kind, mb] = clock[r] = max(clock[r], end.get(after, 0.0)) + length[s, kind, mb]
+                done[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the recorded slot orders wait for each other: not one pipeline's step")
+    return max(end.values())
+
+
+def pipeline_summary(per_rank: list[dict], schedule: str, p: int, m: int, v: int) -> dict:
+    """Measured bubble next to the theory, what it is made of, and in-flight micro-batches per stage.
+
+    bubble_fraction = bubble_fraction_theory + imbalance_fraction + fixed_cost_fraction, per step, averaged over the
+    latest steps after the first:
+      theory       (p - 1) / (m + p - 1) [/ v]: equal slots, nothing but compute
+      imbalance    the recorded schedule replayed with its measured slot lengths and no other cost, less the theory:
+                   stages or micro-batches of unequal length (fix: balance the stages, parallel.pp_split)
+      fixed cost   the measured bubble less that replay: time between slots (send/recv, the schedule's Python),
+                   also as ms per micro-batch (fix: larger micro-batches, fewer of them)
     """
     first: dict[int, dict] = {}  # one pipeline: the first rank (in rank order) of each pp rank
     for r in per_rank:
         first.setdefault(r["pp_rank"], r)
     one = [first[k] for k in sorted(first)]
-    bubbles = []
-    for step in zip(*(r["steps"] for r in one)):
-        span = max(last for _, last, _ in step) - min(start for start, _, _ in step)
-        if span > 0:
-            bubbles.append(1.0 - sum(busy for _, _, busy in step) / len(step) / span)
+    theory = theoretical_bubble(p, m, v)
+    measured, replayed, fixed_ms = [], [], []
+    for step in zip(*(r["step_events"] for r in one)):
+        if not all(step):
+            continue
+        span, busy = step_bubble(list(step))
+        ideal = replay_span(list(step))
+        if span <= 0 or ideal <= 0:
+            continue
+        measured.append(1.0 - busy / span)
+        replayed.append(1.0 - busy / ideal)
+        fixed_ms.append(max(0.0, span - ideal) * 1000 / m)
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    bubble, schedule_bubble = mean(measured), mean(replayed)
     return {
         "schedule": schedule, "stages": p * v, "microbatches": m,
-        "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else 0.0,
-        "bubble_fraction_theory": theoretical_bubble(p, m, v),
+        "bubble_fraction": bubble,
+        "bubble_fraction_theory": theory,
+        "imbalance_fraction": schedule_bubble - theory if measured else 0.0,
+        "fixed_cost_fraction": bubble - schedule_bubble,
+        "fixed_cost_ms_per_microbatch": mean(fixed_ms),
+        "steps_measured": len(measured),
         "peak_inflight_per_rank": [r["peak_inflight"] for r in one],
     }
 

@@ -71,9 +71,19 @@ def verdict(b: dict) -> list[str]:
         m, stages = p.get("microbatches", 1), p.get("stages", 2)
         more = 4 * stages
         theory = (stages - 1) / (more + stages - 1)
-        lines.append((s["bubble"], f"pipeline bubble {s['bubble']:.0%}: {m} micro-batches for {stages} stages; raise "
-                                   f"parallel.microbatches to {more} (in theory {theory:.0%}) or use the interleaved "
-                                   "schedule"))
+        fixed, imbalance = p.get("fixed_cost_fraction", 0.0), p.get("imbalance_fraction", 0.0)
+        parts = (f" (theory {p.get('bubble_fraction_theory', 0.0):.0%}, unequal slots {imbalance:.0%}, fixed cost "
+                 f"{fixed:.0%})") if "fixed_cost_fraction" in p else ""
+        if fixed >= max(imbalance, p.get("bubble_fraction_theory", 0.0)):
+            fix = (f"the fixed cost between slots leads ({p.get('fixed_cost_ms_per_microbatch', 0.0):.2f} ms per "
+                   "micro-batch: sends, receives, the schedule's Python): use fewer, larger micro-batches "
+                   "(train.micro_batch_size)")
+        elif imbalance >= p.get("bubble_fraction_theory", 0.0):
+            fix = "unequal stages lead: balance the blocks per stage (parallel.pp_split)"
+        else:
+            fix = f"raise parallel.microbatches to {more} (in theory {theory:.0%}) or use the interleaved schedule"
+        lines.append((s["bubble"], f"pipeline bubble {s['bubble']:.0%}{parts}: {m} micro-batches for {stages} "
+                                   f"stages; {fix}"))
     if s["optimizer"] >= THRESHOLDS["optimizer"]:
         lines.append((s["optimizer"], f"optimizer-bound: {s['optimizer']:.0%} of the step is the optimizer; shard it "
                                       "(parallel.zero=1) or raise the batch per step"))
