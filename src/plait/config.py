@@ -183,6 +183,8 @@ class ParallelConfig:
     staleness: int = opt(0, "ps ssp: steps a worker may run ahead of the slowest one")
     gossip_every: int = opt(1, "gossip: average with graph neighbours every N steps")
     gossip_topology: str = opt("ring", "gossip: ring or exponential graph", ("ring", "exponential"))
+    gossip_async: bool = opt(False, "gossip: AD-PSGD, each active (even) rank averages with one random passive "
+                                    "neighbour after its step, no global barrier (needs sync = 'gossip', even dp)")
     compression: str = opt("none", "dp all-reduce compression: none, fp16, bf16, powersgd, topk or int8",
                            ("none", "fp16", "bf16", "powersgd", "topk", "int8"))
     powersgd_rank: int = opt(2, "compression = powersgd: rank of the low-rank approximation")

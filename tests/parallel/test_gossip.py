@@ -1,10 +1,15 @@
-"""Gossip (decentralized SGD): the mixing of each graph, convergence on digits, the consensus distance shrinking."""
+"""Gossip (decentralized SGD): the mixing of each graph, convergence on digits, the consensus distance shrinking;
+asynchronous gossip (AD-PSGD): its bipartite graph, the exactness of one pairwise average, convergence against
+synchronous gossip, the config error."""
 
 import json
 
 import pytest
 
+from plait.errors import ConfigError
 from plait.parallel.gossip import neighbour_offsets
+from plait.parallel.gossip_async import async_offsets
+from plait.train.job import load_job
 
 
 def test_neighbour_offsets_of_ring_and_exponential_graphs():
@@ -37,9 +42,16 @@ def train_digits(run_dir, *more):
     return result.summary, rows, average
 
 
+@pytest.fixture(scope="module")
+def sync_gossip(pool2, tmp_path_factory):
+    """Synchronous gossip every 4 steps, 150 steps: (run dir, summary, metrics rows, average model)."""
+    run_dir = tmp_path_factory.mktemp("gossip") / "g"
+    return (run_dir, *pool2.run(train_digits, run_dir, "parallel.gossip_every=4")[0])
+
+
 @pytest.mark.slow
-def test_gossip_converges_on_digits_and_its_consensus_distance_shrinks(pool2, tmp_path):
-    summary, rows, average = pool2.run(train_digits, tmp_path / "g", "parallel.gossip_every=4")[0]
+def test_gossip_converges_on_digits_and_its_consensus_distance_shrinks(sync_gossip):
+    run_dir, summary, rows, average = sync_gossip
     assert summary["parallel"]["strategy"] == "gossip"
     assert summary["val_accuracy"] >= 0.9
     dist = {r["step"]: r["consensus_distance"] for r in rows if "consensus_distance" in r}
@@ -53,4 +65,90 @@ def test_gossip_converges_on_digits_and_its_consensus_distance_shrinks(pool2, tm
     from helpers import max_diff
     from plait.export import export
 
-    assert max_diff(load_file(str(export(tmp_path / "g"))), average) == 0.0
+    assert max_diff(load_file(str(export(run_dir))), average) == 0.0
+
+
+def test_adpsgd_graph_joins_active_even_ranks_to_passive_odd_ones():
+    assert async_offsets(2, "ring") == [1]
+    assert async_offsets(4, "ring") == [1, 3]
+    assert async_offsets(8, "ring") == [1, 7]
+    assert async_offsets(8, "exponential") == [1, 3, 5, 7]
+    assert async_offsets(16, "exponential") == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert all(d % 2 for n in (2, 4, 6, 10) for d in async_offsets(n, "exponential"))
+
+
+def test_adpsgd_needs_synchronous_gossip_and_an_even_dp():
+    def message(*overrides):
+        with pytest.raises(ConfigError) as e:
+            load_job(None, ["model.name='mlp'", "data.name='digits'", *overrides])
+        return str(e.value)
+
+    assert message("parallel.gossip_async=true") == (
+        "parallel.gossip_async = true is asynchronous gossip and needs parallel.sync = 'gossip' (here 'allreduce'); "
+        "set parallel.sync='gossip' or parallel.gossip_async=false")
+    assert message("parallel.gossip_async=true", "parallel.sync='gossip'", "parallel.dp=3",
+                   "train.global_batch_size=48") == (
+        "parallel.gossip_async pairs each active (even) rank with passive (odd) ones and needs an even parallel.dp: "
+        "dp = 3; set parallel.dp=4")
+
+
+def pair_average(seed):
+    """Pool task: rank 0 (active) averages once with rank 1 (passive, whose server thread answers); rank 1 then
+    changes its own parameters by -0.5 as its step would, after the average was decided and before it applied it.
+    Returns (before, after, staleness or the decided average, exchanges made, exchanges served) on every rank."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.parallel.gossip_async import PairAverager
+
+    torch.manual_seed(seed + dist.get_rank())
+    tensors = [torch.randn(5, 3), torch.randn(7)]
+    before = [t.clone() for t in tensors]
+    link = dist.new_group([0, 1], backend="gloo")
+    a = PairAverager(tensors, link, "ring", seed)
+    a.start()
+    if a.active:
+        a.steps = 4
+        stale = a.exchange(4)
+    else:
+        a.steps = 1
+        while a.served == 0:  # the average is decided and pending; this rank's own step comes after it
+            time.sleep(0.001)
+        with a.lock:
+            decided = a.pending[0].clone()
+            for t in tensors:
+                t.sub_(0.5)
+            a.apply_pending()
+        stale = list(torch._utils._unflatten_dense_tensors(decided, tensors))
+    a.close()
+    dist.destroy_process_group(link)
+    return before, [t.clone() for t in tensors], stale, a.exchanges, a.served
+
+
+def test_adpsgd_pairwise_average_is_exact(pool2):
+    (b0, a0, stale, made, _), (b1, a1, decided, _, served) = pool2.run(pair_average, 7)
+    for x0, x1, y0, d1, y1 in zip(b0, b1, a0, decided, a1):
+        mean = (x0 + x1) / 2
+        assert (y0 - mean).abs().max() <= 1e-7  # the active rank holds the mean of before
+        assert (d1 - mean).abs().max() <= 1e-7  # so does the passive one, as decided
+        assert (y1 - (mean - 0.5)).abs().max() <= 1e-6  # and it applies it under its own step: the mean - 0.5
+    assert (stale, made, served) == (3, 1, 1)  # 4 steps against 1
+
+
+@pytest.mark.slow
+def test_adpsgd_converges_within_2_points_of_synchronous_gossip(pool2, tmp_path, sync_gossip):
+    summary, rows, _ = pool2.run(train_digits, tmp_path / "a", "parallel.gossip_async=true")[0]
+    assert summary["parallel"]["strategy"] == "gossip_async"
+    assert abs(summary["val_accuracy"] - sync_gossip[1]["val_accuracy"]) <= 0.02  # the same 150 steps
+    g = summary["gossip"]
+    # Rank 0 is active and averaged after each of its 150 steps; rank 1 is passive and answered each.
+    assert (g["roles"], g["exchanges_per_rank"], g["served_per_rank"]) == (["active", "passive"], [150, 0], [0, 150])
+    assert g["local_steps_per_rank"] == [150, 150] and sum(g["staleness_hist"].values()) == 150
+    # Each logging window (log.every = 10) counts its exchanges; a logging step's all-gather lines the ranks up,
+    # so two ranks are never more than log.every steps apart.
+    windows = [r for r in rows if "exchanges" in r]
+    assert [r["step"] for r in windows] == [1, *range(10, 151, 10)]
+    assert sum(r["exchanges"] for r in windows) == 150
+    assert all(0 <= r["staleness_max"] <= 10 and r["consensus_distance"] >= 0 for r in windows)

@@ -15,11 +15,14 @@ The parameters drift apart between rounds; `consensus_distance` in metrics.jsonl
 sqrt(1/n sum_i |x_i - x_bar|^2). Evaluation, exports and checkpoints use the average model x_bar
 (the iterate the analysis is about); each rank's optimizer state stays its own, so a resumed run
 starts from x_bar with one rank's optimizer state (not the exact trajectory).
+
+`parallel.gossip_async = true` makes it asynchronous (AD-PSGD, Lian et al. 2018): plait.parallel.gossip_async.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,6 +86,15 @@ class GossipStrategy(Strategy):
         self.steps = 0
         self._consensus_model = None  # x_bar, for evaluation
         self._stale = True
+        # This rank's own pace, for report(): from the start of its second step (the first is a logging step, whose
+        # all-gather lines the ranks up) to the end of its last.
+        self._calls, self._paced_from, self._last_step_end = 0, None, None
+
+    def forward_backward(self, micro_batches):
+        self._calls += 1
+        if self._calls == 2:
+            self._paced_from = time.perf_counter()
+        return super().forward_backward(micro_batches)
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
@@ -90,13 +102,28 @@ class GossipStrategy(Strategy):
         if self.steps % self.every == 0:
             gossip_average(list(self.module.parameters()), self.group, self.offsets)
         self._stale = True
+        self._last_step_end = time.perf_counter()
 
     def step_metrics(self, record: dict) -> dict:
         return {"consensus_distance": consensus_distance(list(self.module.parameters()), self.group)}
 
+    def report(self) -> dict:
+        """This rank's steps and its own pace: steps per second from its second step's start to its last one's end."""
+        paced = self._paced_from is not None and self._last_step_end > self._paced_from
+        return {"steps": self.steps,
+                "steps_per_s": (self._calls - 1) / (self._last_step_end - self._paced_from) if paced else None}
+
+    def figures(self, reports: list[dict], run_dir) -> dict:
+        return {"gossip": {"local_steps_per_rank": [r["steps"] for r in reports],
+                           "steps_per_s_per_rank": [r["steps_per_s"] for r in reports]}}
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's plain model state."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def average_state(self) -> dict[str, torch.Tensor]:
         """The plain model's state with every floating-point tensor averaged over the ranks (a collective)."""
-        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        sd = self._local_state()
         floats = [v for v in sd.values() if v.is_floating_point()]
         flat = _flatten_dense_tensors(floats)
         dist.all_reduce(flat, group=self.group)
@@ -131,6 +158,9 @@ class GossipStrategy(Strategy):
 
 def check(cfg) -> None:
     p = cfg.parallel
+    if p.gossip_async and p.sync != "gossip":
+        raise ConfigError(f"parallel.gossip_async = true is asynchronous gossip and needs parallel.sync = 'gossip' "
+                          f"(here {p.sync!r}); set parallel.sync='gossip' or parallel.gossip_async=false")
     if p.sync != "gossip":
         return
     require_plain_data_parallel(cfg)
@@ -140,10 +170,19 @@ def check(cfg) -> None:
     if p.gossip_every < 1:
         raise ConfigError(f"parallel.gossip_every = {p.gossip_every} must be >= 1 (steps between neighbour "
                           "averages); set --set parallel.gossip_every=1")
+    if p.gossip_async and p.dp % 2:
+        raise ConfigError(f"parallel.gossip_async pairs each active (even) rank with passive (odd) ones and needs an "
+                          f"even parallel.dp: dp = {p.dp}; set parallel.dp={p.dp + 1}")
 
 
 def build(b: Build) -> Strategy:
     p = b.cfg.parallel
+    if p.gossip_async:
+        from plait.parallel.gossip_async import AsyncGossipStrategy
+
+        return AsyncGossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn,
+                                   b.precision, b.local_batch, b.rt.axis_group("dp"), p.gossip_every,
+                                   p.gossip_topology, b.cfg.train.seed, b.cfg.launch.timeout_s)
     return GossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
                           b.local_batch, b.rt.axis_group("dp"), p.gossip_every, p.gossip_topology)
 
