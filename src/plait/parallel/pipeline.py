@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
@@ -35,7 +34,7 @@ from plait.parallel.scheme import Build, Scheme
 from plait.parallel.split import pipeline_stage, stage_bounds
 
 KEEP_STEPS = 32  # steps whose slots each rank keeps for the bubble's analysis (the latest)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
 
 def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -81,8 +80,12 @@ class PipelineStrategy(Strategy):
         super().__init__(nn.ModuleList(parts), union, optimizer, loss_fn, precision, local_batch)
         self.name = f"pipeline-{schedule}"
         self.dp_sync = dp_sync
-        self.stages = [PipelineStage(p, s, num_stages, rt.device, group=self.pp_group) for p, s in zip(parts, stage_ids)]
-        cls = SCHEDULES[schedule]
+        # imported here: torch.distributed.pipelining brings in torch._dynamo (~0.4 s in every worker otherwise)
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(p, s, num_stages, rt.device, group=self.pp_group)
+                       for p, s in zip(parts, stage_ids)]
+        cls = getattr(pipelining, SCHEDULES[schedule])
         self.schedule = cls(self.stages if schedule == "interleaved-1f1b" else self.stages[0], microbatches,
                             loss_fn=self._loss)
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
