@@ -72,11 +72,15 @@ def check_zero(cfg, stages: tuple[int, ...]) -> None:
 
 
 def check(cfg) -> None:
+    from plait.parallel import offload
+
     p = cfg.parallel
-    if p.offload != "none" and p.zero < 2:
+    if p.offload == "params" and p.zero < 2:
         raise ConfigError(
-            f"parallel.offload = {p.offload!r} moves ZeRO shards to CPU memory and needs parallel.zero = 2 or 3 "
-            f"(it is {p.zero}); set parallel.zero=3 or parallel.offload='none'")
+            f"parallel.offload = 'params' moves FSDP's parameter, gradient and optimizer shards to CPU memory and needs "
+            f"parallel.zero = 2 or 3 (it is {p.zero}); set parallel.zero=3, or parallel.offload='optimizer' (optimizer "
+            "state only) or 'disk'")
+    offload.check(cfg)
     check_zero(cfg, (2, 3))
     if p.zero >= 2 and p.pp > 1:
         raise ConfigError(
@@ -86,7 +90,7 @@ def check(cfg) -> None:
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
     p = b.cfg.parallel
-    offload = p.offload != "none" and b.rt.device.type != "cpu"
+    offload = p.offload == "params" and b.rt.device.type != "cpu"
     return apply_fsdp(model, b.rt.mesh["dp"], p.zero, param_dtype=b.cfg.precision.dtype, offload=offload)
 
 

@@ -30,6 +30,7 @@ from plait.models import build_model
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
 from plait.parallel.hetero import HeteroShares
 from plait.parallel.hetero import parse as parse_hetero
+from plait.parallel.offload import offload_dir, offload_optimizer
 from plait.runtime import Runtime, mix_seed, seed_all
 from plait.train.callbacks import Best, EarlyStop
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
@@ -70,7 +71,13 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
         distiller = Distiller.from_run(cfg.distill, bundle.spec, rt.device)
         distiller.attach(model)
         loss_fn = distiller.loss(loss_fn)
-    b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
+    off = offload_dir(run_dir, rt.rank)  # parallel.offload = disk / optimizer: state out of device memory
+
+    def make_optimizer(m, only=None):
+        return offload_optimizer(build_optimizer(m, cfg.optim, only), cfg.parallel.offload, rt.device, off,
+                                 log=rt.print)
+
+    b = Build(cfg, rt, layout, model, make_optimizer,
               with_extra_loss(loss_fn, model),
               Precision(cfg.precision.dtype, rt.device), SCHEMES)
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
