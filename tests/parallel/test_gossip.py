@@ -152,3 +152,32 @@ def test_adpsgd_converges_within_2_points_of_synchronous_gossip(pool2, tmp_path,
     assert [r["step"] for r in windows] == [1, *range(10, 151, 10)]
     assert sum(r["exchanges"] for r in windows) == 150
     assert all(0 <= r["staleness_max"] <= 10 and r["consensus_distance"] >= 0 for r in windows)
+
+
+def train_then_resume(run_dir):
+    """Pool task: 10 AD-PSGD steps with a checkpoint at the end, then a resume that takes no step; each rank's
+    (parameters, Adam moments) flat, at the end of the first session and as the resume loaded them."""
+    import torch
+
+    from plait.config import load_config
+    from plait.train.trainer import train
+
+    def flat(result):
+        s = result.strategy
+        params = list(s.module.parameters())
+        moments = [s.optimizer.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+        return torch.cat([p.detach().flatten() for p in params]), torch.cat([m.flatten() for m in moments])
+
+    cfg = load_config(None, ["model.name='mlp'", "data.name='digits'", "parallel.dp=2", "train.steps=20",
+                             "train.stop_after=10", "checkpoint.every=10", "train.eval_every=0", "train.eval_samples=64",
+                             "log.progress=false", "log.report=false", "parallel.sync='gossip'", "parallel.gossip_async=true"])
+    first = flat(train(cfg, run_dir))
+    return first, flat(train(cfg, run_dir, resume=True))
+
+
+def test_adpsgd_checkpoint_resumes_every_rank_from_the_average_model_and_optimizer_state(pool2, tmp_path):
+    ((params0, moments0), loaded0), ((params1, moments1), loaded1) = pool2.run(train_then_resume, tmp_path / "r")
+    assert (moments0 - moments1).abs().max() > 1e-4  # each rank's Adam saw its own gradients
+    for loaded in (loaded0, loaded1):  # Adam's moments averaged as a pair, not one from each rank
+        assert (loaded[0] - (params0 + params1) / 2).abs().max() <= 1e-6
+        assert (loaded[1] - (moments0 + moments1) / 2).abs().max() <= 1e-7

@@ -13,8 +13,10 @@ weights W_ij = 1 / (neighbours + 1) are doubly stochastic and the average over r
 
 The parameters drift apart between rounds; `consensus_distance` in metrics.jsonl is their spread,
 sqrt(1/n sum_i |x_i - x_bar|^2). Evaluation, exports and checkpoints use the average model x_bar
-(the iterate the analysis is about); each rank's optimizer state stays its own, so a resumed run
-starts from x_bar with one rank's optimizer state (not the exact trajectory).
+(the iterate the analysis is about). Each rank's optimizer state stays its own while it trains;
+a checkpoint holds the ranks' average of it too (saving each rank's would let DCP keep one rank's
+copy of each tensor, Adam's first moment from one rank and its second from another), so a resumed
+run starts every rank from x_bar and the averaged state: not the exact trajectory.
 
 `parallel.gossip_async = true` makes it asynchronous (AD-PSGD, Lian et al. 2018): plait.parallel.gossip_async.
 """
@@ -150,7 +152,23 @@ class GossipStrategy(Strategy):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["model"] = self.average_state()
+        sd["optim"] = {"state": self._average_optimizer_state(sd["optim"]["state"])}
         return sd
+
+    def _average_optimizer_state(self, state: dict) -> dict:
+        """The optimizer state (plain names -> {key: tensor}) with its floating-point tensors averaged over the ranks,
+        in new tensors (a collective)."""
+        keys = [(name, k) for name in sorted(state) for k in sorted(state[name])
+                if torch.is_tensor(state[name][k]) and state[name][k].is_floating_point()]
+        out = {name: dict(entries) for name, entries in state.items()}
+        if keys:
+            tensors = [state[name][k].detach() for name, k in keys]
+            flat = _flatten_dense_tensors(tensors)
+            dist.all_reduce(flat, group=self.group)
+            flat /= dist.get_world_size(self.group)
+            for (name, k), new in zip(keys, _unflatten_dense_tensors(flat, tensors)):
+                out[name][k] = new
+        return out
 
     def full_model_state_dict(self) -> dict:
         return {k: v.cpu() for k, v in self.average_state().items()}
