@@ -129,7 +129,7 @@ def test_gossip_mixing_shrinks_the_spread_by_lambda2_and_keeps_the_mean(pool, to
 def test_bench_sweep_rows_follow_the_busbw_formulas(pool):
     """`plait bench collectives` (plait.comm.bench) on the same pools."""
     opts = BenchOptions(ops=["allreduce", "allgather", "reduce_scatter", "broadcast"], algos=["native", "ring", "tree"],
-                        sizes=[1000, 4096], iters=2, warmup=0).validate()
+                        sizes=[1000, 4096], iters=2, warmup=0, repeats=2).validate()
     rows = pool.run(bench_rank, opts)[0]
     n = pool.world_size
     combos = {(r["op"], r["algo"]) for r in rows}
@@ -139,6 +139,8 @@ def test_bench_sweep_rows_follow_the_busbw_formulas(pool):
     factor = {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "broadcast": 1.0}
     for r in rows:
         assert r["correct"], r
+        assert r["repeats"] == 2 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
+        assert r["vs_native"] == 1.0 if r["algo"] == "native" else r["vs_native"] > 0
         assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[r["op"]])
     assert {r["size_bytes"] for r in rows if r["op"] == "allreduce"} == {1000, 4096}

@@ -5,12 +5,24 @@ import csv
 
 import pytest
 
-from plait.comm.bench import BenchOptions, format_table, parse_sizes, plot, write_csv
+from plait.comm.bench import BenchOptions, _row, format_table, parse_sizes, plot, write_csv
 from plait.errors import ConfigError
 
-ROWS = [{"op": op, "algo": algo, "ranks": 2, "size_bytes": size, "count": size // 4, "iters": 2, "time_us": 100.0,
-         "algbw_GBps": size / 1e-4 / 1e9, "busbw_GBps": size / 1e-4 / 1e9, "correct": True}
+NATIVE = [1e-4, 3e-4, 2e-4, 9e-4, 1e-4]  # seconds per call in five repeats; a burst of load hit the fourth
+RING = [2e-4, 3e-4, 4e-4, 9e-4, 1e-4]
+ROWS = [_row(op, algo, 2, size, NATIVE if algo == "native" else RING, NATIVE, True)
         for op in ("allreduce", "broadcast") for algo in ("native", "ring") for size in (1024, 4096)]
+
+
+def test_rows_give_the_median_the_spread_and_the_paired_ratio_to_native():
+    r = _row("allreduce", "ring", 4, 4096, RING, NATIVE, True)
+    assert r["time_us"] == pytest.approx(300.0) and r["time_min_us"] == pytest.approx(100.0)
+    assert r["time_max_us"] == pytest.approx(900.0)
+    assert r["busbw_GBps"] == pytest.approx(4096 / 3e-4 / 1e9 * 1.5)
+    assert r["busbw_min_GBps"] == pytest.approx(4096 / 9e-4 / 1e9 * 1.5)
+    assert r["busbw_max_GBps"] == pytest.approx(4096 / 1e-4 / 1e9 * 1.5)
+    assert r["vs_native"] == pytest.approx(1.0)  # repeat by repeat: 0.5, 1, 0.5, 1, 1 -> median 1
+    assert _row("allreduce", "ring", 4, 4096, RING, None, True)["vs_native"] is None
 
 
 def test_sizes_parse_like_nccl_tests():
@@ -38,7 +50,9 @@ def test_cli_prints_the_rule_and_exits_2(capsys):
 
 
 def test_table_csv_and_plot(tmp_path):
-    assert format_table(ROWS).splitlines()[0].split()[-3:] == ["algbw(GB/s)", "busbw(GB/s)", "check"]
+    table = format_table(ROWS).splitlines()
+    assert table[0].split()[-7:] == ["algbw(GB/s)", "busbw(GB/s)", "busbw", "min-max", "vs", "native", "check"]
+    assert table[4].split()[-7:] == ["ring", "300.0", "0.014", "0.014", "0.005-0.041", "1.00x", "ok"]
     with open(write_csv(ROWS, tmp_path / "c.csv")) as f:
         assert len(list(csv.DictReader(f))) == len(ROWS)
     assert plot(ROWS, tmp_path / "c.png").stat().st_size > 1000

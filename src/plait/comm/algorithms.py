@@ -51,6 +51,52 @@ def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, sr
         req.wait()
 
 
+# Receives are cut into segments of this many bytes: the add of one segment overlaps the receipt of the next
+# (gloo's TCP transport reads on its own thread), as gloo's and NCCL's own ring pipelines do.
+SEGMENT_BYTES = 1 << 20
+_scratch_cache: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the receive buffer, grown as needed
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A receive buffer of `numel` elements, reused across calls (a fresh one page-faults on every call)."""
+    key = (like.dtype, like.device)
+    buf = _scratch_cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def release_scratch() -> None:
+    """Free the cached receive buffers."""
+    _scratch_cache.clear()
+
+
+def _segments(numel: int, elem_bytes: int) -> list[tuple[int, int]]:
+    """[(start, stop)] cutting numel elements into segments of about SEGMENT_BYTES (the same cut on every rank)."""
+    step = max(1, SEGMENT_BYTES // elem_bytes)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
+def _reduce_exchange(send: torch.Tensor | None, dst: int, keep: torch.Tensor, src: int) -> None:
+    """Send `send` to dst while receiving a vector the size of `keep` from src and adding it into `keep`.
+
+    Both go in segments: every receive is posted first, then every send; each segment is added as soon as
+    it has arrived, while the transport's thread reads the next one.
+    """
+    if not keep.numel():
+        _exchange(send, dst, None, src)
+        return
+    buf = _scratch(keep, keep.numel())
+    cut = _segments(keep.numel(), keep.element_size())
+    recvs = [dist.irecv(buf[a:b], src) for a, b in cut]
+    sends = [] if send is None else [dist.isend(send[a:b], dst) for a, b in _segments(send.numel(), send.element_size())]
+    for (a, b), req in zip(cut, recvs):
+        req.wait()
+        keep[a:b].add_(buf[a:b])
+    for req in sends:
+        req.wait()
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
 
@@ -75,10 +121,7 @@ def ring_reduce_scatter_chunks(chunks: list[torch.Tensor], ranks: list[int]) -> 
     n, i = len(ranks), _me(ranks)
     right, left = ranks[(i + 1) % n], ranks[(i - 1) % n]
     for s in range(n - 1):
-        send, recv = chunks[(i - s - 1) % n], chunks[(i - s - 2) % n]
-        buf = torch.empty_like(recv)
-        _exchange(send, right, buf, left)
-        recv.add_(buf)
+        _reduce_exchange(chunks[(i - s - 1) % n], right, chunks[(i - s - 2) % n], left)
 
 
 def ring_all_gather_chunks(chunks: list[torch.Tensor], ranks: list[int]) -> None:
@@ -147,9 +190,7 @@ def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = 
             _exchange(None, -1, flat, ranks[i + 1])  # the result comes back at the end
             _writeback(tensor, flat)
             return tensor
-        buf = torch.empty_like(flat)
-        _exchange(None, -1, buf, ranks[i - 1])
-        flat.add_(buf)
+        _reduce_exchange(None, -1, flat, ranks[i - 1])
         new = i // 2
     else:
         new = i - rem
@@ -166,10 +207,7 @@ def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = 
         partner = actual(new ^ mask)
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if not new & mask else ((mid, hi), (lo, mid))
-        kept = flat[bounds[keep[0]]:bounds[keep[1]]]
-        buf = torch.empty_like(kept)
-        _exchange(flat[bounds[give[0]]:bounds[give[1]]], partner, buf, partner)
-        kept.add_(buf)
+        _reduce_exchange(flat[bounds[give[0]]:bounds[give[1]]], partner, flat[bounds[keep[0]]:bounds[keep[1]]], partner)
         steps.append((partner, keep, give))
         lo, hi = keep
         mask >>= 1
@@ -224,10 +262,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, local_size: int, group=None) -
         _exchange(None, -1, flat, members[0])
         _writeback(tensor, flat)
         return tensor
-    buf = torch.empty_like(flat)
     for m in members[1:]:
-        _exchange(None, -1, buf, m)
-        flat.add_(buf)
+        _reduce_exchange(None, -1, flat, m)
     ring_all_reduce(flat, ranks=leaders)
     for m in members[1:]:
         _exchange(flat, m, None, -1)

@@ -2,9 +2,13 @@
 
     rows = run_collectives(BenchOptions(ops=["allreduce"], algos=["native", "ring"], ranks=2))
 
-For every (op, size, algorithm) the ranks time `iters` calls after `warmup` (the slowest rank's
-mean is the time), check the result once against torch's own collective, and report, as
-nccl-tests does (its doc/PERFORMANCE.md):
+For every (op, size) each algorithm's result is checked once against torch's own collective, each
+algorithm gets `warmup` untimed calls, then `repeats` trials of `iters` calls are timed, the
+algorithms taking turns within every repeat (so a burst of load on a shared machine hits all of
+them alike). A trial's time is the slowest rank's mean per call; the row reports the median trial
+and the spread (min and max), and `vs_native`: the median over repeats of native's time over this
+algorithm's in the same repeat (> 1: faster than torch's own). Bandwidths are, as nccl-tests
+reports them (its doc/PERFORMANCE.md):
 
     algbw = size / time
     busbw = algbw * 2 (n-1)/n   all-reduce
@@ -13,12 +17,14 @@ nccl-tests does (its doc/PERFORMANCE.md):
             algbw * 1           broadcast
 
 busbw is the figure comparable across rank counts and with the link's bandwidth. The table is
-printed, and written as collectives.csv with a plot of busbw against size, collectives.png.
+printed, and written as collectives.csv with a plot of the median busbw against size (the
+min-max spread shaded), collectives.png.
 """
 
 from __future__ import annotations
 
 import csv
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +94,8 @@ class BenchOptions:
     ranks: int = 2
     iters: int = 20
     warmup: int = 3
-    max_seconds: float = 1.0  # per point: fewer iterations when one call is slow (at least 2)
+    repeats: int = 5  # timed trials per point; the row gives their median and spread
+    max_seconds: float = 1.0  # per trial: fewer iterations when one call is slow (at least 2)
     local_size: int = 0  # hierarchical: ranks per node (0: half the ranks)
     out: Path | None = None
 
@@ -102,8 +109,9 @@ class BenchOptions:
                 raise ConfigError(f"unknown algorithm {algo!r}; choose from {', '.join(known)}")
         if not 2 <= self.ranks <= 8:
             raise ConfigError(f"--ranks {self.ranks}: the benchmark runs 2 to 8 local ranks")
-        if self.iters < 1 or self.warmup < 0:
-            raise ConfigError("--iters must be >= 1 and --warmup >= 0")
+        if self.iters < 1 or self.warmup < 0 or self.repeats < 1:
+            raise ConfigError(f"--iters ({self.iters}) and --repeats ({self.repeats}) must be >= 1 and --warmup "
+                              f"({self.warmup}) >= 0")
         return self
 
 
@@ -141,6 +149,21 @@ def _buffers(op: str, nbytes: int, n: int, seed: int):
     return torch.randint(-8, 8, (count,), generator=g).float(), None
 
 
+def _trial(op: str, algo: str, buf, out, local_size: int, opts: BenchOptions) -> float:
+    """Seconds per call: `iters` calls (fewer past max_seconds, at least 2), the slowest rank's mean."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, done = time.perf_counter(), 0
+    while done < opts.iters and (done < 2 or time.perf_counter() - t0 < opts.max_seconds):
+        _call(op, algo, buf, out, local_size)
+        done += 1
+    elapsed = torch.tensor([(time.perf_counter() - t0) / done])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def bench_rank(opts: BenchOptions) -> list[dict]:
     """Pool task: the sweep on this rank; rank 0 returns the rows."""
     import torch
@@ -152,39 +175,52 @@ def bench_rank(opts: BenchOptions) -> list[dict]:
     for op in opts.ops:
         algos = [a for a in opts.algos if a in ALGORITHMS[op]]
         for nbytes in opts.sizes:
+            bufs, correct = {}, {}
             for algo in algos:
                 buf, out = _buffers(op, nbytes, n, seed=rank + 17)
                 ref_in, ref_out = buf.clone(), (out.clone() if out is not None else None)
                 _call(op, "native", ref_in, ref_out, local_size)
                 _call(op, algo, buf, out, local_size)
                 got, want = (out, ref_out) if out is not None else (buf, ref_in)
-                correct = torch.tensor([float(torch.equal(got, want))])
-                dist.all_reduce(correct, op=dist.ReduceOp.MIN)
+                ok = torch.tensor([float(torch.equal(got, want))])
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                correct[algo] = bool(ok.item())
                 buf.zero_()  # sums of zeros: timing without overflow
                 for _ in range(opts.warmup):
                     _call(op, algo, buf, out, local_size)
-                dist.barrier()
-                t0, done = time.perf_counter(), 0
-                while done < opts.iters and (done < 2 or time.perf_counter() - t0 < opts.max_seconds):
-                    _call(op, algo, buf, out, local_size)
-                    done += 1
-                elapsed = torch.tensor([(time.perf_counter() - t0) / done])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                size = (out if op == "allgather" else buf).numel() * ELEMENT_BYTES
-                seconds = float(elapsed)
-                algbw = size / seconds / 1e9
-                rows.append({"op": op, "algo": algo, "ranks": n, "size_bytes": size, "count": size // ELEMENT_BYTES,
-                             "iters": done, "time_us": seconds * 1e6, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * busbw_factor(op, n), "correct": bool(correct.item())})
+                bufs[algo] = (buf, out)
+            times: dict[str, list[float]] = {algo: [] for algo in algos}
+            for _ in range(opts.repeats):  # the algorithms take turns: load bursts hit them alike
+                for algo in algos:
+                    times[algo].append(_trial(op, algo, *bufs[algo], local_size, opts))
+            buf, out = bufs[algos[0]]
+            size = (out if op == "allgather" else buf).numel() * ELEMENT_BYTES
+            for algo in algos:
+                rows.append(_row(op, algo, n, size, times[algo], times.get("native"), correct[algo]))
     return rows if rank == 0 else []
 
 
+def _row(op: str, algo: str, n: int, size: int, times: list[float], native: list[float] | None, correct: bool) -> dict:
+    median, factor = statistics.median(times), busbw_factor(op, n)
+    algbw = size / median / 1e9
+    return {"op": op, "algo": algo, "ranks": n, "size_bytes": size, "count": size // ELEMENT_BYTES,
+            "repeats": len(times), "time_us": median * 1e6, "time_min_us": min(times) * 1e6,
+            "time_max_us": max(times) * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+            "busbw_min_GBps": size / max(times) / 1e9 * factor, "busbw_max_GBps": size / min(times) / 1e9 * factor,
+            "vs_native": statistics.median(a / b for a, b in zip(native, times)) if native else None,
+            "correct": correct}
+
+
 def format_table(rows: list[dict]) -> str:
+    """One line per row: medians, the busbw spread over the repeats and the ratio to native."""
     lines = [f"{'op':<15}{'size':>9}{'count':>12}  {'algo':<13}{'time(us)':>12}{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}"
-             f"  {'check':<5}"]
+             f"{'busbw min-max':>16}{'vs native':>11}  {'check':<5}"]
     for r in rows:
+        spread = f"{r['busbw_min_GBps']:.3f}-{r['busbw_max_GBps']:.3f}"
+        ratio = f"{r['vs_native']:.2f}x" if r.get("vs_native") is not None else "-"
         lines.append(f"{r['op']:<15}{human(r['size_bytes']):>9}{r['count']:>12}  {r['algo']:<13}{r['time_us']:>12.1f}"
-                     f"{r['algbw_GBps']:>13.3f}{r['busbw_GBps']:>13.3f}  {'ok' if r['correct'] else 'WRONG':<5}")
+                     f"{r['algbw_GBps']:>13.3f}{r['busbw_GBps']:>13.3f}{spread:>16}{ratio:>11}"
+                     f"  {'ok' if r['correct'] else 'WRONG':<5}")
     return "\n".join(lines)
 
 
@@ -203,8 +239,11 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for algo in dict.fromkeys(r["algo"] for r in rows if r["op"] == op):
-            pts = [(r["size_bytes"], r["busbw_GBps"]) for r in rows if r["op"] == op and r["algo"] == algo]
-            ax.plot(*zip(*pts), marker="o", ms=3, label=algo)
+            mine = [r for r in rows if r["op"] == op and r["algo"] == algo]
+            line, = ax.plot([r["size_bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o", ms=3, label=algo)
+            if all("busbw_min_GBps" in r for r in mine):
+                ax.fill_between([r["size_bytes"] for r in mine], [r["busbw_min_GBps"] for r in mine],
+                                [r["busbw_max_GBps"] for r in mine], color=line.get_color(), alpha=0.2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")

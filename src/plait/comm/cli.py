@@ -10,7 +10,8 @@ def cmd_bench_collectives(a) -> int:
     from plait.comm.bench import BenchOptions, parse_sizes, run_collectives  # lazily: plait --help must not import torch
 
     opts = BenchOptions(ops=_names(a.ops), algos=_names(a.algos), sizes=parse_sizes(a.sizes, a.factor), ranks=a.ranks,
-                        iters=a.iters, warmup=a.warmup, max_seconds=a.max_seconds, local_size=a.local_size,
+                        iters=a.iters, warmup=a.warmup, repeats=a.repeats, max_seconds=a.max_seconds,
+                        local_size=a.local_size,
                         out=a.out or Path("runs") / f"bench-collectives-{time.strftime('%Y%m%d-%H%M%S')}")
     run_collectives(opts.validate())
     return 0
@@ -32,9 +33,11 @@ def add_parsers(sub, bench) -> None:
     c.add_argument("--sizes", default="1K:64M", help="MIN:MAX (times --factor each step) or a list such as 1K,1M")
     c.add_argument("--factor", type=int, default=2, help="size multiplier between steps of a MIN:MAX range")
     c.add_argument("--ranks", type=int, default=2, help="local processes (2-8)")
-    c.add_argument("--iters", type=int, default=20, help="timed calls per point (fewer when one call is slow)")
+    c.add_argument("--iters", type=int, default=20, help="timed calls per trial (fewer when one call is slow)")
     c.add_argument("--warmup", type=int, default=3, help="untimed calls per point")
-    c.add_argument("--max-seconds", type=float, default=1.0, help="time budget per point (at least 2 calls are timed)")
+    c.add_argument("--repeats", type=int, default=5,
+                   help="timed trials per point, the algorithms taking turns; the table gives the median and min-max")
+    c.add_argument("--max-seconds", type=float, default=1.0, help="time budget per trial (at least 2 calls are timed)")
     c.add_argument("--local-size", type=int, default=0, help="hierarchical: ranks per node (0: half the ranks)")
     c.add_argument("--out", type=Path, help="where collectives.csv and .png go (default: runs/bench-collectives-<time>)")
     c.set_defaults(fn=cmd_bench_collectives)
