@@ -58,6 +58,18 @@ class FSDPStrategy(Strategy):
             self.model.set_requires_gradient_sync(True)
 
 
+def shard_init(cfg) -> bool:
+    """Whether the model is built on the meta device and each rank materialises only its ZeRO-3 shards.
+
+    ZeRO-3 over dp alone: tensor/pipeline/expert/embedding layouts, init_from, LoRA and distillation
+    change or read the plain model before FSDP shards it, so they keep the whole-model build.
+    """
+    p, ft = cfg.parallel, cfg.finetune
+    return (p.shard_init and p.zero == 3 and p.dp > 1 and p.tp == 1 and p.pp == 1 and p.ep == 1
+            and p.embedding_sharding == "none" and p.sync == "allreduce" and not cfg.train.init_from
+            and not cfg.distill.teacher and cfg.train.objective != "contrastive" and ft.lora_rank == 0)
+
+
 def check_zero(cfg, stages: tuple[int, ...]) -> None:
     """What every ZeRO stage needs: data-parallel ranks to shard over and an elementwise optimizer."""
     p = cfg.parallel
@@ -99,11 +111,21 @@ def build(b: Build) -> Strategy:
         b.rt.print(f"note: parallel.offload = {b.cfg.parallel.offload!r} has no effect on a CPU run (the shards already "
                    "live in CPU memory)")
     model = b.parallelize(b.module)
+    init = None
+    if b.meta_init is not None:  # shard-only initialisation: the single-process values, this rank's shards only
+        from plait.models.meta import materialize
+
+        init = materialize(model, b.meta_init, b.rt.device)
+        mb = 1 / 2**20
+        b.rt.print(f"shard-only init: {init['local_bytes'] * mb:.1f} MiB of parameters on this rank, at most "
+                   f"{init['peak_bytes'] * mb:.1f} MiB while materialising (the whole model: "
+                   f"{init['full_bytes'] * mb:.1f} MiB)")
     # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
     precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
     strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,
                             stage=b.cfg.parallel.zero)
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
+    strategy.init_memory = init
     return strategy
 
 

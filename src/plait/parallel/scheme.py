@@ -45,6 +45,9 @@ class Build:
     loss_fn: Callable
     precision: Any  # plait.parallel.base.Precision
     schemes: list = field(default_factory=list)  # plait.parallel.SCHEMES: the order of the transforms
+    # plait.models.meta.InitRecord when `module` is on the meta device (ZeRO-3's shard-only initialisation):
+    # the scheme that shards it materialises its shards from the record
+    meta_init: Any = None
 
     @property
     def local_batch(self) -> int:

@@ -27,7 +27,9 @@ from plait.data.user import import_object
 from plait.faults import slow_compute
 from plait.finetune import apply_finetune
 from plait.models import build_model
+from plait.models.meta import build_on_meta
 from plait.parallel import SCHEMES, Build, Precision, Strategy, build_strategy, step_owner
+from plait.parallel.fsdp import shard_init
 from plait.parallel.hetero import HeteroShares
 from plait.parallel.hetero import parse as parse_hetero
 from plait.parallel.offload import offload_dir, offload_optimizer
@@ -61,7 +63,15 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
         bundle = two_views(bundle, cfg.data, cfg.train.seed)
     bundle = augmented(bundle, cfg.data, cfg.train.seed)  # data.augment: images, seeded per (seed, index, epoch)
     seed_all(cfg.train.seed)  # the same initial parameters on every rank
-    model = build_model(cfg.model, bundle.spec).to(rt.device)
+    meta_init = None
+    if shard_init(cfg):  # ZeRO-3: built on the meta device; FSDP's build materialises this rank's shards only
+        model, meta_init = build_on_meta(lambda: build_model(cfg.model, bundle.spec))
+        if not meta_init.supported:
+            rt.print(f"note: parallel.shard_init: {meta_init.unsupported}; every rank builds the whole model")
+            meta_init = None
+            seed_all(cfg.train.seed)
+    if meta_init is None:
+        model = build_model(cfg.model, bundle.spec).to(rt.device)
     if cfg.train.init_from:  # before any scheme wraps the model: every layout starts from the same weights
         init_from(model, cfg.train.init_from)
     apply_finetune(model, cfg.finetune)  # freezing and LoRA adapters, on the plain model's names
@@ -79,7 +89,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
 
     b = Build(cfg, rt, layout, model, make_optimizer,
               with_extra_loss(loss_fn, model),
-              Precision(cfg.precision.dtype, rt.device), SCHEMES)
+              Precision(cfg.precision.dtype, rt.device), SCHEMES, meta_init)
     if rt.role == "server":  # a parameter server holds state for the workers; it does not train
         return TrainResult(step_owner(cfg).serve(b, run_dir), None, None, rt)
     strategy = build_strategy(b)
