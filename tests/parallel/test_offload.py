@@ -65,6 +65,11 @@ def test_disk_offload_with_zero1_keeps_the_trajectory_and_resumes(pool2, tiny_te
     assert max_diff(ref, got) <= 1e-6
     assert len(losses(run)) == 6
     assert losses(run) == pytest.approx(losses(tmp_path / "none"), abs=1e-6)
+    summary = json.loads((run / "summary.json").read_text())
+    per_rank = summary["memory"]["per_rank"]
+    assert [m["optimizer_bytes"] for m in per_rank] == [0, 0]
+    # ZeRO-1: each rank offloads the AdamW state (2 x fp32) of the parameters it owns; together, all of them
+    assert sum(m["optimizer_offloaded_bytes"] for m in per_rank) == 8 * summary["params"]
 
 
 RSS_SCRIPT = """

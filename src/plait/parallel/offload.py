@@ -132,7 +132,8 @@ class ChunkedOffload(torch.optim.Optimizer):
             layout.append((offset, p.numel(), p.dtype))
             self.offsets[p] = offset
             offset += -(-p.numel() * p.element_size() // page) * page
-        self.state_bytes = sum(p.numel() * p.element_size() for p in params) * len(self.keys)
+        # what memory reports as offloaded (plait.train.memory)
+        self.offloaded_bytes = sum(p.numel() * p.element_size() for p in params) * len(self.keys)
         flat = {key: self.store.allocate(key, layout, offset) for key in self.keys}
         for i, p in enumerate(params):
             self.state[p] = {key: flat[key][i].view_as(p) for key in self.keys}

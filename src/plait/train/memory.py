@@ -2,7 +2,8 @@
 
     params_bytes            parameters at rest (DTensor shards count their local piece)
     grads_bytes             gradients right after backward (before the optimizer clears them)
-    optimizer_bytes         optimizer state tensors (only the local shard under ZeRO)
+    optimizer_bytes         optimizer state tensors (only the local shard under ZeRO; 0 when offloaded)
+    optimizer_offloaded_bytes  optimizer state kept on disk or in host memory (parallel.offload), if any
     activations_peak_bytes  tensors saved for backward by one micro-batch's forward, at most
     peak_rss_bytes          the process's peak resident memory (CUDA: cuda_peak_bytes as well)
 """
@@ -58,6 +59,8 @@ def grads_bytes(module: torch.nn.Module) -> int:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if getattr(optimizer, "offloaded_bytes", None) is not None:  # plait.parallel.offload: streamed a chunk at a time
+        return 0
     return storage_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
@@ -114,6 +117,8 @@ def snapshot(module: torch.nn.Module, optimizer, grads: int, activations: int, d
         "params_bytes": params_bytes(module),
         "grads_bytes": grads,
         "optimizer_bytes": optimizer_bytes(optimizer),
+        **({"optimizer_offloaded_bytes": optimizer.offloaded_bytes}
+           if getattr(optimizer, "offloaded_bytes", None) is not None else {}),
         "activations_peak_bytes": activations,
         "peak_rss_bytes": peak_rss_bytes(),
     }
