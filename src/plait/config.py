@@ -193,6 +193,11 @@ class ParallelConfig:
                            ("none", "fp16", "bf16", "powersgd", "topk", "int8"))
     powersgd_rank: int = opt(2, "compression = powersgd: rank of the low-rank approximation")
     topk_ratio: float = opt(0.01, "compression = topk: fraction of gradient entries sent")
+    allreduce: str = opt("native", "DDP's gradient all-reduce: native (torch.distributed's) or plait's own ring, tree "
+                         "(halving-doubling) or hierarchical (plait.comm.algorithms), as a DDP comm hook",
+                         ("native", "ring", "tree", "hierarchical"))
+    allreduce_local_size: int = opt(0, "allreduce = hierarchical: consecutive ranks per node (0: the processes per "
+                                       "node, LOCAL_WORLD_SIZE)")
     embedding_sharding: str = opt("none", "deepfm: shard embedding tables over dp ranks: none, table (whole tables) "
                                           "or row (rows of every table); the dense part stays data parallel",
                                   ("none", "table", "row"))

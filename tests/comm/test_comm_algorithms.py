@@ -145,3 +145,51 @@ def test_bench_sweep_rows_follow_the_busbw_formulas(pool):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[r["op"]])
     assert {r["size_bytes"] for r in rows if r["op"] == "allreduce"} == {1000, 4096}
     assert all(r["size_bytes"] % (4 * n) == 0 for r in rows if r["op"] in ("allgather", "reduce_scatter"))
+
+
+class Bucket:
+    """What algorithm_hook reads of DDP's GradBucket (DDP itself is exercised by tests/comm/test_comm_allreduce_hook.py)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def buffer(self):
+        return self.tensor
+
+
+def hook_average_and_bytes(algo, local_size):
+    """Pool task: parallel.allreduce's DDP hook on a 2961-entry bucket; (error against the mean, counted, formula)."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm.accounting import AlgorithmHookState, CommCounter, algorithm_hook, counting
+    from plait.comm.algorithms import bytes_sent
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    grad = torch.randn(2961, generator=torch.Generator().manual_seed(r))  # no rank count here divides 2961
+    mean = grad.clone()
+    dist.all_reduce(mean)
+    mean /= n
+    counter = CommCounter()
+    with counting(counter):
+        got = algorithm_hook(AlgorithmHookState(None, algo, local_size), Bucket(grad.clone())).value()
+    return float((got - mean).abs().max()), counter.bytes_sent, counter.by_op["isend"], bytes_sent(algo, 2961, n, r, 4,
+                                                                                                   local_size)
+
+
+@pytest.mark.parametrize("algo, local_size", [("ring", 1), ("tree", 1), ("hierarchical", 2)])
+def test_ddp_hook_averages_like_native_and_sends_the_formulas_bytes(pool, algo, local_size):
+    """parallel.allreduce's DDP hook (plait.comm.accounting.algorithm_hook) on 2, 3 (tree folds a rank) and 4 ranks."""
+    n = pool.world_size
+    per_rank = pool.run(hook_average_and_bytes, algo, local_size)
+    for err, counted, isend, formula in per_rank:
+        assert err <= 1e-6
+        assert counted == isend == formula  # every byte went through isend, as many as the formula says
+    total = sum(r[1] for r in per_rank)
+    if algo == "ring":
+        assert total == 2 * (n - 1) * 2961 * 4  # each chunk travels n - 1 times in each half
+    if algo == "tree" and n == 4:
+        assert total == n * 2 * 3 / 4 * 2961 * 4  # 2 (p-1)/p of the tensor per rank
+    if algo == "hierarchical":  # members hand the whole vector in and get it back; the leaders ring it
+        nodes = -(-n // 2)
+        assert total == (n - nodes) * 2 * 2961 * 4 + (2 * (nodes - 1) * 2961 * 4 if nodes > 1 else 0)

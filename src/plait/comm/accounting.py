@@ -184,6 +184,37 @@ def ddp_allreduce_hook(group, bucket):
     return work.get_future().then(done)
 
 
+class AlgorithmHookState:
+    """What algorithm_hook needs: the dp group, its size, plait.comm.algorithms' all-reduce name and ranks per node."""
+
+    def __init__(self, group, algo: str, local_size: int = 1):
+        self.group, self.algo, self.local_size = group, algo, local_size
+        self.world = dist.get_world_size(group)
+
+
+def algorithm_hook(state: AlgorithmHookState, bucket):
+    """DDP's average of a gradient bucket through one of plait's own all-reduces (parallel.allreduce).
+
+    The algorithm runs to completion inside the hook (its sends and receives are counted one by one);
+    the time it took is this bucket's wait, as in ddp_allreduce_hook.
+    """
+    from plait.comm.algorithms import all_reduce
+
+    tensor = bucket.buffer().div_(state.world)
+    counters, t0 = list(_active), time.perf_counter()
+    _local.caller_waits = True
+    try:
+        all_reduce(tensor, state.algo, state.group, state.local_size)
+    finally:
+        _local.caller_waits = False
+    elapsed = time.perf_counter() - t0
+    for c in counters:
+        c.add_wait(elapsed)
+    fut = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
 _installed: dict[tuple[object, str], object] = {}
 
 

@@ -272,3 +272,57 @@ def hierarchical_all_reduce(tensor: torch.Tensor, local_size: int, group=None) -
 
 
 ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce}
+ALGORITHMS = ("native", "ring", "tree", "hierarchical")  # parallel.allreduce's choices
+
+
+def all_reduce(tensor: torch.Tensor, algo: str, group=None, local_size: int = 1) -> torch.Tensor:
+    """Sum `tensor` in place over `group` with the named algorithm ("native": dist.all_reduce)."""
+    if algo == "native":
+        dist.all_reduce(tensor, group=group)
+    elif algo == "hierarchical":
+        hierarchical_all_reduce(tensor, local_size, group)
+    elif algo in ALL_REDUCE:
+        ALL_REDUCE[algo](tensor, group)
+    else:
+        raise ValueError(f"unknown all-reduce algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}")
+    return tensor
+
+
+def bytes_sent(algo: str, numel: int, n: int, i: int, elem_bytes: int = 4, local_size: int = 1) -> int:
+    """Bytes rank i of n sends in one all-reduce of `numel` elements (the chunks cut as the algorithm cuts them).
+
+    ring: every chunk but its own in the reduce-scatter, every chunk but its right neighbour's in the all-gather
+    (2 (n-1)/n of the tensor when n divides it). tree: 2 (p-1)/p of it on the p = 2^k ranks of the
+    halving-doubling, the whole tensor once for a rank folded in or out (n not a power of two).
+    hierarchical: a member sends the tensor to its node's first rank; that leader runs the ring among the
+    leaders and sends the sum to each of its members.
+    """
+    if n == 1:
+        return 0
+    if algo == "native":  # gloo's and NCCL's ring, as plait.comm.accounting counts every all_reduce
+        return int(2 * (n - 1) / n * numel * elem_bytes)
+    if algo == "ring":
+        sizes = [c.numel() for c in torch.tensor_split(torch.empty(numel, device="meta"), n)]
+        return (2 * numel - sizes[i] - sizes[(i + 1) % n]) * elem_bytes
+    if algo == "hierarchical":
+        node, local = divmod(i, local_size)
+        if local:
+            return numel * elem_bytes
+        members = min(n, (node + 1) * local_size) - node * local_size
+        leaders = -(-n // local_size)
+        return (members - 1) * numel * elem_bytes + bytes_sent("ring", numel, leaders, node, elem_bytes)
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+    if i < 2 * rem and i % 2 == 0:
+        return numel * elem_bytes  # folded in: hands over its vector, gets the sum back
+    new = i // 2 if i < 2 * rem else i - rem
+    base, extra = divmod(numel, p)
+    size = [base + (c < extra) for c in range(p)]
+    sent, lo, hi, mask = 0, 0, p, p >> 1
+    while mask:  # halving sends the half it gives away; doubling sends back the half it kept, as much again
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if not new & mask else ((mid, hi), (lo, mid))
+        sent += sum(size[give[0]:give[1]]) + sum(size[keep[0]:keep[1]])
+        lo, hi = keep
+        mask >>= 1
+    return (sent + (numel if i < 2 * rem else 0)) * elem_bytes

@@ -1,17 +1,20 @@
 """Data parallel with all-reduce: torch's DistributedDataParallel over the mesh's dp axis.
 
 A tensor-parallel model (DTensor parameters, which DDP does not take) is averaged over dp by hand:
-one flat all-reduce after backward. Compression (`parallel.compression`) runs as a DDP comm hook.
+one flat all-reduce after backward. Compression (`parallel.compression`) runs as a DDP comm hook, and
+so does plait's own all-reduce (`parallel.allreduce = "ring" | "tree" | "hierarchical"`); the two do
+not combine (a compression hook makes its own collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plait.comm.accounting import ddp_allreduce_hook
+from plait.comm.accounting import AlgorithmHookState, algorithm_hook, ddp_allreduce_hook
 from plait.comm.compression import Compression, register_compression
 from plait.errors import ConfigError
 from plait.parallel import hetero
@@ -20,12 +23,16 @@ from plait.parallel.gradsync import allreduce_grads
 from plait.parallel.scheme import Build, Scheme
 
 
-def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None = None) -> DDP:
+def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None = None,
+              allreduce: str = "native", local_size: int = 0) -> DDP:
     """Wrap the model in DDP on the dp axis's process group (gradients averaged across replicas).
 
     The all-reduce goes through a Python hook (the same average as DDP's built-in one) so that
     plait.comm.accounting sees, counts and times every bucket. With `compression` the hook is
-    plait.comm.compression's instead; its state is kept as `ddp.plait_compression`.
+    plait.comm.compression's instead; its state is kept as `ddp.plait_compression`. With `allreduce`
+    other than "native" each bucket is summed by that plait.comm.algorithms all-reduce (hierarchical:
+    `local_size` consecutive ranks per node, 0 for LOCAL_WORLD_SIZE); the choice is kept as
+    `ddp.plait_allreduce` for a rebuild of the wrapper.
     """
     group = dp_mesh.get_group()
     ddp = DDP(
@@ -34,8 +41,12 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
+    ddp.plait_allreduce = {"allreduce": allreduce, "local_size": local_size}
     if compression is not None and compression.kind != "none":
         ddp.plait_compression = register_compression(ddp, group, compression)
+    elif allreduce != "native":
+        local = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", ddp.process_group.size()))
+        ddp.register_comm_hook(AlgorithmHookState(group, allreduce, local), algorithm_hook)
     else:
         ddp.register_comm_hook(group, ddp_allreduce_hook)
     return ddp
@@ -85,9 +96,23 @@ def check(cfg) -> None:
     if not (0.0 < p.topk_ratio <= 1.0):
         raise ConfigError(f"parallel.topk_ratio = {p.topk_ratio} must be in (0, 1] (the share of gradient entries sent, "
                           "e.g. 0.01); set --set parallel.topk_ratio=0.01")
+    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
+    if p.allreduce_local_size < 0:
+        raise ConfigError(f"parallel.allreduce_local_size = {p.allreduce_local_size} must be >= 0 (ranks per node for "
+                          "allreduce = 'hierarchical'; 0: LOCAL_WORLD_SIZE); set --set parallel.allreduce_local_size=0")
+    if p.allreduce != "native":
+        if p.sync != "allreduce" or p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+            raise ConfigError(
+                f"parallel.allreduce = {p.allreduce!r} runs DDP's gradient all-reduce as a comm hook: it needs "
+                f"parallel.sync = 'allreduce' and dp >= 2 with tp = pp = 1, zero = 0 and no embedding_sharding (here "
+                f"sync = {p.sync!r}, {layout}); set parallel.allreduce='native' or change the layout")
+        if p.compression != "none":
+            raise ConfigError(
+                f"parallel.allreduce = {p.allreduce!r} and parallel.compression = {p.compression!r} are both DDP comm "
+                "hooks and a model takes one; set parallel.allreduce='native' (compression makes its own collectives) "
+                "or parallel.compression='none'")
     if p.compression == "none":
         return
-    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
     if p.sync != "allreduce":
         raise ConfigError(
             f"parallel.compression = {p.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
@@ -102,7 +127,9 @@ def check(cfg) -> None:
 def transform(model: nn.Module, b: Build) -> nn.Module:
     if b.rt.axis_size("tp") > 1:
         return model  # DTensors: averaged by hand in DDPStrategy.after_backward
-    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_config(b.cfg.parallel))
+    p = b.cfg.parallel
+    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_config(p), allreduce=p.allreduce,
+                     local_size=p.allreduce_local_size)
 
 
 def build(b: Build) -> Strategy:

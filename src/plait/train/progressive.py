@@ -59,7 +59,8 @@ class Freezer:
         if isinstance(self.strategy.model, DDP):
             old = self.strategy.model
             old._remove_autograd_hooks()
-            self.strategy.model = apply_ddp(self.strategy.module, self.rt.mesh["dp"], self.rt.device, self.compression)
+            self.strategy.model = apply_ddp(self.strategy.module, self.rt.mesh["dp"], self.rt.device, self.compression,
+                                            **getattr(old, "plait_allreduce", {}))
             del old
         new = [{"step": self.plan.at[i], "frozen_blocks": i + 1, "froze": name}
                for i, name in enumerate(self.plan.names(self.plan.frozen)) if i >= before]
