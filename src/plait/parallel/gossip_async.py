@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from plait.comm import accounting
 from plait.comm.algorithms import group_ranks
 from plait.parallel.base import Strategy
 from plait.parallel.gossip import GossipStrategy, consensus_distance
@@ -107,9 +108,10 @@ class PairAverager:
         for t, new in zip(self.tensors, _unflatten_dense_tensors(flat, self.tensors)):
             t.detach().copy_(new)
 
-    def _current(self) -> torch.Tensor:
-        """The parameters as the next exchange sees them: the pending average plus the owner's changes since."""
-        flat = self._flat()
+    def _current(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters as the next exchange sees them: the pending average plus the owner's changes since
+        (flat: the tensors flattened, if the caller has them)."""
+        flat = self._flat() if flat is None else flat
         if self.pending is None:
             return flat
         avg, base = self.pending
@@ -152,6 +154,9 @@ class PairAverager:
             self._thread.start()
 
     def _serve(self) -> None:
+        # The bytes this thread sends are this rank's traffic, but its waits are not the owner's: the step's comm
+        # wait (and what a slow-device fault and hetero take for compute, the step minus that wait) stays the owner's.
+        accounting._local.caller_waits = True
         try:
             waiting = set(self.neighbours)  # active neighbours that have not said goodbye
             header = torch.empty(2, dtype=torch.int64)
@@ -165,9 +170,9 @@ class PairAverager:
                 theirs = torch.empty(sum(t.numel() for t in self.tensors), dtype=self.tensors[0].dtype)
                 dist.recv(theirs, src, group=self.group, tag=TAG_PARAMS)
                 with self.lock:
-                    mine = self._current()
-                    avg = theirs.add_(mine).div_(2)
-                    self.pending = (avg, self._flat())
+                    flat = self._flat()
+                    avg = theirs.add_(self._current(flat)).div_(2)
+                    self.pending = (avg, flat)
                     steps = self.steps
                     self.served += 1
                 dist.send(torch.tensor([steps]), src, group=self.group, tag=TAG_REPLY_HEADER)
