@@ -61,11 +61,12 @@ class FSDPStrategy(Strategy):
 def shard_init(cfg) -> bool:
     """Whether the model is built on the meta device and each rank materialises only its ZeRO-3 shards.
 
-    ZeRO-3 over dp alone: tensor/pipeline/expert/embedding layouts, init_from, LoRA and distillation
-    change or read the plain model before FSDP shards it, so they keep the whole-model build.
+    ZeRO-3 over dp, with or without tensor parallelism (the shards of a 2-D (dp, tp) DTensor are cut the
+    same way); pipeline/expert/embedding layouts, init_from, LoRA and distillation change or read the plain
+    model before FSDP shards it, so they keep the whole-model build.
     """
     p, ft = cfg.parallel, cfg.finetune
-    return (p.shard_init and p.zero == 3 and p.dp > 1 and p.tp == 1 and p.pp == 1 and p.ep == 1
+    return (p.shard_init and p.zero == 3 and p.dp > 1 and p.pp == 1 and p.ep == 1
             and p.embedding_sharding == "none" and p.sync == "allreduce" and not cfg.train.init_from
             and not cfg.distill.teacher and cfg.train.objective != "contrastive" and ft.lora_rank == 0)
 
