@@ -235,6 +235,8 @@ class LaunchConfig:
                               "rdzv_endpoint, other nodes their hostname)")
     rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
     max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
+    heartbeat_s: int = opt(5, "elastic jobs (c10d rendezvous): seconds between a node's heartbeats; a node silent for "
+                              "3 of them is dropped and the others re-form without it")
     launcher: str = opt("torchrun", "what starts the workers: torchrun (its elastic agent) or ray (a Ray Train TorchTrainer "
                                     "on RAY_ADDRESS or a local Ray cluster; pip install 'plait[ray]')", ("torchrun", "ray"))
     backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
@@ -626,7 +628,7 @@ def validate_config(cfg: Config) -> Config:
             _check_choice(cfg, f"{section}.{f.name}")
     for key in ("parallel.dp", "parallel.tp", "parallel.pp", "train.steps", "train.global_batch_size",
                 "train.micro_batch_size", "train.eval_batch_size", "checkpoint.keep",
-                "log.every", "launch.timeout_s", "data.synthetic_samples", "data.synthetic_features",
+                "log.every", "launch.timeout_s", "launch.heartbeat_s", "data.synthetic_samples", "data.synthetic_features",
                 "data.synthetic_classes", "model.width", "model.depth", "model.embedding_dim", "data.clicks_dense",
                 "model.projection_dim"):
         _positive(cfg, key)

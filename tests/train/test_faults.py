@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,31 +183,48 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_losing_a_node_shrinks_the_job_and_keeps_the_trajectory(job, uninterrupted, tmp_path):
-    """Two 1-process 'nodes' (launchers on loopback), nnodes = 1:2; node 1 dies, node 0 finishes alone."""
+def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_trajectory(job, uninterrupted, tmp_path):
+    """Two 1-process 'nodes' (launchers on loopback), nnodes = 1:2. Node 0 starts alone; node 1 joins after its first
+    step: the workers checkpoint and the job re-forms with 2 ranks (dp 1 x 2 accumulation -> dp 2). Once that job
+    has taken a step, node 1 dies (agent and worker): node 0 restarts from the latest checkpoint and finishes alone.
+    The weights are the uninterrupted run's."""
     run, port = tmp_path / "run", _free_port()
     common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
-              "--set", "launch.timeout_s=20"]
-    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.5"}
+              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=1"]  # node 1's death: seen in ~3 s
+    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=1.0"}  # node 1 needs a few seconds to start: node 0 must not finish
+    metrics = run / "metrics.jsonl"
+
+    def wait_for(done, what):
+        deadline = time.time() + 120
+        while not (metrics.is_file() and done(metrics.read_text().splitlines())):
+            assert time.time() < deadline and node0.poll() is None, f"no {what}: {node0.poll()}"
+            time.sleep(0.2)
+
     node0 = subprocess.Popen(common + ["--set", "launch.node_rank=0"], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    node1 = subprocess.Popen(common + ["--set", "launch.node_rank=1"], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    node1 = None
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run / "checkpoints" / "step_0000003").is_dir():
-            time.sleep(0.2)
+        wait_for(lambda lines: any(x.startswith('{"step": 1,') for x in lines), "first step")
+        node1 = subprocess.Popen(common + ["--set", "launch.node_rank=1"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        # a step of the 2-rank job: a step row after the second session's line
+        wait_for(lambda lines: any('"world_size": 2' in x for x in lines) and lines[-1].startswith('{"step"') and
+                 '"loss"' in lines[-1] and any('"world_size": 2' in x for x in lines[:-1]), "step at 2 ranks")
         for pid in process_tree(node1.pid):  # the whole node: its agent and its worker (in a session of its own)
             os.kill(pid, signal.SIGKILL)
         out, _ = node0.communicate(timeout=240)
     finally:
         for p in (node0, node1):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.kill()
     assert node0.returncode == 0, out
-    assert "world size is 1 (the config asks for 2): data parallel 2 -> 1, accumulation 1 -> 2" in out
-    assert "resuming from" in out
+    assert out.count("world size is 1 (the config asks for 2): data parallel 2 -> 1, accumulation 1 -> 2") == 2, out
+    assert re.search(r"stopped by SIGTERM after step \d+: checkpoint \d+ written", out), out
+    sessions = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "session"' in x]
+    assert [x["world_size"] for x in sessions] == [1, 2, 1], sessions
+    assert [x["restart_count"] for x in sessions] == [0, 0, 1], sessions  # joining is no restart; a lost node is
+    assert 0 < sessions[1]["since_checkpoint_s"] < 60  # the pause for re-forming (the closing note reports it)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 10
     assert max_diff(uninterrupted, weights(run)) <= 1e-5

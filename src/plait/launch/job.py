@@ -82,6 +82,9 @@ def note_session(run_dir: Path | None, env: ClusterEnv) -> None:
         return
     record = {"event": "session", "manager": env.manager, "world_size": env.world_size, "restart_count": env.restart_count,
               "unix_time": round(time.time(), 3)}
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.is_symlink():  # a resumed session: how long since the checkpoint it continues from was published
+        record["since_checkpoint_s"] = round(time.time() - latest.lstat().st_mtime, 3)
     if os.environ.get("SLURM_JOB_ID"):  # also when torchrun's agent runs inside a Slurm job (plait's job.sbatch)
         record.update(slurm_job_id=os.environ["SLURM_JOB_ID"],
                       slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
@@ -104,6 +107,9 @@ def run_worker(cfg: Config, run_dir: Path | None, resume: bool = False, env: Clu
     export_env(env)
     note_session(run_dir, env)
     restarted = env.restart_count > 0  # torchrun restarted the workers, Slurm requeued the job, Ray retried
+    # An elastic job's workers also restart when a node joins or leaves, and torch counts that as no restart. A new
+    # run's directory holds no checkpoint (plait train refuses one that does), so one found here is this job's.
+    restarted = restarted or cfg.node_range[0] < cfg.node_range[1]
     try:
         return train(cfg, run_dir, resume=resume or restarted)
     finally:

@@ -67,6 +67,7 @@ def launch_config(cfg: Config, run_dir: Path):
         # Once MIN nodes are there, wait this long for the rest (torch's default is 30 s; a restart
         # after a lost node should not idle that long).
         rdzv_configs["last_call_timeout"] = 5
+        rdzv_configs["keep_alive_interval"] = cfg.launch.heartbeat_s
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -101,6 +102,12 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
 
     _quiet_agent()
     os.environ.update(worker_env(cfg))
+    if cfg.node_range[0] < cfg.node_range[1]:
+        # A node joining a running elastic job restarts the workers with more ranks. With the agent's rendezvous
+        # store shared with the workers (torch's default), that restart waits forever on keys each agent wrote
+        # where the other does not look (torch 2.13; plain torchrun --nnodes 1:2 does the same): give the workers
+        # a store of their own.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = ["-m", "plait.worker", str(run_dir)] + (["--resume"] if resume else [])
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
