@@ -5,6 +5,7 @@ optimizer's bytes, and checkpoints hold the state (a run stopped half-way resume
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -61,8 +62,11 @@ def test_disk_offload_with_zero1_keeps_the_trajectory_and_resumes(pool2, tiny_te
     run = tmp_path / "disk"  # stopped after 3 steps, resumed from the checkpoint (which holds the offloaded state)
     pool2.run(rank0_params, cfg(tiny_text, "parallel.offload='disk'", "train.stop_after=3"), run)
     assert sorted(d.name for d in (run / "offload").iterdir()) == ["rank-0", "rank-1"]
+    shutil.copytree(run, tmp_path / "plain", symlinks=True)
     got = pool2.run(rank0_params, cfg(tiny_text, "parallel.offload='disk'"), run, True)[0]
     assert max_diff(ref, got) <= 1e-6
+    # the checkpoint is an ordinary one: it resumes without offload too
+    assert max_diff(ref, pool2.run(rank0_params, cfg(tiny_text), tmp_path / "plain", True)[0]) <= 1e-6
     assert len(losses(run)) == 6
     assert losses(run) == pytest.approx(losses(tmp_path / "none"), abs=1e-6)
     summary = json.loads((run / "summary.json").read_text())

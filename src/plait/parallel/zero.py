@@ -80,6 +80,30 @@ class ZeroOneStrategy(Strategy):
         # one float32 norm over a whole segment loses precision as the segment grows.
         return clip_grads([], max_norm, partial=[p.grad for p in self.owned], group=self.group)
 
+    def state_dict(self) -> dict:
+        self._init_optimizer_state()
+        return super().state_dict()
+
+    @torch.no_grad()
+    def _init_optimizer_state(self) -> None:
+        """Create the optimizer's state (a zero-gradient step at lr 0) before the first step, for a load to fill.
+
+        DCP does this itself only when no parameter has a gradient, and here every one always has (views
+        of the flat buffer): without it a resumed run's template held no optimizer state and AdamW restarted
+        from zero moments.
+        """
+        if self.optimizer.state:
+            return
+        grads = self.flat_grads.clone()
+        self.flat_grads.zero_()
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        self.optimizer.step()  # lr 0, gradients 0: the parameters do not move
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.flat_grads.copy_(grads)
+
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
         lo = self.rank * self.segment
