@@ -47,7 +47,7 @@ plait.train.memory does):
     (--ds-shard-all, on by default) sets it to 0 so that every parameter is sharded.
 
 state = params + grads + optim (+ master for DeepSpeed), next to the ZeRO paper's fp32 AdamW
-formula (plait.plan.bench_memory.formula_bytes, K = 8). Bytes sent per step are counted by
+formula (plait.launch.bench_memory.formula_bytes, K = 8). Bytes sent per step are counted by
 plait.comm.counting, which wraps torch.distributed's collectives (DeepSpeed calls them too).
 A stage that fails prints its error in the table and in the JSON instead of numbers.
 
@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 
 from plait.config import load_config
-from plait.plan.bench_memory import formula_bytes
+from plait.launch.bench_memory import formula_bytes
 from plait.testing import RankPool
 
 MIB = 1024 * 1024

@@ -156,7 +156,7 @@ def cmd_export_edge(a) -> int:
 
 
 def cmd_bench_memory(a) -> int:
-    from plait.plan.bench_memory import bench_memory  # lazily: plait --help must not import torch
+    from plait.launch.bench_memory import bench_memory  # lazily: plait --help must not import torch
 
     base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
     out = a.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -235,6 +235,9 @@ class LaunchConfig:
                               "rdzv_endpoint, other nodes their hostname)")
     rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
     max_restarts: int = opt(0, "times torchrun's agent restarts failed workers")
+    on_resize: str = opt("dp", "an elastic job whose world size changed: dp (keep tp and pp, adapt data parallelism) "
+                               "or replan (when tp x pp or the batch no longer divides, the fastest fitting layout "
+                               "plait plan finds for the new size)", ("dp", "replan"))
     heartbeat_s: int = opt(5, "elastic jobs (c10d rendezvous): seconds between a node's heartbeats; a node silent for "
                               "3 of them is dropped and the others re-form without it")
     launcher: str = opt("torchrun", "what starts the workers: torchrun (its elastic agent) or ray (a Ray Train TorchTrainer "

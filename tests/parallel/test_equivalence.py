@@ -179,6 +179,39 @@ def test_four_rank_layouts(pool4, reference, base, tmp_path, name):
     assert_same_trajectory(reference("gpt"), got)
 
 
+def resized(cfg, run_dir: Path):
+    """Pool task: what an elastic job's restarted worker does after losing ranks (plait.launch.job.fit for the pool's
+    world size), then resume; (the layout it chose, the trajectory) on rank 0."""
+    import torch.distributed as dist
+
+    from plait.launch.env import ClusterEnv
+    from plait.launch.job import fit
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    env = ClusterEnv("torchrun", "process", world, rank, rank, world, 0, "1:2", "127.0.0.1", 0)
+    new = fit(cfg, env)
+    params = params_after(new, run_dir, resume=True)
+    p = new.parallel
+    return ((p.dp, p.tp, p.pp), read_trajectory(run_dir, params)) if rank == 0 else None
+
+
+def test_a_tp_pp_job_that_loses_half_its_ranks_replans_and_keeps_the_trajectory(pool4, pool2, reference, base,
+                                                                                  tmp_path):
+    """launch.on_resize = 'replan': tp 2 x pp 2 on 4 ranks, then 2 ranks remain (tp x pp cannot divide them): the
+    planner's layout of 2 ranks takes over from the checkpoint of step 2, and the 4 steps are one process's."""
+    cfg = load_config(None, [*base["gpt"], *SGD, *FOUR["pp2xtp2"], "launch.on_resize='replan'",
+                             "launch.max_restarts=1", "train.stop_after=2"])
+    pool4.run(trajectory_part, cfg, tmp_path)
+    cfg.train.stop_after = 0
+    layout, got = pool2.run(resized, cfg, tmp_path)[0]
+    assert layout[0] * layout[1] * layout[2] == 2 and layout != (1, 2, 2)
+    assert_same_trajectory(reference("gpt"), got)
+
+
+def trajectory_part(cfg, run_dir: Path) -> None:
+    params_after(cfg, run_dir)
+
+
 def test_untied_embeddings_under_pipeline_and_tensor_parallel(pool4, reference, base, tmp_path):
     # Tied, the embedding and the head are one weight whose two copies (first and last stage) sum their
     # gradients; untied they are two weights, each on its own stage.

@@ -47,6 +47,15 @@ def fit_to_world(cfg: Config, world: int) -> Config:
     return new
 
 
+def vocab_size(cfg: Config) -> int:
+    """The model's vocabulary: as configured, else the data's (what the model will be built with)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    from plait.data import build_data
+
+    return build_data(cfg.data, cfg.model).spec.vocab_size
+
+
 def fit(cfg: Config, env: ClusterEnv) -> Config:
     """The config this rank trains with: as written, or resized for an elastic job; else a mismatch is an error."""
     asked = Layout.from_config(cfg)
@@ -55,6 +64,18 @@ def fit(cfg: Config, env: ClusterEnv) -> Config:
         return cfg
     if not cfg.elastic:
         asked.check_world(world, where=env.world_source())
+    if cfg.launch.on_resize == "replan":
+        try:
+            fit_to_world(cfg, world)
+        except ConfigError as e:
+            from plait.plan.replan import describe, layout_of, replan
+
+            new, why = replan(cfg, world, vocab_size(cfg))
+            if not env.rank:
+                print(f"world size is {world} (the config asks for {asked.world_size}): {describe(layout_of(cfg))} "
+                      f"cannot continue ({e}); replanned (launch.on_resize = 'replan'): {why}, global batch "
+                      f"{cfg.train.global_batch_size} unchanged", flush=True)
+            return new
     cfg = fit_to_world(cfg, world)
     now = Layout.from_config(cfg)
     if not env.rank:
