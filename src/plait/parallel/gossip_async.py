@@ -240,11 +240,12 @@ class AsyncGossipStrategy(GossipStrategy):
 
     def step_metrics(self, record: dict) -> dict:
         # Logging steps follow an all-gather: every exchange of this step is complete, none has begun since.
+        params = list(self.module.parameters())
         with self.averager.lock:
             self.averager.apply_pending()
-            flat = self.averager._flat()
+            flat = _flatten_dense_tensors([p.detach() for p in params])  # on the device: the dp group may be NCCL's
         out = {"consensus_distance": consensus_distance([flat], self.group)}
-        window = torch.tensor(self._window, dtype=torch.float64)
+        window = torch.tensor(self._window, dtype=torch.float64, device=flat.device)
         dist.all_reduce(window[:2], group=self.group)
         dist.all_reduce(window[2:], op=dist.ReduceOp.MAX, group=self.group)
         self._window = [0, 0, 0]
