@@ -59,14 +59,15 @@ class FSDPStrategy(Strategy):
 
 
 def shard_init(cfg) -> bool:
-    """Whether the model is built on the meta device and each rank materialises only its ZeRO-3 shards.
+    """Whether the model is built on the meta device and each rank materialises only its own shards.
 
-    ZeRO-3 over dp, with or without tensor parallelism (the shards of a 2-D (dp, tp) DTensor are cut the
-    same way); pipeline/expert/embedding layouts, init_from, LoRA and distillation change or read the plain
-    model before FSDP shards it, so they keep the whole-model build.
+    ZeRO-2/3 (FSDP shards parameters at rest in both; after sharding), tensor parallelism (after its split;
+    the shards of a 2-D (dp, tp) DTensor are cut the same way). Pipeline/expert/embedding layouts,
+    init_from, LoRA and distillation change or read the plain model before it is cut, so they keep the
+    whole-model build.
     """
     p, ft = cfg.parallel, cfg.finetune
-    return (p.shard_init and p.zero == 3 and p.dp > 1 and p.pp == 1 and p.ep == 1
+    return (p.shard_init and ((p.zero >= 2 and p.dp > 1) or p.tp > 1) and p.pp == 1 and p.ep == 1
             and p.embedding_sharding == "none" and p.sync == "allreduce" and not cfg.train.init_from
             and not cfg.distill.teacher and cfg.train.objective != "contrastive" and ft.lora_rank == 0)
 
@@ -112,15 +113,7 @@ def build(b: Build) -> Strategy:
         b.rt.print(f"note: parallel.offload = {b.cfg.parallel.offload!r} has no effect on a CPU run (the shards already "
                    "live in CPU memory)")
     model = b.parallelize(b.module)
-    init = None
-    if b.meta_init is not None:  # shard-only initialisation: the single-process values, this rank's shards only
-        from plait.models.meta import materialize
-
-        init = materialize(model, b.meta_init, b.rt.device)
-        mb = 1 / 2**20
-        b.rt.print(f"shard-only init: {init['local_bytes'] * mb:.1f} MiB of parameters on this rank, at most "
-                   f"{init['peak_bytes'] * mb:.1f} MiB while materialising (the whole model: "
-                   f"{init['full_bytes'] * mb:.1f} MiB)")
+    init = b.materialize(model)  # shard-only initialisation: the single-process values, this rank's shards only
     # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
     precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
     strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,

@@ -54,6 +54,24 @@ class Build:
         """Samples per step on this data-parallel rank."""
         return self.layout.local_batch
 
+    def materialize(self, model: nn.Module) -> dict | None:
+        """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init, once; its figures.
+
+        The scheme that cuts the parameters calls it once they are cut (FSDP after sharding, tensor
+        parallel without FSDP after its split); later calls, and runs built the ordinary way, do nothing.
+        """
+        if self.meta_init is None:
+            return None
+        from plait.models.meta import materialize
+
+        init = materialize(model, self.meta_init, self.rt.device)
+        self.meta_init = None
+        mb = 1 / 2**20
+        self.rt.print(f"shard-only init: {init['local_bytes'] * mb:.1f} MiB of parameters on this rank, at most "
+                      f"{init['peak_bytes'] * mb:.1f} MiB while materialising (the whole model: "
+                      f"{init['full_bytes'] * mb:.1f} MiB)")
+        return init
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the transform of every scheme that applies, in SCHEMES order, to a plain model (or pipeline stage)."""
         for scheme in self.schemes:

@@ -71,7 +71,10 @@ def check_model(cfg, model: nn.Module | None) -> None:
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
-    return apply_tp(model, b.rt.mesh["tp"], b.cfg.parallel.sequence_parallel)
+    model = apply_tp(model, b.rt.mesh["tp"], b.cfg.parallel.sequence_parallel)
+    if b.cfg.parallel.zero < 2:  # shard-only initialisation: this rank's pieces now (with FSDP: once it has sharded)
+        b.materialize(model)
+    return model
 
 
 SCHEME = Scheme("tensor_parallel", applies=lambda cfg: cfg.parallel.tp > 1, check=check, check_model=check_model,
