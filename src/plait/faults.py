@@ -69,8 +69,13 @@ def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
             dist.broadcast(torch.zeros(3), dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
 
-def slow_compute(rank: int, seconds: float) -> None:
-    """After a rank's forward/backward of `seconds`: a `slow:...:factor=F` fault makes it last F times as long."""
+def slow_compute(rank: int, seconds: float) -> float:
+    """After a rank's forward/backward of `seconds`: a `slow:...:factor=F` fault makes it last F times as long.
+    Returns the seconds slept (0 without the fault)."""
+    slept = 0.0
     for f in _active():
         if f["kind"] == "slow" and "factor" in f and int(f.get("rank", rank)) == rank:
-            time.sleep(max(0.0, float(f["factor"]) - 1.0) * max(0.0, seconds))
+            pause = max(0.0, float(f["factor"]) - 1.0) * max(0.0, seconds)
+            time.sleep(pause)
+            slept += pause
+    return slept

@@ -134,12 +134,17 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
                     # Dropout masks derive from (seed, step, rank): exact on resume, statistical across layouts.
                     torch.manual_seed(mix_seed(t.seed, step, rt.rank))
                 with tel.phase("forward_backward"):
-                    t0, waited = time.perf_counter(), tel.comm.wait_s
+                    t0, cpu0, waited = time.perf_counter(), time.thread_time(), tel.comm.wait_s
                     loss = strategy.forward_backward(micro)
-                    # compute alone (collective waits out): what a slow-device fault scales, what hetero measures
-                    slow_compute(rt.rank, time.perf_counter() - t0 - (tel.comm.wait_s - waited))
+                    # Compute alone, what a slow-device fault scales and what hetero measures. On CPU: this thread's
+                    # CPU time (waiting for a collective takes none; the wall time less the collectives' issue-to-
+                    # completion times would also take out backward compute that overlapped them). On an accelerator:
+                    # the wall time less those waits.
+                    compute = (time.thread_time() - cpu0 if rt.device.type == "cpu"
+                               else time.perf_counter() - t0 - (tel.comm.wait_s - waited))
+                    slept = slow_compute(rt.rank, compute)
                     if hetero is not None:
-                        hetero.add(time.perf_counter() - t0 - (tel.comm.wait_s - waited), sum(len(x) for x, _ in micro))
+                        hetero.add(compute + slept, sum(len(x) for x, _ in micro))
                 with tel.phase("optimizer"):
                     grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip, need_norm=tel.logs(step + 1))
                     strategy.optimizer_step()
