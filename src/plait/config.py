@@ -173,7 +173,7 @@ class ParallelConfig:
                        "RUN_DIR/offload, zero 0/1); optimizer (host memory, GPU runs, zero 0/1); params (FSDP2's CPU "
                        "offload of parameters, gradients and state, GPU runs, zero 2/3)",
                        ("none", "disk", "optimizer", "params"))
-    shard_init: bool = opt(True, "zero 2/3 or tp: build the model on the meta device and materialise only this "
+    shard_init: bool = opt(True, "zero 2/3, tp or pp: build the model on the meta device and materialise only this "
                            "rank's shards (the same values as a single process's initialisation)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved-1f1b", ("gpipe", "1f1b", "interleaved-1f1b"))
     microbatches: int = opt(0, "pipeline micro-batches per step (0: global_batch_size / (micro_batch_size * dp))")

@@ -44,6 +44,7 @@ class InitRecord:
     ops: list[Op] = field(default_factory=list)
     rng_state: torch.Tensor | None = None  # the CPU generator's state when the build started
     names: dict[int, str] = field(default_factory=dict)  # storage key -> parameter name (first of tied names)
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # that name -> every name of the parameter
     shapes: dict[str, tuple] = field(default_factory=dict)  # parameter name -> (shape, dtype)
     unsupported: str = ""  # why the build cannot be replayed ("" when it can)
 
@@ -117,15 +118,16 @@ def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecord
     try:
         with torch.device("meta"), recorder:
             module = build()
-    except (RuntimeError, NotImplementedError) as e:  # data-dependent code cannot run on meta tensors
+    except Exception as e:  # noqa: BLE001 -- data-dependent code cannot run on meta tensors: build it the usual way
         record.unsupported = f"the model cannot be built on the meta device ({str(e).splitlines()[0]})"
         return None, record
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-    for name, p in module.named_parameters():
-        record.names.setdefault(_key(p), name)
-        record.shapes[name] = (tuple(p.shape), p.dtype)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first = record.names.setdefault(_key(p), name)
+        record.aliases.setdefault(first, []).append(name)
+        record.shapes.setdefault(first, (tuple(p.shape), p.dtype))
     buffers = [name for name, _ in module.named_buffers()]
     if buffers and not record.unsupported:
         record.unsupported = f"the model has buffers ({', '.join(buffers[:3])}), which are computed, not drawn"
@@ -236,6 +238,8 @@ def local_part(p: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch
 def materialize(module: nn.Module, record: InitRecord, device: torch.device) -> dict:
     """Allocate module's (possibly sharded) meta parameters on `device` and fill them from the record.
 
+    `module` may hold only some of the parameters (a pipeline stage: a tied weight's other name counts).
+
     Returns {"full_bytes": the whole model's parameter bytes, "local_bytes": this rank's,
     "peak_bytes": the most parameter bytes this process held at once while materialising}.
     """
@@ -256,7 +260,9 @@ def materialize(module: nn.Module, record: InitRecord, device: torch.device) -> 
     full_bytes = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in record.shapes.values())
     stats: dict = {}
     for name, full in replay(record, stats):
-        target, part = local_part(params[name], full)
-        target.copy_(part)
+        for alias in record.aliases[name]:
+            if alias in params:
+                target, part = local_part(params[alias], full)
+                target.copy_(part)
         del full
     return {"full_bytes": full_bytes, "local_bytes": local, "peak_bytes": local + stats["peak_live_bytes"]}

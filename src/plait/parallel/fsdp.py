@@ -62,12 +62,12 @@ def shard_init(cfg) -> bool:
     """Whether the model is built on the meta device and each rank materialises only its own shards.
 
     ZeRO-2/3 (FSDP shards parameters at rest in both; after sharding), tensor parallelism (after its split;
-    the shards of a 2-D (dp, tp) DTensor are cut the same way). Pipeline/expert/embedding layouts,
-    init_from, LoRA and distillation change or read the plain model before it is cut, so they keep the
-    whole-model build.
+    the shards of a 2-D (dp, tp) DTensor are cut the same way), pipeline stages (each stage its own).
+    Expert/embedding layouts, init_from, LoRA and distillation change or read the plain model before it
+    is cut, so they keep the whole-model build.
     """
     p, ft = cfg.parallel, cfg.finetune
-    return (p.shard_init and ((p.zero >= 2 and p.dp > 1) or p.tp > 1) and p.pp == 1 and p.ep == 1
+    return (p.shard_init and ((p.zero >= 2 and p.dp > 1) or p.tp > 1 or p.pp > 1) and p.ep == 1
             and p.embedding_sharding == "none" and p.sync == "allreduce" and not cfg.train.init_from
             and not cfg.distill.teacher and cfg.train.objective != "contrastive" and ft.lora_rank == 0)
 

@@ -433,6 +433,8 @@ def build(b: Build) -> PipelineStrategy:
     bounds = stage_bounds(module, pp * v, p.pp_split or None)
     mine = [rt.axis_rank("pp") + k * pp for k in range(v)]
     parts = [b.parallelize(pipeline_stage(module, bounds, s)) for s in mine]
+    for part in parts:  # shard-only initialisation: each stage fills its own parameters (tp has, if it split them)
+        b.materialize(part)
     tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
     strategy = PipelineStrategy(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
                                 microbatches(b.cfg), p.pp_schedule, pipeline_parts(module)["blocks"], tied,

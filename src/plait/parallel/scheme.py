@@ -55,17 +55,17 @@ class Build:
         return self.layout.local_batch
 
     def materialize(self, model: nn.Module) -> dict | None:
-        """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init, once; its figures.
+        """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init; its figures.
 
         The scheme that cuts the parameters calls it once they are cut (FSDP after sharding, tensor
-        parallel without FSDP after its split); later calls, and runs built the ordinary way, do nothing.
+        parallel without FSDP after its split, the pipeline for each stage); a model already filled, or a
+        run built the ordinary way, is left alone.
         """
-        if self.meta_init is None:
+        if self.meta_init is None or not any(p.is_meta for p in model.parameters()):
             return None
         from plait.models.meta import materialize
 
         init = materialize(model, self.meta_init, self.rt.device)
-        self.meta_init = None
         mb = 1 / 2**20
         self.rt.print(f"shard-only init: {init['local_bytes'] * mb:.1f} MiB of parameters on this rank, at most "
                       f"{init['peak_bytes'] * mb:.1f} MiB while materialising (the whole model: "
