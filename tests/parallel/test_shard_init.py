@@ -123,9 +123,18 @@ class Copied(nn.Module):
         self.b.weight.data.copy_(self.a.weight)
 
 
+class Loaded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.a.load_state_dict({"weight": torch.ones(3, 3, device="cpu"), "bias": torch.zeros(3, device="cpu")},
+                               assign=True)
+
+
 @pytest.mark.parametrize("model, reason", [
     (Truncated, "torch.nn.init.trunc_normal_ cannot be replayed (its values depend on data)"),
     (Copied, "aten.copy_.default writes a tensor from another tensor"),
+    (Loaded, "parameters off the meta device (a.weight, a.bias), e.g. loaded weights"),
 ])
 def test_data_dependent_initialisation_is_refused_with_the_reason(model, reason):
     _, record = build_on_meta(model)

@@ -128,6 +128,9 @@ def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecord
         first = record.names.setdefault(_key(p), name)
         record.aliases.setdefault(first, []).append(name)
         record.shapes.setdefault(first, (tuple(p.shape), p.dtype))
+    real = [name for name, p in module.named_parameters() if not p.is_meta]
+    if real and not record.unsupported:  # e.g. weights loaded with assign=True: values the record does not hold
+        record.unsupported = f"parameters off the meta device ({', '.join(real[:3])}), e.g. loaded weights"
     buffers = [name for name, _ in module.named_buffers()]
     if buffers and not record.unsupported:
         record.unsupported = f"the model has buffers ({', '.join(buffers[:3])}), which are computed, not drawn"
