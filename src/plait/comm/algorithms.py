@@ -41,12 +41,16 @@ def group_ranks(group=None) -> list[int]:
 
 
 def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
-    """Send `send` to global rank dst while receiving `recv` from src (either may be None or empty)."""
+    """Send `send` to global rank dst while receiving `recv` from src (either may be None or empty).
+
+    Both in segments (_segments), as every transfer here is: a vector of a given size travels in the
+    same pieces whichever function sends or receives it.
+    """
     reqs = []
-    if recv is not None and recv.numel():
-        reqs.append(dist.irecv(recv, src))
-    if send is not None and send.numel():
-        reqs.append(dist.isend(send, dst))
+    if recv is not None:
+        reqs += [dist.irecv(recv[a:b], src) for a, b in _segments(recv.numel(), recv.element_size())]
+    if send is not None:
+        reqs += [dist.isend(send[a:b], dst) for a, b in _segments(send.numel(), send.element_size())]
     for req in reqs:
         req.wait()
 
@@ -138,11 +142,51 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = 
     if len(ranks) == 1:
         return tensor
     flat = _flat(tensor)
-    chunks = list(torch.tensor_split(flat, len(ranks)))
-    ring_reduce_scatter_chunks(chunks, ranks)
-    ring_all_gather_chunks(chunks, ranks)
+    _pipelined_ring(list(torch.tensor_split(flat, len(ranks))), ranks)
     _writeback(tensor, flat)
     return tensor
+
+
+def _pipelined_ring(chunks: list[torch.Tensor], ranks: list[int]) -> None:
+    """The ring's 2 (n-1) steps as one pipeline of segments, every receive posted up front.
+
+    A receive posted late costs a round trip (gloo's transport sends only into a posted receive) and a
+    wake-up on a busy machine, per step; posted at the start, each arrives while this rank works on
+    the previous one. A segment goes on to the right neighbour as soon as it is summed (or, in the
+    all-gather, received), so the steps overlap too. Receiving into a chunk this rank is still sending
+    is safe: the sum of a chunk cannot come back before the whole ring has read this rank's share.
+    """
+    n, i = len(ranks), _me(ranks)
+    right, left = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    es = chunks[0].element_size()
+    cuts = [_segments(c.numel(), es) for c in chunks]
+    # reduce-scatter step s receives chunk (i-s-2) % n into its own stretch of scratch, then adds it
+    total = sum(chunks[(i - s - 2) % n].numel() for s in range(n - 1))
+    scratch = _scratch(chunks[0], total) if total else None
+    rs, off = [], 0
+    for s in range(n - 1):
+        c = (i - s - 2) % n
+        buf = scratch[off:off + chunks[c].numel()] if total else None
+        off += chunks[c].numel()
+        rs.append([(chunks[c][a:b], buf[a:b], dist.irecv(buf[a:b], left)) for a, b in cuts[c]])
+    # all-gather step s receives chunk (i-s-1) % n straight into place
+    ag = [[(chunks[c][a:b], dist.irecv(chunks[c][a:b], left)) for a, b in cuts[c]]
+          for c in ((i - s - 1) % n for s in range(n - 1))]
+    first = (i - 1) % n
+    sends = [dist.isend(chunks[first][a:b], right) for a, b in cuts[first]]
+    for step in rs:
+        for dst, buf, req in step:
+            req.wait()
+            dst.add_(buf)
+            sends.append(dist.isend(dst, right))  # the next step's share; after the last, chunk i: the all-gather's
+    for step in ag[:-1]:
+        for dst, req in step:
+            req.wait()
+            sends.append(dist.isend(dst, right))
+    for _, req in ag[-1]:
+        req.wait()
+    for req in sends:
+        req.wait()
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
