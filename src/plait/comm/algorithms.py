@@ -218,8 +218,26 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
 # ----------------------------------------------------------------------------- halving-doubling
 
 
+def _irecvs(t: torch.Tensor, src: int) -> list:
+    return [(a, b, dist.irecv(t[a:b], src)) for a, b in _segments(t.numel(), t.element_size())]
+
+
+def _isends(t: torch.Tensor, dst: int) -> list:
+    return [dist.isend(t[a:b], dst) for a, b in _segments(t.numel(), t.element_size())]
+
+
+def _add_as_they_come(dst: torch.Tensor, buf: torch.Tensor, recvs: list) -> None:
+    for a, b, req in recvs:
+        req.wait()
+        dst[a:b].add_(buf[a:b])
+
+
 def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = None) -> torch.Tensor:
-    """Sum `tensor` in place: recursive halving reduce-scatter, then recursive doubling all-gather."""
+    """Sum `tensor` in place: recursive halving reduce-scatter, then recursive doubling all-gather.
+
+    Every receive is posted up front, as in the ring (_pipelined_ring): the halving's into scratch, the
+    doubling's straight into the half this rank gave away (its partner sends it back only after reading it).
+    """
     ranks = ranks if ranks is not None else group_ranks(group)
     n, i = len(ranks), _me(ranks)
     if n == 1:
@@ -228,16 +246,15 @@ def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = 
     p = 1 << (n.bit_length() - 1)  # largest power of two <= n
     rem = n - p
     # Fold: among the first 2*rem ranks, even ones give their vector to their odd neighbour.
-    if i < 2 * rem:
-        if i % 2 == 0:
-            _exchange(flat, ranks[i + 1], None, -1)
-            _exchange(None, -1, flat, ranks[i + 1])  # the result comes back at the end
-            _writeback(tensor, flat)
-            return tensor
-        _reduce_exchange(None, -1, flat, ranks[i - 1])
-        new = i // 2
-    else:
-        new = i - rem
+    if i < 2 * rem and i % 2 == 0:
+        back = _irecvs(flat, ranks[i + 1])  # the result comes back at the end
+        sends = _isends(flat, ranks[i + 1])
+        for *_, req in back + [(0, 0, r) for r in sends]:
+            req.wait()
+        _writeback(tensor, flat)
+        return tensor
+    folded = i < 2 * rem
+    new = i // 2 if folded else i - rem
 
     def actual(newrank: int) -> int:
         return ranks[2 * newrank + 1] if newrank < rem else ranks[newrank + rem]
@@ -245,20 +262,38 @@ def tree_all_reduce(tensor: torch.Tensor, group=None, ranks: list[int] | None = 
     base, extra = divmod(flat.numel(), p)  # chunk c has base + (c < extra) elements, as tensor_split cuts
     bounds = [c * base + min(c, extra) for c in range(p + 1)]
     lo, hi = 0, p  # the chunk range this rank is responsible for
-    steps = []
+    steps = []  # (partner, kept slice, given slice)
     mask = p >> 1
     while mask:
-        partner = actual(new ^ mask)
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if not new & mask else ((mid, hi), (lo, mid))
-        _reduce_exchange(flat[bounds[give[0]]:bounds[give[1]]], partner, flat[bounds[keep[0]]:bounds[keep[1]]], partner)
-        steps.append((partner, keep, give))
+        steps.append((actual(new ^ mask), flat[bounds[keep[0]]:bounds[keep[1]]], flat[bounds[give[0]]:bounds[give[1]]]))
         lo, hi = keep
         mask >>= 1
-    for partner, keep, give in reversed(steps):  # doubling: swap the summed halves back
-        _exchange(flat[bounds[keep[0]]:bounds[keep[1]]], partner, flat[bounds[give[0]]:bounds[give[1]]], partner)
-    if i < 2 * rem:  # an odd rank of the fold returns the result to its even neighbour
-        _exchange(flat, ranks[i - 1], None, -1)
+    scratch = _scratch(flat, (flat.numel() if folded else 0) + sum(k.numel() for _, k, _ in steps))
+    off, fold_in = 0, None
+    if folded:
+        fold_in = _irecvs(scratch[:flat.numel()], ranks[i - 1])
+        off = flat.numel()
+    halving = []
+    for partner, kept, _ in steps:
+        halving.append((scratch[off:off + kept.numel()], _irecvs(scratch[off:off + kept.numel()], partner)))
+        off += kept.numel()
+    doubling = [_irecvs(given, partner) for partner, _, given in steps]
+    sends = []
+    if folded:
+        _add_as_they_come(flat, scratch, fold_in)
+    for (partner, kept, given), (buf, recvs) in zip(steps, halving):
+        sends += _isends(given, partner)
+        _add_as_they_come(kept, buf, recvs)
+    for (partner, kept, _), recvs in zip(reversed(steps), reversed(doubling)):  # swap the summed halves back
+        sends += _isends(kept, partner)
+        for *_, req in recvs:
+            req.wait()
+    if folded:  # an odd rank of the fold returns the result to its even neighbour
+        sends += _isends(flat, ranks[i - 1])
+    for req in sends:
+        req.wait()
     _writeback(tensor, flat)
     return tensor
 
