@@ -178,7 +178,8 @@ class ParallelConfig:
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved-1f1b", ("gpipe", "1f1b", "interleaved-1f1b"))
     microbatches: int = opt(0, "pipeline micro-batches per step (0: global_batch_size / (micro_batch_size * dp))")
     virtual_stages: int = opt(1, "interleaved-1f1b: model chunks per pipeline rank")
-    pp_split: list = opt([], "block indices where pipeline stages begin, e.g. [2] (empty: balance by parameters)")
+    pp_split: list | str = opt([], "block indices where pipeline stages begin, e.g. [2] (empty: balance by parameters; "
+                                   "\"auto\": by each block's time measured on each pipeline rank, HetPipe-style)")
     sequence_parallel: bool = opt(False, "with tp: shard LayerNorm/dropout activations along the sequence")
     sync: str = opt("allreduce", "how dp replicas agree: allreduce, ps (parameter server) or gossip",
                     ("allreduce", "ps", "gossip"))

@@ -263,6 +263,7 @@ class PipelineStrategy(Strategy):
     def figures(self, reports: list[dict], run_dir) -> dict:
         """The measured bubble next to the theory, micro-batches in flight per stage, and the timeline plot."""
         summary = pipeline_summary(reports, self.schedule_name, self.pp, self.microbatches, self.virtual)
+        summary["stage_blocks"] = [[a, z] for a, z in getattr(self, "bounds", [])]  # [start, stop) per stage
         if run_dir is not None:
             from plait.report.pipeline import plot_timeline  # lazily: only rank 0 at the end needs matplotlib
 
@@ -378,7 +379,13 @@ def check(cfg) -> None:
                           "chunks per pipeline rank; set --set parallel.virtual_stages=2")
     if p.microbatches < 0:
         raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
-    if p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
+    if isinstance(p.pp_split, str) and p.pp_split != "auto":
+        raise ConfigError(f"parallel.pp_split = {p.pp_split!r}: give block indices (e.g. [2]), [] (balanced by "
+                          "parameters) or 'auto' (balanced by measured block times)")
+    if p.pp_split == "auto" and p.virtual_stages > 1:
+        raise ConfigError("parallel.pp_split = 'auto' places one stage per pipeline rank; with "
+                          f"parallel.virtual_stages = {p.virtual_stages} give the cut points")
+    if isinstance(p.pp_split, list) and p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
         raise ConfigError(
             f"parallel.pp_split = {p.pp_split} gives {len(p.pp_split) + 1} stages but the layout has "
             f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices")
@@ -421,7 +428,10 @@ def check_model(cfg, model: nn.Module | None) -> None:
         raise ConfigError(
             f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} stages but {what} has "
             f"{len(blocks)} block(s) to cut between: every stage needs one; set parallel.pp={max(1, len(blocks))} or lower")
-    if p.pp_split and not all(0 < i < len(blocks) for i in p.pp_split):
+    if p.pp_split == "auto" and cfg.model.factory:
+        raise ConfigError("parallel.pp_split = 'auto' times plait's GPT blocks; for your own model give the cut "
+                          "points (parallel.pp_split = [i, ...]) or leave it empty (balanced by parameters)")
+    if isinstance(p.pp_split, list) and p.pp_split and not all(0 < i < len(blocks) for i in p.pp_split):
         raise ConfigError(f"parallel.pp_split = {p.pp_split}: {what} has {len(blocks)} blocks; give block indices "
                           f"strictly between 0 and {len(blocks)}")
 
@@ -430,7 +440,15 @@ def build(b: Build) -> PipelineStrategy:
     """Cut the plain model into pp * virtual_stages stages; this rank holds stages r, r + pp, ...; each is parallelized."""
     p, rt, module = b.cfg.parallel, b.rt, b.module
     pp, v = rt.axis_size("pp"), p.virtual_stages
-    bounds = stage_bounds(module, pp * v, p.pp_split or None)
+    if p.pp_split == "auto":
+        from plait.parallel.stagetime import auto_bounds
+
+        bounds, times = auto_bounds(module, pp * v, b.cfg, rt)
+        ms = "; ".join(f"pp rank {r}: " + " ".join(f"{t * 1000:.1f}" for t in row) for r, row in enumerate(times))
+        rt.print(f"pp_split = auto: blocks {[f'{a}-{z - 1}' for a, z in bounds]} per stage, from each block's "
+                 f"forward+backward ms on each pipeline rank ({ms})")
+    else:
+        bounds = stage_bounds(module, pp * v, p.pp_split or None)
     mine = [rt.axis_rank("pp") + k * pp for k in range(v)]
     parts = [b.parallelize(pipeline_stage(module, bounds, s)) for s in mine]
     for part in parts:  # shard-only initialisation: each stage fills its own parameters (tp has, if it split them)
@@ -439,6 +457,7 @@ def build(b: Build) -> PipelineStrategy:
     strategy = PipelineStrategy(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
                                 microbatches(b.cfg), p.pp_schedule, pipeline_parts(module)["blocks"], tied,
                                 dp_sync=rt.axis_size("dp") > 1)
+    strategy.bounds = bounds
     return strategy
 
 
