@@ -60,12 +60,6 @@ def heterogeneous_bounds(costs: list[list[float]], stages: int) -> list[tuple[in
     return bounds[::-1]
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def block_times(module: nn.Module, n_blocks: int, micro: int, context: int, vocab: int, device, rank: int) -> list[float]:
     """This rank's forward + backward seconds of each block (first and last with their extras), one micro-batch."""
     model = copy.deepcopy(module)
@@ -83,16 +77,11 @@ def block_times(module: nn.Module, n_blocks: int, micro: int, context: int, voca
         runs = []
         for _ in range(REPEATS + 1):  # the first run allocates: left out
             inp = x if x.dtype == torch.long else x.detach().requires_grad_(True)
-            out = None
-
-            def fwd(part=part, inp=inp):
-                nonlocal out
-                out = part(inp)
-
-            def bwd():
-                out.backward(torch.ones_like(out) / out.numel())
-
-            compute = _timed(fwd) + _timed(bwd)
+            t0 = time.perf_counter()
+            out = part(inp)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out) / out.numel())
+            compute = t1 - t0 + time.perf_counter() - t1
             runs.append(compute + slow_compute(rank, compute))
         times.append(statistics.median(runs[1:]))
         x = out.detach()
