@@ -95,7 +95,7 @@ class BenchOptions:
     iters: int = 20
     warmup: int = 3
     repeats: int = 5  # timed trials per point; the row gives their median and spread
-    max_seconds: float = 1.0  # per trial: fewer iterations when one call is slow (at least 2)
+    max_seconds: float = 1.0  # per trial: fewer calls when one call is slow (at least 2; all ranks agree)
     local_size: int = 0  # hierarchical: ranks per node (0: half the ranks)
     out: Path | None = None
 
@@ -149,19 +149,34 @@ def _buffers(op: str, nbytes: int, n: int, seed: int):
     return torch.randint(-8, 8, (count,), generator=g).float(), None
 
 
-def _trial(op: str, algo: str, buf, out, local_size: int, opts: BenchOptions) -> float:
-    """Seconds per call: `iters` calls (fewer past max_seconds, at least 2), the slowest rank's mean."""
+def _slowest(seconds: float) -> float:
     import torch
     import torch.distributed as dist
 
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _calls_per_trial(op: str, algo: str, buf, out, local_size: int, opts: BenchOptions) -> int:
+    """`iters`, or fewer (at least 2) where one call (the slowest rank's) would overrun max_seconds; the same on every rank."""
+    import torch.distributed as dist
+
     dist.barrier()
-    t0, done = time.perf_counter(), 0
-    while done < opts.iters and (done < 2 or time.perf_counter() - t0 < opts.max_seconds):
+    t0 = time.perf_counter()
+    _call(op, algo, buf, out, local_size)
+    return max(2, min(opts.iters, int(opts.max_seconds / max(_slowest(time.perf_counter() - t0), 1e-9))))
+
+
+def _trial(op: str, algo: str, buf, out, local_size: int, calls: int) -> float:
+    """Seconds per call over `calls` calls, the slowest rank's mean."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
         _call(op, algo, buf, out, local_size)
-        done += 1
-    elapsed = torch.tensor([(time.perf_counter() - t0) / done])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return _slowest((time.perf_counter() - t0) / calls)
 
 
 def bench_rank(opts: BenchOptions) -> list[dict]:
@@ -175,7 +190,7 @@ def bench_rank(opts: BenchOptions) -> list[dict]:
     for op in opts.ops:
         algos = [a for a in opts.algos if a in ALGORITHMS[op]]
         for nbytes in opts.sizes:
-            bufs, correct = {}, {}
+            bufs, correct, calls = {}, {}, {}
             for algo in algos:
                 buf, out = _buffers(op, nbytes, n, seed=rank + 17)
                 ref_in, ref_out = buf.clone(), (out.clone() if out is not None else None)
@@ -189,10 +204,11 @@ def bench_rank(opts: BenchOptions) -> list[dict]:
                 for _ in range(opts.warmup):
                     _call(op, algo, buf, out, local_size)
                 bufs[algo] = (buf, out)
+                calls[algo] = _calls_per_trial(op, algo, buf, out, local_size, opts)
             times: dict[str, list[float]] = {algo: [] for algo in algos}
             for _ in range(opts.repeats):  # the algorithms take turns: load bursts hit them alike
                 for algo in algos:
-                    times[algo].append(_trial(op, algo, *bufs[algo], local_size, opts))
+                    times[algo].append(_trial(op, algo, *bufs[algo], local_size, calls[algo]))
             buf, out = bufs[algos[0]]
             size = (out if op == "allgather" else buf).numel() * ELEMENT_BYTES
             for algo in algos:
