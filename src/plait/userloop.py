@@ -89,6 +89,8 @@ class Parallel:
     def __init__(self, model: nn.Module, cfg: Config, loss: Callable, optimizer: Callable | None = None):
         layout = check_config(cfg, model=model)  # pipeline cut points and the TP plan of *this* model
         self.cfg, self.layout = cfg, layout
+        # a process group that exists already (a test harness's, the user's) is left to whoever made it
+        self._owns_group = not (dist.is_available() and dist.is_initialized())
         self.rt = layout.init_runtime(cfg.launch)
         model = model.to(self.rt.device)
         if self.rt.distributed:  # every rank starts from rank 0's weights, however the script seeded
@@ -192,11 +194,12 @@ class Parallel:
         return self.strategy.full_model_state_dict()
 
     def close(self) -> None:
-        """Leave the process group (call it at the end of the script)."""
+        """Leave the process group if parallelize made it (call it at the end of the script)."""
         self.strategy.finish()
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a half-closed pair)
-            dist.destroy_process_group()
+            if self._owns_group:
+                dist.destroy_process_group()
 
     def __enter__(self) -> Parallel:
         return self

@@ -124,3 +124,28 @@ def test_save_and_load_resume_the_loop(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), rest.state_dict().values(), strict=True))
     for p in (straight, half, rest):
         p.close()
+
+
+def _two_loops_in_one_group():
+    """Pool task: parallelize twice in the harness's process group; close() must leave the group to the harness."""
+    import torch.distributed as dist
+
+    import plait
+    from plait.config import load_config
+
+    cfg = load_config(None, ["parallel.dp=2", "train.global_batch_size=8", "train.micro_batch_size=4"])
+    data = torch.utils.data.TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,)))
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        p = plait.parallelize(torch.nn.Sequential(torch.nn.Linear(6, 3)), cfg, loss=torch.nn.functional.cross_entropy,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        losses.append([p.step(b).loss for b in p.batches(data, steps=2)])
+        p.close()
+    assert dist.is_initialized()
+    return losses
+
+
+def test_close_leaves_a_process_group_it_did_not_make(pool2):
+    first, second = pool2.run(_two_loops_in_one_group)[0]
+    assert first == second and len(first) == 2
