@@ -31,10 +31,12 @@ def compare_all_reduce(sizes):
             want = data.clone()
             dist.all_reduce(want)
             for name, fn in (("ring", alg.ring_all_reduce), ("tree", alg.tree_all_reduce),
-                             *((f"hier{k}", lambda t, k=k: alg.hierarchical_all_reduce(t, k)) for k in (1, 2, 3)),
-                             ("ring_segments", alg.ring_all_reduce), ("tree_segments", alg.tree_all_reduce)):
+                             *((f"hier{k}", lambda t, k=k: alg.hierarchical_all_reduce(t, k)) for k in (2, 3)),
+                             ("ring_segments", alg.ring_all_reduce), ("tree_segments", alg.tree_all_reduce),
+                             ("hier2_segments", lambda t: alg.hierarchical_all_reduce(t, 2))):
+                if name.endswith("segments") and (size != sizes[-1] or data is not ints):
+                    continue  # 100-byte segments: several per chunk at the largest size, pipelined across the steps
                 got = data.clone()
-                # 100-byte segments: several per chunk at the larger sizes, pipelined across the steps
                 alg.SEGMENT_BYTES = 100 if name.endswith("segments") else default
                 fn(got)
                 diff = float((got - want).abs().max()) if size else 0.0
@@ -47,7 +49,7 @@ def compare_all_reduce(sizes):
 
 def test_all_reduce_algorithms_equal_dist_all_reduce(pool):
     for worst in pool.run(compare_all_reduce, SIZES):
-        assert set(worst) == {"ring", "tree", "hier1", "hier2", "hier3", "ring_segments", "tree_segments"}
+        assert set(worst) == {"ring", "tree", "hier2", "hier3", "ring_segments", "tree_segments", "hier2_segments"}
         assert max(worst.values()) <= 1e-5, worst
 
 
