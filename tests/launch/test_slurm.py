@@ -1,5 +1,6 @@
 """plait slurm: the batch script, bad flags, and jobs on a real two-node Slurm cluster on this host (the `slurm` fixture):
-a 2-node job, srun without torchrun, and a job that gets USR1, checkpoints, requeues itself and resumes."""
+srun without torchrun, a job that gets USR1, checkpoints, requeues itself and resumes, and `plait cluster run
+--backend slurm` (a 2-node job preempted and resubmitted on 1 node beside a short one)."""
 
 import json
 import sys
@@ -97,17 +98,6 @@ def _wait_done(slurm, job: str, out, timeout: float, release: bool = False) -> N
     slurm.wait_gone(job, 10)
 
 
-def test_two_node_slurm_job_trains_to_the_torchrun_weights(slurm, sgd_job, sgd_reference, tmp_path):
-    run = tmp_path / "run"
-    job = _submit(slurm, sgd_job, run)
-    _wait_done(slurm, job, run / f"slurm-{job}.out", 180)
-    log = (run / f"slurm-{job}.out").read_text()
-    assert "done: 10 steps" in log, log
-    assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
-    sessions = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in line]
-    assert sessions == [{**sessions[0], "manager": "torchrun", "world_size": 2, "slurm_job_id": job, "slurm_restart_count": 0}]
-
-
 def test_srun_without_torchrun_forms_one_job_from_slurms_variables(slurm, sgd_job, sgd_reference, tmp_path):
     env = {**slurm.env, "MASTER_ADDR": "127.0.0.1"}  # the test cluster's node names n1, n2 do not resolve
     r = slurm.run("srun", "-N2", "-n2", sys.executable, "-m", "plait", "train", str(sgd_job), "--out", str(tmp_path / "run"),
@@ -158,3 +148,30 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
     assert [s["slurm_restart_count"] for s in sessions] == [0, 1]
     assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
     print(f"\nSlurm requeue test: {wall:.1f} s from sbatch to the end of the requeued job")
+
+
+def test_cluster_run_on_slurm_preempts_resizes_and_keeps_the_trajectory(slurm, sgd_job, sgd_reference, tmp_path):
+    """`plait cluster run --backend slurm --policy srtf` on the two-node cluster: the long job starts on both nodes;
+    the short one arrives, the long one gets USR1 (checkpoint, end, no requeue) and is resubmitted on one node beside
+    the short one, which finishes first. The long job's weights are its 2-process run's."""
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[job]]\nname = "long"\nconfig = "{sgd_job}"\nmin_procs = 1\nmax_procs = 2\n\n'
+                    f'[[job]]\nname = "short"\nconfig = "{sgd_job}"\nset = ["train.steps=2", "parallel.dp=1"]\n'
+                    'arrival = 3\n')
+    out = tmp_path / "cluster"
+    r = plait_env("cluster", "run", jobs, "--backend", "slurm", "--slots", "2", "--policy", "srtf", "--time", "00:10:00",
+                  "--poll", "0.3", "--out", out, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.4"}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "cluster.json").read_text())
+    rows = {j["job"]: j for j in summary["jobs"]}
+    assert rows["long"]["preemptions"] == 1 and rows["long"]["procs"] == [1, 2], rows
+    assert rows["short"]["preemptions"] == 0 and rows["short"]["procs"] == [1], rows
+    starts = [e for e in summary["events"] if e["event"] == "start"]
+    assert [(e["job"], e["procs"]) for e in starts] == [("long", 2), ("short", 1), ("long", 1)], starts
+    assert len({e["slurm_job_id"] for e in starts}) == 3
+    finish = {e["job"]: e["t"] for e in summary["events"] if e["event"] == "finish"}
+    assert finish["short"] < finish["long"]
+    assert max_diff(sgd_reference, run_weights(out / "jobs" / "long")) <= 1e-5
+    sessions = [json.loads(x) for x in (out / "jobs" / "long" / "metrics.jsonl").read_text().splitlines()
+                if '"session"' in x]
+    assert [s["world_size"] for s in sessions] == [2, 1] and all(s["slurm_restart_count"] == 0 for s in sessions)

@@ -145,7 +145,13 @@ def cmd_run(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"plait cluster run: {len(specs)} jobs on {a.slots} slots, policy {a.policy}; runs in {out / 'jobs'}",
           flush=True)
-    c = LocalCluster(specs, a.slots, a.policy, out, _params(a), poll=a.poll)
+    if a.backend == "slurm":
+        from plait.cluster.run import SlurmQueue
+
+        c = SlurmQueue(specs, a.slots, a.policy, out, _params(a), poll=a.poll, time_limit=a.time,
+                       partition=a.partition)
+    else:
+        c = LocalCluster(specs, a.slots, a.policy, out, _params(a), poll=a.poll)
     try:
         c.run(timeout=a.timeout)
     except KeyboardInterrupt:
@@ -168,7 +174,13 @@ def add_parsers(sub, bench) -> None:
     csub = c.add_subparsers(dest="cluster_cmd", required=True)
     r = csub.add_parser("run", help="run a queue of plait jobs on this machine's process slots under a policy")
     r.add_argument("jobs", type=Path, help="JOBS.toml: [[job]] tables (name, config, set, arrival, min/max_procs)")
-    r.add_argument("--slots", type=int, required=True, help="worker processes this machine runs at once")
+    r.add_argument("--slots", type=int, required=True,
+                   help="worker processes this machine runs at once (--backend slurm: nodes, one process each)")
+    r.add_argument("--backend", choices=("local", "slurm"), default="local",
+                   help="local: processes on this machine (default); slurm: each run an sbatch job of `plait slurm`, "
+                        "preempted by USR1 (checkpoint, end) and resubmitted at the size the policy gives")
+    r.add_argument("--time", default="01:00:00", help="--backend slurm: each submission's --time (default 01:00:00)")
+    r.add_argument("--partition", default="", help="--backend slurm: the partition to submit to (default: Slurm's)")
     r.add_argument("--policy", default="fifo", help=f"one of {', '.join(POLICIES)} (default fifo)")
     _policy_flags(r)
     r.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the queue (default 0.5)")

@@ -54,7 +54,7 @@ class JobSpec:
 class _Job:
     spec: JobSpec
     run_dir: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | SlurmJobHandle | None = None
     procs: int = 0
     slots: list[int] = field(default_factory=list)
     started: float = math.nan
@@ -229,8 +229,7 @@ class LocalCluster:
             try:
                 j.proc.wait(timeout=300)
             except subprocess.TimeoutExpired:
-                os.killpg(j.proc.pid, signal.SIGKILL)
-                j.proc.wait()
+                self._kill(j)
             j.preemptions += 1
             self.events.append({"t": round(self.now(), 3), "job": name, "event": "preempt"})
             self._stopped(j, self.now())
@@ -250,6 +249,10 @@ class LocalCluster:
             if now - j.slice_start >= self.params.quantum:
                 j.segments.append((j.slice_start, now, tuple(j.slots)))
                 j.slice_start = now
+
+    def _kill(self, j: _Job) -> None:
+        os.killpg(j.proc.pid, signal.SIGKILL)
+        j.proc.wait()
 
     def stop_all(self) -> None:
         for j in self.jobs.values():
@@ -299,3 +302,105 @@ def gantt(cluster: LocalCluster, out: Path) -> Path:
     ax.grid(axis="x", alpha=0.3)
     return save(fig, out)
 
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+
+class SlurmJobHandle:
+    """A submitted Slurm job, seen through squeue/scontrol as LocalCluster sees a process (poll, wait, signal)."""
+
+    def __init__(self, job_id: str, env: dict):
+        self.job_id, self.env = job_id, env
+        self.returncode: int | None = None
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), capture_output=True, text=True, env=self.env, timeout=60)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            r = self._run("squeue", "-h", "-j", self.job_id, "-o", "%T")
+            if r.returncode == 0 and r.stdout.strip():
+                return None  # pending, running, completing
+            if r.returncode != 0 and "Invalid job id" not in r.stderr:
+                return None  # a busy slurmctld answers late: that is not a finished job
+            show = self._run("scontrol", "show", "job", self.job_id).stdout
+            state = next((w.split("=", 1)[1] for w in show.split() if w.startswith("JobState=")), "")
+            code = next((w.split("=", 1)[1] for w in show.split() if w.startswith("ExitCode=")), "0:0")
+            if state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+                return None
+            exit_code, sig = (int(x) for x in code.split(":")) if ":" in code else (0, 0)
+            self.returncode = exit_code or (128 + sig if sig else 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"slurm job {self.job_id}", timeout)
+            time.sleep(0.3)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Preemption: USR1 to the batch script, which stops the job step at its next logging step (a checkpoint)
+        and ends the job without requeueing it."""
+        self._run("scancel", "--batch", "--signal=USR1", self.job_id)
+
+    def kill(self) -> None:
+        self._run("scancel", self.job_id)
+
+
+class SlurmQueue(LocalCluster):
+    """The same queue and policies on a Slurm cluster: a job started on N slots is an N-node `plait slurm` job
+    (one process per node), preempted by USR1 (checkpoint, end; no requeue) and resubmitted, possibly on another
+    number of nodes, when the policy runs it again. Slurm places the jobs; the policy only decides how many nodes
+    each holds, so slots are node counts here. `time` is each submission's --time."""
+
+    def __init__(self, *args, time_limit: str = "01:00:00", partition: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.time_limit, self.partition = time_limit, partition
+
+    def _start(self, j: _Job, procs: int, free: list[int], now: float) -> None:
+        from plait.config import dump_config, load_config
+        from plait.launch.resume import absolute_paths
+        from plait.launch.slurm import SlurmJob, job_config, sbatch_script
+
+        j.slots, free[:] = free[:procs], free[procs:]
+        j.procs = procs
+        j.run_dir.mkdir(parents=True, exist_ok=True)
+        saved = j.run_dir / "config.toml"
+        if saved.is_file() and (j.run_dir / "checkpoints" / "latest").exists():
+            cfg = load_config(saved)
+        else:  # never started, or stopped before its first checkpoint: from the job's own config
+            cfg = load_config(j.spec.config, j.spec.sets)
+            absolute_paths(cfg)
+        cfg.parallel.dp = procs // j.spec.model_parallel
+        job = SlurmJob(nodes=procs, time=self.time_limit, partition=self.partition, requeue=False,
+                       job_name=f"plait-{j.spec.name}")
+        saved.write_text(dump_config(job_config(cfg, job)))
+        script = j.run_dir / "job.sbatch"
+        script.write_text(sbatch_script(job, j.run_dir))
+        r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=self.env)
+        if r.returncode != 0:
+            raise ConfigError(f"plait cluster run --backend slurm: sbatch {script} failed: {(r.stderr or r.stdout).strip()}")
+        job_id = r.stdout.strip().split(";")[0]
+        j.proc = SlurmJobHandle(job_id, self.env)
+        j.log = None
+        with open(self.out / "jobs" / f"{j.spec.name}.log", "a") as f:
+            f.write(f"slurm job {job_id} on {procs} node(s): {j.run_dir / f'slurm-{job_id}.out'}\n")
+        j.launches += 1
+        j.steps_at_launch = j.steps_done()
+        if math.isnan(j.started):
+            j.started = now
+        j.slice_start = now
+        self.events.append({"t": round(now, 3), "job": j.spec.name, "event": "start", "procs": procs,
+                            "slots": j.slots, "launch": j.launches, "slurm_job_id": job_id})
+
+    def _kill(self, j: _Job) -> None:
+        j.proc.kill()
+        j.proc.wait(timeout=120)
+
+    def stop_all(self) -> None:
+        for j in self.jobs.values():
+            if j.proc is not None and j.proc.poll() is None:
+                j.proc.send_signal(signal.SIGUSR1)  # checkpoint and end; `plait cluster run` again resubmits

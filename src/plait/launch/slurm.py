@@ -42,6 +42,7 @@ class SlurmJob:
     account: str = ""
     grace_s: int = DEFAULT_GRACE_S
     job_name: str = ""
+    requeue: bool = True  # False: on USR1/SIGTERM checkpoint and end (`plait cluster run` resubmits it itself)
 
 
 def parse_time(text: str) -> int:
@@ -124,13 +125,14 @@ def sbatch_script(job: SlurmJob, run_dir: Path, python: str = sys.executable) ->
         opts.append(f"--partition={job.partition}")
     if job.account:
         opts.append(f"--account={job.account}")
-    opts += ["--requeue", f"--signal=B:USR1@{job.grace_s}", "--open-mode=append",
+    opts += ["--requeue" if job.requeue else "--no-requeue", f"--signal=B:USR1@{job.grace_s}", "--open-mode=append",
              f"--output={run_dir.resolve()}/slurm-%j.out"]
     header = "\n".join(f"#SBATCH {o}" for o in opts)
     return f"""#!/bin/bash
 # Written by `plait slurm` for {run_dir.resolve()}; submit with: sbatch {run}/job.sbatch
 # One task per node: plait's launcher, meeting the others in a c10d rendezvous on the first node.
-# USR1 ({job.grace_s} s before the time limit, or scancel --batch --signal=USR1) or SIGTERM: checkpoint, then requeue.
+# USR1 ({job.grace_s} s before the time limit, or scancel --batch --signal=USR1) or SIGTERM: checkpoint, then
+# {"requeue" if job.requeue else "end (plait cluster run resubmits the job when its policy says so)"}.
 {header}
 
 set -u
@@ -143,9 +145,11 @@ export MASTER_ADDR=${{MASTER_ADDR:-${{addr:-$head}}}}
 export MASTER_PORT=${{MASTER_PORT:-$((15000 + SLURM_JOB_ID % 10000))}}
 echo "plait: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
 
+REQUEUE={1 if job.requeue else 0}
 requeue=0
 stop() {{
-    echo "plait: $1: stopping at the next logging step, checkpointing, then requeueing job $SLURM_JOB_ID"
+    next=ending; [ "$REQUEUE" = 1 ] && next=requeueing
+    echo "plait: $1: stopping at the next logging step, checkpointing, then $next job $SLURM_JOB_ID"
     requeue=1
     scancel --signal=TERM "$SLURM_JOB_ID"  # the job's steps (plait's launchers), not this shell; srun itself would kill them
 }}
@@ -161,8 +165,12 @@ while :; do
     kill -0 "$step" 2>/dev/null || break  # a signal ended the wait, not the step
 done
 if [ "$requeue" = 1 ]; then
-    echo "plait: job step ended with $rc; requeueing"
-    scontrol requeue "$SLURM_JOB_ID"
+    if [ "$REQUEUE" = 1 ]; then
+        echo "plait: job step ended with $rc; requeueing"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "plait: job step ended with $rc; preempted"
+    fi
     exit 0
 fi
 exit "$rc"
