@@ -178,7 +178,7 @@ def hook_average_and_bytes(algo, local_size):
     mean /= n
     counter = CommCounter()
     with counting(counter):
-        got = algorithm_hook(AlgorithmHookState(None, algo, local_size), Bucket(grad.clone())).value()
+        got = algorithm_hook(AlgorithmHookState(None, algo, local_size), Bucket(grad.clone())).wait()
     return float((got - mean).abs().max()), counter.bytes_sent, counter.by_op["isend"], bytes_sent(algo, 2961, n, r, 4,
                                                                                                    local_size)
 

@@ -185,33 +185,49 @@ def ddp_allreduce_hook(group, bucket):
 
 
 class AlgorithmHookState:
-    """What algorithm_hook needs: the dp group, its size, plait.comm.algorithms' all-reduce name and ranks per node."""
+    """What algorithm_hook needs: the dp group, its size, plait.comm.algorithms' all-reduce name and ranks per node,
+    and the one thread that runs the all-reduces, bucket after bucket (every rank in DDP's bucket order)."""
 
     def __init__(self, group, algo: str, local_size: int = 1):
         self.group, self.algo, self.local_size = group, algo, local_size
         self.world = dist.get_world_size(group)
+        self._worker = None
+
+    def submit(self, fn):
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="plait-allreduce")
+        self._worker.submit(fn)
 
 
 def algorithm_hook(state: AlgorithmHookState, bucket):
     """DDP's average of a gradient bucket through one of plait's own all-reduces (parallel.allreduce).
 
-    The algorithm runs to completion inside the hook (its sends and receives are counted one by one);
-    the time it took is this bucket's wait, as in ddp_allreduce_hook.
+    The algorithm runs on the state's own thread, so that backward goes on computing the next buckets
+    meanwhile (as with DDP's asynchronous all-reduce); DDP waits for the returned future at the end of
+    backward. Its sends are counted one by one; submission to completion is this bucket's wait.
     """
     from plait.comm.algorithms import all_reduce
 
     tensor = bucket.buffer().div_(state.world)
-    counters, t0 = list(_active), time.perf_counter()
-    _local.caller_waits = True
-    try:
-        all_reduce(tensor, state.algo, state.group, state.local_size)
-    finally:
-        _local.caller_waits = False
-    elapsed = time.perf_counter() - t0
-    for c in counters:
-        c.add_wait(elapsed)
-    fut = torch.futures.Future()
-    fut.set_result(tensor)
+    counters, t0, fut = list(_active), time.perf_counter(), torch.futures.Future()
+
+    def run():
+        _local.caller_waits = True
+        try:
+            all_reduce(tensor, state.algo, state.group, state.local_size)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP, which raises it in backward
+            fut.set_exception(e)
+            return
+        finally:
+            _local.caller_waits = False
+        elapsed = time.perf_counter() - t0
+        for c in counters:
+            c.add_wait(elapsed)
+        fut.set_result(tensor)
+
+    state.submit(run)
     return fut
 
 
