@@ -424,7 +424,8 @@ peak RSS = the largest rank process's peak (torch, DeepSpeed and the dataset inc
   the dataset being loaded to the end (model, optimizer, ZeRO machinery, activations; plait's also its final eval and checkpoint).
 step ms = median of rank 0's step times after {a.warmup} warm-up steps ({a.steps} timed x {a.repeats} repeat(s)); best ms = the
   lowest of the repeats' medians (the least disturbed by other load on the machine);
-  sent = bytes a rank sends per step (ring-algorithm model, plait.comm); loss = the dp-mean training loss at the last step.
+  sent = bytes a rank sends per step (each collective's ring share, counted by plait.comm);
+  loss = the dp-mean training loss at the last step.
 DeepSpeed's AdamW: {'torch.optim.AdamW ("torch_adam": true), as plait' if a.ds_adam == 'torch' else "DeepSpeed's FusedAdam (CPU)"}.\
 """)
     for r in ok:
@@ -482,13 +483,22 @@ def main() -> None:
     rows = [summarize(label, zero, runs[(label, zero)], a.world) for label, zero, _ in plan]
     print()
     print_table(rows, a, micro)
+    print(f"bytes a rank sends per step, counted per collective (plait.comm.accounting), next to the ZeRO paper's volume "
+          f"in fp32, (n-1)/n x 4 bytes x 2 Psi (zero 0-2) or 3 Psi (zero 3), n = {a.world}:")
+    for r in rows:
+        if "error" not in r:
+            want = (3 if r["zero"] == 3 else 2) * (a.world - 1) / a.world * 4 * r["psi"]
+            print(f"  zero={r['zero']} {r['impl']:13}: {r['comm_bytes_per_step']:,.0f} B, formula {want:,.0f} B "
+                  f"(x{r['comm_bytes_per_step'] / want:.4f})")
     for zero in stages:
         mine = next(r for r in rows if r["impl"] == "plait" and r["zero"] == zero)
         for r in rows:
             if r["zero"] == zero and r["impl"] != "plait" and "error" not in r and "error" not in mine:
                 diff = max(abs(x - y) for x, y in zip(mine["losses"], r["losses"]))
-                print(f"zero={zero}: {r['impl']} / plait step time = {r['step_time_s'] / mine['step_time_s']:.2f} "
+                ratio = r["step_time_s"] / mine["step_time_s"]
+                print(f"zero={zero}: {r['impl']} / plait step time = {ratio:.2f} "
                       f"(best runs: {r['best_run_step_time_s'] / mine['best_run_step_time_s']:.2f}); "
+                      f"target (>= 1.0) {'met' if ratio >= 1.0 else 'not met'}; "
                       f"largest loss difference over {len(r['losses'])} steps = {diff:.1e}")
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
