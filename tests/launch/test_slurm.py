@@ -156,11 +156,11 @@ def test_cluster_run_on_slurm_preempts_resizes_and_keeps_the_trajectory(slurm, s
     the short one, which finishes first. The long job's weights are its 2-process run's."""
     jobs = tmp_path / "jobs.toml"
     jobs.write_text(f'[[job]]\nname = "long"\nconfig = "{sgd_job}"\nmin_procs = 1\nmax_procs = 2\n\n'
-                    f'[[job]]\nname = "short"\nconfig = "{sgd_job}"\nset = ["train.steps=2", "parallel.dp=1"]\n'
+                    f'[[job]]\nname = "short"\nconfig = "{sgd_job}"\nset = ["train.steps=1", "parallel.dp=1"]\n'
                     'arrival = 3\n')
     out = tmp_path / "cluster"
     r = plait_env("cluster", "run", jobs, "--backend", "slurm", "--slots", "2", "--policy", "srtf", "--time", "00:10:00",
-                  "--poll", "0.3", "--out", out, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.4"}, timeout=300)
+                  "--poll", "0.3", "--out", out, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.5"}, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "cluster.json").read_text())
     rows = {j["job"]: j for j in summary["jobs"]}

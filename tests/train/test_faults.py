@@ -191,7 +191,7 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
     run, port = tmp_path / "run", _free_port()
     common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
-              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=1"]  # node 1's death: seen in ~3 s
+              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=2"]  # node 1's death: seen in ~6 s
     env = {**ENV, "PLAIT_FAULTS": "slow:seconds=1.0"}  # node 1 needs a few seconds to start: node 0 must not finish
     metrics = run / "metrics.jsonl"
 
