@@ -133,7 +133,16 @@ def rss_now_and_peak() -> tuple[int | None, int]:
 def plait_run(zero: int, world: int, steps: int, warmup: int, micro: int, run_dir: str) -> dict:
     import plait.train.trainer as trainer
     from plait.data import build_data
+    from plait.train.telemetry import Telemetry
 
+    stamps = []  # the process's CPU time (all its threads: compute and gloo's) as each step ends
+    end = Telemetry.end
+
+    def timed_end(self, *args, **kwargs):
+        stamps.append(time.process_time())
+        return end(self, *args, **kwargs)
+
+    Telemetry.end = timed_end
     cfg = config(world, warmup + steps, zero, micro)
     bundle = build_data(cfg.data, cfg.model)  # before the RSS baseline, as on the DeepSpeed side
     trainer.build_data = lambda data_cfg, model_cfg: bundle
@@ -147,7 +156,8 @@ def plait_run(zero: int, world: int, steps: int, warmup: int, micro: int, run_di
     s = result.summary
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if "step_time_s" in r]
-    return {**mine, "times": [r["step_time_s"] for r in steps_rows if r["step"] > warmup],
+    cpu = [stamps[s - 1] - stamps[s - 2] for s in range(max(warmup, 1) + 1, len(stamps) + 1)]
+    return {**mine, "times": [r["step_time_s"] for r in steps_rows if r["step"] > warmup], "cpu_times": cpu,
             "losses": [r["loss"] for r in steps_rows], "per_rank": s["memory"]["per_rank"], "psi": s["params"],
             "strategy": s["parallel"]["strategy"], "comm_bytes": s["comm"]["bytes_per_step_per_rank"]}
 
@@ -287,12 +297,12 @@ def ds_run(zero: int, world: int, steps: int, warmup: int, micro: int, adam: str
     loader = StepLoader(bundle.train, sampler, 0, total, dist.get_rank(), world, t.micro_batch_size, cfg.data.prefetch)
     measure_at = {1, total}  # as plait's trainer: the first and the last step
     after_backward: list[dict] = []
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     comm = CommCounter()
     batches = iter(loader)
     with counting(comm):
         for step in range(total):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             micro_batches = next(batches)
             for g in engine.optimizer.param_groups:
                 g["lr"] = lr_at(step, o, total)
@@ -312,6 +322,7 @@ def ds_run(zero: int, world: int, steps: int, warmup: int, micro: int, adam: str
             losses.append(float(window) / world)
             if step >= warmup:
                 times.append(time.perf_counter() - t0 - walking)
+                cpu_times.append(time.process_time() - c0 - walking)
     batches.close()
     end = ds_memory(engine, module)
     fullest = max(after_backward, key=lambda m: m["bytes"]["grads"])
@@ -322,7 +333,8 @@ def ds_run(zero: int, world: int, steps: int, warmup: int, micro: int, adam: str
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
     psi = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
-    return {"times": times, "losses": losses, "memory": mem, "where": {"after_backward": fullest["where"], "end": end["where"]},
+    return {"times": times, "cpu_times": cpu_times, "losses": losses, "memory": mem,
+            "where": {"after_backward": fullest["where"], "end": end["where"]},
             "peak_rss_bytes": life, "rss_growth_bytes": since - base if since is not None and base is not None else None,
             "initialize_rss_bytes": (after_init - before_init) * 1024 if after_init and before_init else None,
             "comm_bytes": comm.bytes_sent / total, "comm_by_op": {k: v / total for k, v in comm.by_op.items()},
@@ -383,6 +395,7 @@ def summarize(label: str, zero: int, runs: list[dict], world: int) -> dict:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for run in runs for r in run["ranks"]),
         "rss_growth_bytes": max((r["rss_growth_bytes"] or 0) for run in runs for r in run["ranks"]),
         "step_time_s": statistics.median(times), "timed_steps": len(times), "comm_bytes_per_step": comm,
+        "cpu_time_s": statistics.median(x for r in runs for x in r["ranks"][0]["cpu_times"]),
         "best_run_step_time_s": min(statistics.median(r["ranks"][0]["times"]) for r in runs),
         "losses": first[0]["losses"], "final_loss": first[0]["losses"][-1],
     }
@@ -398,7 +411,7 @@ def print_table(rows: list[dict], a, micro: int) -> None:
     t = Table(title=f"plait ZeRO vs DeepSpeed ZeRO: default GPT (Psi = {psi:,}), {a.world} gloo ranks on CPU, global batch 32 "
                     f"= {micro} x {accum} accum x {a.world}, fp32 AdamW; MiB per rank (the rank holding the most state)")
     for col in ("zero", "impl", "params", "grads", "optim", "master", "state", "formula", "ratio", "buffers",
-                "peak RSS", "+RSS", "step ms", "best ms", "sent MiB", "loss"):
+                "peak RSS", "+RSS", "step ms", "best ms", "CPU ms", "sent MiB", "loss"):
         t.add_column(col, justify="left" if col == "impl" else "right")
     for i, r in enumerate(rows):
         if "error" in r:
@@ -408,7 +421,7 @@ def print_table(rows: list[dict], a, micro: int) -> None:
                                                                                   "state", "formula_bytes")),
                       f"{r['ratio']:.3f}", f"{r['buffers'] / MIB:.2f}", f"{r['peak_rss_bytes'] / MIB:.0f}",
                       f"{r['rss_growth_bytes'] / MIB:.0f}", f"{r['step_time_s'] * 1000:.1f}",
-                      f"{r['best_run_step_time_s'] * 1000:.1f}",
+                      f"{r['best_run_step_time_s'] * 1000:.1f}", f"{r['cpu_time_s'] * 1000:.1f}",
                       f"{r['comm_bytes_per_step'] / MIB:.2f}", f"{r['final_loss']:.4f}")
         if i + 1 < len(rows) and rows[i + 1]["zero"] != r["zero"]:
             t.add_section()
@@ -423,7 +436,8 @@ buffers = other tensors DeepSpeed holds (reduce buckets, ...), counted at their 
 peak RSS = the largest rank process's peak (torch, DeepSpeed and the dataset included); +RSS = its largest growth from
   the dataset being loaded to the end (model, optimizer, ZeRO machinery, activations; plait's also its final eval and checkpoint).
 step ms = median of rank 0's step times after {a.warmup} warm-up steps ({a.steps} timed x {a.repeats} repeat(s)); best ms = the
-  lowest of the repeats' medians (the least disturbed by other load on the machine);
+  lowest of the repeats' medians (the least disturbed by other load on the machine); CPU ms = median CPU time of rank 0's
+  process per step (all its threads: compute and gloo's; less sensitive to other load than wall time);
   sent = bytes a rank sends per step (each collective's ring share, counted by plait.comm);
   loss = the dp-mean training loss at the last step.
 DeepSpeed's AdamW: {'torch.optim.AdamW ("torch_adam": true), as plait' if a.ds_adam == 'torch' else "DeepSpeed's FusedAdam (CPU)"}.\
@@ -496,8 +510,9 @@ def main() -> None:
             if r["zero"] == zero and r["impl"] != "plait" and "error" not in r and "error" not in mine:
                 diff = max(abs(x - y) for x, y in zip(mine["losses"], r["losses"]))
                 ratio = r["step_time_s"] / mine["step_time_s"]
-                print(f"zero={zero}: {r['impl']} / plait step time = {ratio:.2f} "
-                      f"(best runs: {r['best_run_step_time_s'] / mine['best_run_step_time_s']:.2f}); "
+                print(f"zero={zero}: {r['impl']} / plait step time = {ratio:.3f} "
+                      f"(best runs: {r['best_run_step_time_s'] / mine['best_run_step_time_s']:.2f}; "
+                      f"CPU time per step: {r['cpu_time_s'] / mine['cpu_time_s']:.2f}); "
                       f"target (>= 1.0) {'met' if ratio >= 1.0 else 'not met'}; "
                       f"largest loss difference over {len(r['losses'])} steps = {diff:.1e}")
     out = Path(a.json)
