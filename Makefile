@@ -36,7 +36,7 @@ run: $(STAMP)
 
 test: $(DEVSTAMP)
 	$(BIN)/lint-imports --no-cache
-	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q --durations=25
 
 bench: $(DEVSTAMP)
 	$(BIN)/python benchmarks/overhead.py
