@@ -1,6 +1,7 @@
-"""`plait cluster run`: two real jobs on two process slots under srtf. The long job starts on both slots; the short
-one arrives and preempts it; the long one resumes at once on the slot left, one process instead of two (migration
-and resizing). Every job ends on its solo trajectory."""
+"""`plait cluster run`: three real jobs on two process slots under srtf. The long job starts on both slots; the short
+and the medium ones arrive and preempt it (once it has trained a step: before, it has nothing to checkpoint); when the
+short one ends, the long one resumes on the slot left, one process instead of two (migration and resizing). The jobs
+finish shortest first, and every job ends on its solo trajectory."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from plait.config import load_config
 BASE = ["model.name=mlp", "data.name=digits", "model.width=16", "train.global_batch_size=16",
         "train.micro_batch_size=8", "train.eval_samples=32", "log.every=1", "log.progress=false", "log.report=false",
         "optim.name=sgd", "optim.momentum=0", "optim.lr=0.05", "optim.schedule=constant", "optim.warmup_steps=0"]
-JOBS = {"long": (0.0, 1, 2, 60), "short": (1.0, 1, 1, 6)}  # arrival, min, max procs, steps
+JOBS = {"long": (0.0, 1, 2, 60), "short": (1.0, 1, 1, 6), "medium": (1.0, 1, 1, 30)}  # arrival, min, max procs, steps
 
 
 def losses(run) -> list[float]:
@@ -45,8 +46,8 @@ def test_the_short_job_preempts_the_long_one_which_resumes_resized_on_its_solo_t
     summary = json.loads((out / "cluster.json").read_text())
     jobs = {j["job"]: j for j in summary["jobs"]}
     finish = {e["job"]: e["t"] for e in summary["events"] if e["event"] == "finish"}
-    assert finish["short"] < finish["long"]
-    assert jobs["long"]["preemptions"] >= 1 and jobs["short"]["preemptions"] == 0
+    assert finish["short"] < finish["medium"] < finish["long"], finish
+    assert jobs["long"]["preemptions"] == 1 and jobs["short"]["preemptions"] == jobs["medium"]["preemptions"] == 0
     starts = [e["procs"] for e in summary["events"] if e["job"] == "long" and e["event"] == "start"]
     assert starts == [2, 1], summary["events"]  # resized when it came back
     assert (out / "gantt.png").stat().st_size > 5000 and "makespan" in stdout
