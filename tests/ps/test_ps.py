@@ -212,7 +212,8 @@ def test_a_dead_worker_does_not_stop_async_training_under_the_launcher(tmp_path)
     from helpers import plait
 
     run = tmp_path / "run"
-    sets = [*DIGITS, *PS, "parallel.ps_mode='async'", "train.steps=40", "checkpoint.every=20"]
+    # launch.timeout_s bounds the RPC waits: once in a CI run the dead worker's last calls held the job ~2 x 60 s
+    sets = [*DIGITS, *PS, "parallel.ps_mode='async'", "train.steps=40", "checkpoint.every=20", "launch.timeout_s=20"]
     r = plait("train", *[a for s in sets for a in ("--set", s)], "--out", run, faults="kill:rank=1:step=10")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
