@@ -131,13 +131,21 @@ def run_worker(cfg: Config, run_dir: Path | None, resume: bool = False, env: Clu
     # An elastic job's workers also restart when a node joins or leaves, and torch counts that as no restart. A new
     # run's directory holds no checkpoint (plait train refuses one that does), so one found here is this job's.
     restarted = restarted or cfg.node_range[0] < cfg.node_range[1]
+    finished = False
     try:
-        return train(cfg, run_dir, resume=resume or restarted)
+        result = train(cfg, run_dir, resume=resume or restarted)
+        finished = True
+        return result
     finally:
         if own_process_group:
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
+                # every rank meets before leaving: gloo aborts a rank whose peer closes a pair it still uses
+                # ("terminate called without an active exception" once, after a pipeline run). Not a parameter
+                # server's ranks: one may have died (async) and the others go on without it.
+                if finished and cfg.parallel.sync != "ps":
+                    dist.barrier()
                 dist.destroy_process_group()
 
 
