@@ -23,21 +23,31 @@ def balanced_bounds(sizes: list[int], stages: int) -> list[tuple[int, int]]:
     Every stage gets at least one block. Ties go to the earlier cut (the first stage also holds
     the embeddings in a GPT, so it should not take more blocks).
     """
-    n = len(sizes)
-    if not 1 <= stages <= n:
+    return min_max_bounds([list(sizes)] * stages, stages)
+
+
+def min_max_bounds(costs: list[list[float]], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) block ranges, stage s costing the sum of costs[s][i] over its blocks, minimising the
+    largest stage's cost. Every stage gets at least one block; ties go to the earlier cut."""
+    n = len(costs[0]) if costs else 0
+    if not 1 <= stages <= n or len(costs) != stages:
         raise ConfigError(f"cannot cut {n} blocks into {stages} pipeline stages; set parallel.pp between 1 and {n}")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[k][i]: the smallest possible max stage size cutting the first i blocks into k stages
+    prefix = []
+    for row in costs:
+        pre = [0.0]
+        for c in row:
+            pre.append(pre[-1] + c)
+        prefix.append(pre)
     inf = float("inf")
+    # best[k][i]: the smallest possible largest stage cost with the first i blocks on stages 0..k-1
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
+    best[0][0] = 0.0
     for k in range(1, stages + 1):
-        for i in range(k, n + 1):
+        pre = prefix[k - 1]
+        for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                cost = max(best[k - 1][j], pre[i] - pre[j])
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     bounds, i = [], n

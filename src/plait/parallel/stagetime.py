@@ -24,40 +24,15 @@ import torch.nn as nn
 
 from plait.errors import ConfigError
 from plait.faults import slow_compute
-from plait.parallel.split import pipeline_stage
+from plait.parallel.split import min_max_bounds, pipeline_stage
 
 REPEATS = 3
 
 
 def heterogeneous_bounds(costs: list[list[float]], stages: int) -> list[tuple[int, int]]:
     """Contiguous [start, stop) block ranges, stage s on rank s, minimising the largest stage time, where
-    costs[s][i] is block i's time on the rank of stage s. Every stage gets at least one block; ties go to the
-    earlier cut."""
-    n = len(costs[0])
-    if not 1 <= stages <= n or len(costs) != stages:
-        raise ConfigError(f"cannot cut {n} blocks into {stages} pipeline stages; set parallel.pp between 1 and {n}")
-    prefix = [[0.0] for _ in costs]
-    for row, pre in zip(costs, prefix):
-        for c in row:
-            pre.append(pre[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest possible largest stage time with the first i blocks on stages 0..k-1
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        pre = prefix[k - 1]
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], pre[i] - pre[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, i = [], n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        bounds.append((j, i))
-        i = j
-    return bounds[::-1]
+    costs[s][i] is block i's time on the rank of stage s (plait.parallel.split.min_max_bounds)."""
+    return min_max_bounds(costs, stages)
 
 
 def block_times(module: nn.Module, n_blocks: int, micro: int, context: int, vocab: int, device, rank: int) -> list[float]:
