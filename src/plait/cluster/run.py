@@ -170,13 +170,17 @@ class LocalCluster:
         j.log = open(self.out / "jobs" / f"{j.spec.name}.log", "a")  # noqa: SIM115 (closed when the job stops)
         j.proc = subprocess.Popen(self._command(j, procs), env=self.env, stdout=j.log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
+        self._launched(j, procs, now)
+
+    def _launched(self, j: _Job, procs: int, now: float, **event) -> None:
+        """The books of a (re)start: launches, the steps it starts from, its first start, the event."""
         j.launches += 1
         j.steps_at_launch = j.steps_done()
         if math.isnan(j.started):
             j.started = now
         j.slice_start = now
         self.events.append({"t": round(now, 3), "job": j.spec.name, "event": "start", "procs": procs,
-                            "slots": j.slots, "launch": j.launches})
+                            "slots": j.slots, "launch": j.launches, **event})
 
     def _stopped(self, j: _Job, now: float) -> None:
         j.segments.append((j.slice_start, now, tuple(j.slots)))
@@ -388,13 +392,7 @@ class SlurmQueue(LocalCluster):
         j.log = None
         with open(self.out / "jobs" / f"{j.spec.name}.log", "a") as f:
             f.write(f"slurm job {job_id} on {procs} node(s): {j.run_dir / f'slurm-{job_id}.out'}\n")
-        j.launches += 1
-        j.steps_at_launch = j.steps_done()
-        if math.isnan(j.started):
-            j.started = now
-        j.slice_start = now
-        self.events.append({"t": round(now, 3), "job": j.spec.name, "event": "start", "procs": procs,
-                            "slots": j.slots, "launch": j.launches, "slurm_job_id": job_id})
+        self._launched(j, procs, now, slurm_job_id=job_id)
 
     def _kill(self, j: _Job) -> None:
         j.proc.kill()
