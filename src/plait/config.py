@@ -175,7 +175,9 @@ class ParallelConfig:
                        ("none", "disk", "optimizer", "params"))
     shard_init: bool = opt(True, "zero 2/3, tp or pp: build the model on the meta device and materialise only this "
                            "rank's shards (the same values as a single process's initialisation)")
-    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved-1f1b", ("gpipe", "1f1b", "interleaved-1f1b"))
+    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b or pipedream (PipeDream-2BW: 1F1B "
+                           "with no flush between steps, weights stashed in two versions, updates one version stale)",
+                           ("gpipe", "1f1b", "interleaved-1f1b", "pipedream"))
     microbatches: int = opt(0, "pipeline micro-batches per step (0: global_batch_size / (micro_batch_size * dp))")
     virtual_stages: int = opt(1, "interleaved-1f1b: model chunks per pipeline rank")
     pp_split: list | str = opt([], "block indices where pipeline stages begin, e.g. [2] (empty: balance by parameters; "

@@ -80,14 +80,6 @@ class PipelineStrategy(Strategy):
         super().__init__(nn.ModuleList(parts), union, optimizer, loss_fn, precision, local_batch)
         self.name = f"pipeline-{schedule}"
         self.dp_sync = dp_sync
-        # imported here: torch.distributed.pipelining brings in torch._dynamo (~0.4 s in every worker otherwise)
-        from torch.distributed import pipelining
-
-        self.stages = [pipelining.PipelineStage(p, s, num_stages, rt.device, group=self.pp_group)
-                       for p, s in zip(parts, stage_ids)]
-        cls = getattr(pipelining, SCHEDULES[schedule])
-        self.schedule = cls(self.stages if schedule == "interleaved-1f1b" else self.stages[0], microbatches,
-                            loss_fn=self._loss)
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
         self._setup_tied(tied)
         self.events: list[tuple] = []
@@ -95,6 +87,18 @@ class PipelineStrategy(Strategy):
         self.peak_inflight: list[int] = []  # per step: the most micro-batches whose activations this rank held
         self.last_timeline: list[tuple] = []
         self._last_forward = None
+        self._make_schedule()
+
+    def _make_schedule(self) -> None:
+        """torch.distributed.pipelining's stages and flushing schedule over this rank's parts, instrumented."""
+        # imported here: torch.distributed.pipelining brings in torch._dynamo (~0.4 s in every worker otherwise)
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(p, s, self.num_stages, self.rt.device, group=self.pp_group)
+                       for p, s in zip(self.parts, self.stage_ids)]
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        self.schedule = cls(self.stages if self.schedule_name == "interleaved-1f1b" else self.stages[0],
+                            self.microbatches, loss_fn=self._loss)
         for st in self.stages:
             self._instrument(st)
 
@@ -377,6 +381,15 @@ def check(cfg) -> None:
     if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and p.virtual_stages < 2:
         raise ConfigError("parallel.pp_schedule = 'interleaved-1f1b' needs parallel.virtual_stages >= 2 model "
                           "chunks per pipeline rank; set --set parallel.virtual_stages=2")
+    if p.pp_schedule == "pipedream" and p.pp > 1:
+        refused = [f"{k} = {v!r}" for k, v, bad in (
+            ("parallel.tp", p.tp, p.tp > 1), ("parallel.zero", p.zero, p.zero > 0),
+            ("parallel.virtual_stages", p.virtual_stages, p.virtual_stages > 1),
+            ("precision.dtype", cfg.precision.dtype, cfg.precision.dtype == "fp16"),
+            ("parallel.compression", p.compression, p.compression not in ("", "none", None))) if bad]
+        if refused:
+            raise ConfigError(f"parallel.pp_schedule = 'pipedream' runs plain pipeline stages (dp x pp, fp32 or bf16); "
+                              f"it does not combine with {', '.join(refused)}: set pp_schedule = '1f1b' or drop them")
     if p.microbatches < 0:
         raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
     if isinstance(p.pp_split, str) and p.pp_split != "auto":
@@ -396,6 +409,9 @@ def check(cfg) -> None:
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
             f"parallel.microbatches ({p.microbatches}) = {p.dp * p.microbatches}")
     m = microbatches(cfg)
+    if p.pp_schedule == "pipedream" and m < p.pp:
+        raise ConfigError(f"parallel.pp_schedule = 'pipedream' needs at least parallel.pp ({p.pp}) micro-batches per step "
+                          f"(it has {m}); set parallel.microbatches={p.pp}")
     if p.pp_schedule == "interleaved-1f1b" and m % p.pp:
         raise ConfigError(
             f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
@@ -454,7 +470,10 @@ def build(b: Build) -> PipelineStrategy:
     for part in parts:  # shard-only initialisation: each stage fills its own parameters (tp has, if it split them)
         b.materialize(part)
     tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
-    strategy = PipelineStrategy(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
+    cls = PipelineStrategy
+    if p.pp_schedule == "pipedream":
+        from plait.parallel.pipedream import PipeDreamStrategy as cls
+    strategy = cls(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
                                 microbatches(b.cfg), p.pp_schedule, pipeline_parts(module)["blocks"], tied,
                                 dp_sync=rt.axis_size("dp") > 1)
     strategy.bounds = bounds

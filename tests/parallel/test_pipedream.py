@@ -1,0 +1,113 @@
+"""parallel.pp_schedule = "pipedream" (PipeDream-2BW): 1F1B with no flush, two stashed weight versions.
+
+The update rule is V_{t+2} = V_{t+1} - lr * grad f(V_t; batch t), the first step applying nothing, on every
+layout. Under plain SGD (see test_equivalence.py for why) that gives checks by arithmetic against the single
+process's flushing run: pipedream's first loss is the reference's first, its second logged gradient norm is the
+reference's first (the gradient of batch 0 at the initial weights), and its weights after two steps are the
+reference's after one. Layouts (pp 2, pp 4, dp 2 x pp 2) and a resume through a drained checkpoint then follow
+one trajectory step for step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_equivalence import GPT, SGD, params_after
+
+from plait.config import load_config
+from plait.errors import ConfigError
+
+PIPEDREAM = ("parallel.pp_schedule='pipedream'",)
+
+
+def run(cfg, run_dir: Path, resume: bool = False):
+    """Pool task: train; rank 0's logged records and final weights."""
+    import torch.distributed as dist
+
+    params = params_after(cfg, run_dir, resume)
+    if dist.get_rank() != 0:
+        return None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return [r for r in rows if "loss" in r], params, summary
+
+
+def assert_same_trajectory(ref, got) -> None:
+    """Per-step loss and gradient norm (relative; the first step's norm is 0 on both) and final weights within 1e-5."""
+    (ref_rows, ref_params, _), (rows, params, _) = ref, got
+    rel = lambda key: max(abs(a[key] - b[key]) / max(abs(a[key]), 1e-12)  # noqa: E731
+                          for a, b in zip(ref_rows, rows, strict=True))
+    e = {"loss": rel("loss"), "grad_norm": rel("grad_norm"),
+         "weights": max(float((ref_params[k] - params[k]).abs().max()) for k in ref_params)}
+    assert ref_params.keys() == params.keys()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert e["loss"] <= 1e-5 and e["grad_norm"] <= 1e-5 and e["weights"] <= 1e-5, e
+
+
+@pytest.fixture(scope="module")
+def gpt(tiny_text):
+    from helpers import TINY_GPT
+
+    return (*TINY_GPT, *GPT, f"data.path='{tiny_text}'", *SGD)
+
+
+@pytest.fixture(scope="module")
+def pp2(pool2, gpt, tmp_path_factory):
+    cfg = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM])
+    return pool2.run(run, cfg, tmp_path_factory.mktemp("pp2") / "run")[0]
+
+
+def test_the_updates_are_one_version_stale(pool2, pp2, gpt, tmp_path):
+    """Against one process's flushing run of one step: the first step applies nothing, the second the gradient of
+    batch 0 at the initial weights (so its logged norm is the reference's first, and the weights after two steps are
+    the reference's after one)."""
+    one = load_config(None, [*gpt, "parallel.dp=1", "train.steps=1"])
+    ref_rows, ref_params, _ = run_single(one, tmp_path)
+    rows, _, summary = pp2
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert abs(rows[0]["loss"] - ref_rows[0]["loss"]) <= 1e-5 * ref_rows[0]["loss"]
+    assert rows[0]["grad_norm"] == 0.0
+    assert abs(rows[1]["grad_norm"] - ref_rows[0]["grad_norm"]) <= 1e-5 * ref_rows[0]["grad_norm"]
+    assert all(r["weight_version_gap"] == 1 for r in rows)
+    two = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM, "train.steps=2"])
+    _, params2, _ = pool2.run(run, two, tmp_path / "two")[0]
+    assert max(float((ref_params[k] - params2[k]).abs().max()) for k in ref_params) <= 1e-5
+    pipe = summary["pipeline"]
+    assert pipe["schedule"] == "pipedream" and pipe["weight_versions"] == 2 and pipe["steps_measured"] >= 1
+    # stage 0 of 2 holds one micro-batch beyond the m = 4 it runs per step, across the step boundary
+    assert pipe["peak_inflight_per_rank"] == [2, 1]
+
+
+def run_single(cfg, tmp_path):
+    rows_params = params_after(cfg, tmp_path / "single")
+    rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], rows_params, None
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp=1", "parallel.pp=4"), ("parallel.dp=2", "parallel.pp=2")],
+                         ids=["pp4", "dp2xpp2"])
+def test_layouts_follow_one_trajectory(pool4, pp2, gpt, tmp_path, layout):
+    got = pool4.run(run, load_config(None, [*gpt, *layout, *PIPEDREAM]), tmp_path / "run")[0]
+    assert_same_trajectory(pp2, got)
+
+
+def test_a_resume_through_a_drained_checkpoint_keeps_the_trajectory(pool2, pp2, gpt, tmp_path):
+    """Stopped after step 2 (the checkpoint drains the pipeline and keeps step 2's gradient), resumed to step 4."""
+    cfg = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM, "train.stop_after=2"])
+    pool2.run(run, cfg, tmp_path / "run")
+    cfg.train.stop_after = 0
+    got = pool2.run(run, cfg, tmp_path / "run", True)[0]
+    assert_same_trajectory(pp2, got)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.pp=2", "parallel.tp=2"), "does not combine with parallel.tp = 2"),
+    (("parallel.pp=2", "parallel.microbatches=1"), "needs at least parallel.pp (2) micro-batches per step (it has 1)"),
+])
+def test_what_pipedream_refuses(gpt, overrides, message):
+    from plait.parallel.pipeline import check
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check(load_config(None, [*gpt, "parallel.dp=1", *PIPEDREAM, *overrides]))
