@@ -96,9 +96,9 @@ class PipeDreamStrategy(PipelineStrategy):
         return loss
 
     def _forward(self, t: int, j: int, version, x, y, losses: list) -> None:
-        start = time.time()
         if not self.first:
             x = self._recv(self.prev, ACT, t, j).requires_grad_(True)
+        start = time.time()  # a slot is compute: waiting for its input is bubble
         meter = self.activation_meter.measure((self.stage_ids[0], j, t)) if self.activation_meter else nullcontext()
         with meter, self.precision.autocast():
             out = version(x)
@@ -113,11 +113,9 @@ class PipeDreamStrategy(PipelineStrategy):
 
     def _backward(self, m: int) -> None:
         t, j, x, out = self.queue.popleft()
+        grad = None if self.last else self._recv(self.next, GRAD, t, j)
         start = time.time()
-        if self.last:
-            out.backward()
-        else:
-            out.backward(self._recv(self.next, GRAD, t, j))
+        out.backward(grad)
         if not self.first:
             self.sends += send_tensor(x.grad, self.prev, self.pp_group, tags=(GRAD, t, j), async_op=True)
         self.events.append((self.stage_ids[0], "B", j, start, time.time()))
