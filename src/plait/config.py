@@ -187,6 +187,9 @@ class ParallelConfig:
                     ("allreduce", "ps", "gossip"))
     ps_servers: int = opt(1, "ps: parameter-server processes, in addition to the dp workers")
     ps_mode: str = opt("sync", "ps: sync, async, or ssp (bounded staleness)", ("sync", "async", "ssp"))
+    ps_placement: str = opt("dedicated", "ps: dedicated (ps_servers processes beside the workers) or colocated (every "
+                            "worker also serves 1/dp of the parameters, BytePS-style; no server processes)",
+                            ("dedicated", "colocated"))
     staleness: int = opt(0, "ps ssp: steps a worker may run ahead of the slowest one")
     gossip_every: int = opt(1, "gossip: average with graph neighbours every N steps")
     gossip_topology: str = opt("ring", "gossip: ring or exponential graph", ("ring", "exponential"))
@@ -523,7 +526,7 @@ def resolve_auto(cfg: Config, gpus: int | None = None) -> list[str]:
     if p.dp == "auto":
         nodes = cfg.max_nodes
         per_node = lc.nproc_per_node or gpus
-        servers = p.ps_servers if p.sync == "ps" else 0
+        servers = p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
         model = p.tp * p.pp
         if not per_node:
             p.dp = 1

@@ -41,12 +41,6 @@ def test_ps_with_fewer_workers_than_servers():
         "parallel.ps_servers = 0 must be >= 1 (parameter-server processes); set --set parallel.ps_servers=1")
 
 
-def test_ps_is_not_elastic():
-    assert message("parallel.sync='ps'", "parallel.ps_servers=2", "launch.nnodes='1:2'", "launch.rdzv_endpoint='h:1'") == (
-        "parallel.sync = 'ps' with launch.nnodes = 1:2: an elastic job would resize the workers without its servers; "
-        "set launch.nnodes to a fixed number of machines")
-
-
 def test_the_process_count_includes_the_servers():
     cfg = load_job(None, [*DIGITS, "parallel.sync='ps'", "parallel.dp=2", "parallel.ps_servers=2"])
     layout = Layout.from_config(cfg)

@@ -34,7 +34,9 @@ def fit_to_world(cfg: Config, world: int) -> Config:
         raise ConfigError(f"the job now has {world} processes, which tensor ({p.tp}) x pipeline ({p.pp}) parallel "
                           "cannot divide; it cannot continue at this size")
     new = copy.deepcopy(cfg)
-    new.parallel.dp = world // (p.tp * p.pp)
+    # a parameter server's dedicated servers stay; the workers are the rest
+    servers = p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
+    new.parallel.dp = (world - servers) // (p.tp * p.pp)
     if new.parallel.dp == 1:
         new.parallel.zero, new.parallel.offload, new.parallel.embedding_sharding = 0, "none", "none"
     new.launch.nnodes, new.launch.nproc_per_node, new.launch.node_rank = "1", world, 0

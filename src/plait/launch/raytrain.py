@@ -80,7 +80,7 @@ def launch_ray(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     layout = Layout.from_config(cfg)
-    if layout.ps_servers:
+    if layout.ps:
         raise ConfigError("launch.launcher = 'ray' runs the layout's ranks in one torch process group; a parameter server "
                           "(parallel.sync = 'ps') talks RPC: use launch.launcher='torchrun'")
     world = layout.world_size

@@ -113,8 +113,8 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
 
     mp_api._terminate_process_handler = _interrupt_handler(mp_api._terminate_process_handler, run_dir)
     p = cfg.parallel
-    if p.sync == "ps" and p.ps_mode in ("async", "ssp") and isinstance(p.dp, int) and p.dp > 1:
-        _tolerate_dead_workers(mp_api.SubprocessContext, set(range(1, p.dp)))
+    if p.sync == "ps" and p.ps_mode in ("async", "ssp") and p.ps_placement == "dedicated":
+        _tolerate_dead_workers(mp_api.SubprocessContext, p.ps_servers)
     try:
         elastic_launch(launch_config(cfg, run_dir), sys.executable)(*args)
     except ChildFailedError as e:
@@ -124,26 +124,28 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     return 0
 
 
-def _tolerate_dead_workers(context_cls, ranks: set[int]) -> None:
+def _tolerate_dead_workers(context_cls, servers: int) -> None:
     """An asynchronous (or SSP) parameter-server job goes on without a worker that dies: torch's agent ends the whole
-    job when any process fails, so a failure of one of `ranks` (global ranks: the workers other than the chief; the
-    chief writes the run, the servers hold it) is noted and dropped before the agent sees it. The servers already
-    count the worker out (its last update is its last); the job ends when every other process has."""
-    if getattr(context_cls._capture_process_failures, "__plait_tolerant__", None) == ranks:
+    job when any process fails, so a failure of a worker other than the chief (global ranks 1 .. WORLD_SIZE - servers
+    - 1, at whatever size an elastic job now has; the chief writes the run, the servers hold it) is noted and dropped
+    before the agent sees it. The servers already count the worker out (its last update is its last); the job ends
+    when every other process has."""
+    if getattr(context_cls._capture_process_failures, "__plait_tolerant__", None) == servers:
         return
     capture = getattr(context_cls._capture_process_failures, "__wrapped__", context_cls._capture_process_failures)
 
     def tolerant(self, done_local_ranks: set[int]):
         capture(self, done_local_ranks)
         for local_rank in list(self._failures):
-            rank = int(self.envs[local_rank].get("RANK", -1))
-            if rank in ranks:
+            env = self.envs[local_rank]
+            rank, world = int(env.get("RANK", -1)), int(env.get("WORLD_SIZE", 0))
+            if 1 <= rank < world - servers:
                 code = self._failures.pop(local_rank).exitcode
                 print(f"plait: worker rank {rank} ended (exit code {code}); the asynchronous parameter-server job "
                       "goes on without it", file=sys.stderr, flush=True)
 
     tolerant.__wrapped__ = capture
-    tolerant.__plait_tolerant__ = ranks
+    tolerant.__plait_tolerant__ = servers
     context_cls._capture_process_failures = tolerant
 
 

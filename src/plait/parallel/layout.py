@@ -38,12 +38,15 @@ class Layout:
     ps_servers: int = 0  # parameter-server processes beside the dp workers (0: none)
     global_batch: int = 0  # samples per optimizer step (0: unknown, e.g. for a layout alone)
     micro_batch: int = 0  # samples per forward/backward
+    ps_colocated: bool = False  # a parameter server whose shards live in the dp workers (no server processes)
 
     @classmethod
     def from_config(cls, cfg) -> Layout:
         """The layout of a Config; raises ConfigError when the degrees and batch sizes do not fit together."""
         p, t = cfg.parallel, cfg.train
-        layout = cls(p.dp, p.tp, p.pp, p.ps_servers if p.sync == "ps" else 0, t.global_batch_size, t.micro_batch_size)
+        colocated = p.sync == "ps" and p.ps_placement == "colocated"
+        layout = cls(p.dp, p.tp, p.pp, p.ps_servers if p.sync == "ps" and not colocated else 0, t.global_batch_size,
+                     t.micro_batch_size, colocated)
         layout.check()
         return layout
 
@@ -59,6 +62,11 @@ class Layout:
                     f"train.global_batch_size ({self.global_batch}) must be divisible by train.micro_batch_size "
                     f"({self.micro_batch}) * parallel.dp ({self.dp}) = {per_step}; "
                     f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size")
+
+    @property
+    def ps(self) -> bool:
+        """Whether the ranks are a parameter server's workers (and servers) rather than a mesh."""
+        return bool(self.ps_servers) or self.ps_colocated
 
     @property
     def trainers(self) -> int:
@@ -114,13 +122,13 @@ class Layout:
     def role(self, rank: int) -> str:
         """"trainer" on the mesh; with a parameter server, worker 0 (the chief) is the "trainer" that writes the
         run's files, workers 1..dp-1 are "worker" and the rest "server"."""
-        if not self.ps_servers or rank == 0:
+        if not self.ps or rank == 0:
             return "trainer"
         return "worker" if rank < self.dp else "server"
 
     def coords(self, rank: int) -> dict[str, int]:
         """(pp, dp, tp) coordinates of a training rank; a parameter-server worker's dp coordinate is its rank."""
-        if self.ps_servers:
+        if self.ps:
             if rank >= self.dp:
                 raise ValueError(f"rank {rank} is a parameter server, not on the mesh")
             return {"pp": 0, "dp": rank, "tp": 0}
@@ -131,7 +139,7 @@ class Layout:
     # ---- the runtime
     def init_runtime(self, launch_cfg) -> Runtime:
         """Join the job as this layout says: a process group and the named mesh, or (parameter server) RPC."""
-        if self.ps_servers:
+        if self.ps:
             return self._init_ps(launch_cfg)
         rank, world, local_rank, device, backend = init_process_group(launch_cfg)
         self.check_world(world)

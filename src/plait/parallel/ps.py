@@ -10,10 +10,17 @@ directory. Server ranks do not train: they hold their shard until every worker i
   dp all-reduce's parameters, step for step.
 * async / ssp: clip the worker's own gradient, push; the servers apply it at once and send the
   parameters back (after the bounded-staleness wait under ssp).
+
+parallel.ps_placement = 'colocated' (BytePS / MXNet's kvstore): no server processes; worker k also
+serves shard k of dp (balanced by bytes) from a thread of its own, so the job is dp processes and a
+worker's own shard never crosses the network. Every worker is then needed to the end (it holds
+state): a dead worker stops the job, in every mode.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 
 import torch
@@ -24,15 +31,16 @@ from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 from plait.ps import server as srv
 from plait.ps.client import PSClient
 from plait.ps.policy import assign_shards, staleness_summary
-from plait.ps.rpc import leave
+from plait.ps.rpc import leave, worker_name
 
 
 class PSStrategy(Strategy):
     def __init__(self, model, module, optimizer, loss_fn, precision, local_batch: int, client: PSClient, mode: str,
-                 worker: int, dp: int, servers: int):
+                 worker: int, dp: int, servers: int, colocated: bool = False):
         super().__init__(model, module, optimizer, loss_fn, precision, local_batch)
         self.client, self.mode, self.chief = client, mode, worker == 0
-        self.name = f"ps-{mode}: {dp} workers + {servers} server{'s' * (servers > 1)}"
+        self.name = (f"ps-{mode}: {dp} workers serving 1/{dp} each (colocated)" if colocated else
+                     f"ps-{mode}: {dp} workers + {servers} server{'s' * (servers > 1)}")
         self._opened = False
         self._coef: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
@@ -109,9 +117,30 @@ def shards(module, servers: int) -> list[list[str]]:
 def build(b: Build) -> PSStrategy:
     """A worker's strategy: a local optimizer only for the learning rate; the servers hold the real one."""
     p = b.cfg.parallel
-    client = PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers), b.cfg.launch.timeout_s)
+    colocated = p.ps_placement == "colocated"
+    client = (colocated_client(b) if colocated else
+              PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers), b.cfg.launch.timeout_s))
     return PSStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
-                      b.local_batch, client, p.ps_mode, b.rt.rank, p.dp, p.ps_servers)
+                      b.local_batch, client, p.ps_mode, b.rt.rank, p.dp, p.ps_servers, colocated)
+
+
+def colocated_client(b: Build) -> PSClient:
+    """Worker k's client, with server k (shard k of dp) running in this process: it answers the other workers from
+    a thread while this one trains, and the worker leaves only once every worker is done with its shard."""
+    p, rank = b.cfg.parallel, b.rt.rank
+    cut = shards(b.module, p.dp)
+    # The server's own copy of the (identically initialised) model, on CPU like a dedicated server's.
+    server = srv.ParameterServer(rank, copy.deepcopy(b.module).cpu(), cut[rank], b.cfg, b.make_optimizer, host=rank)
+    srv.start(server)
+    loop = threading.Thread(target=server.serve, name=f"ps-shard{rank}", daemon=True)
+    loop.start()
+
+    def before_leave() -> bool:
+        loop.join()  # until every worker is done with this shard (or found dead)
+        return bool(server.dead or server.failure)
+
+    return PSClient(b.module, rank, cut, b.cfg.launch.timeout_s, servers=[worker_name(k) for k in range(p.dp)],
+                    local={rank: server}, before_leave=before_leave)
 
 
 def serve(b: Build, run_dir) -> dict:
@@ -141,19 +170,56 @@ def check(cfg) -> None:
     if p.sync != "ps":
         return
     require_plain_data_parallel(cfg)
+    check_elastic(cfg)
+    if p.ps_placement == "colocated":
+        return  # dp processes, each a worker and a server: parallel.ps_servers is not used
     if p.ps_servers < 1:
         raise ConfigError(f"parallel.ps_servers = {p.ps_servers} must be >= 1 (parameter-server processes); "
                           "set --set parallel.ps_servers=1")
-    lo, hi = cfg.node_range
-    if lo < hi:
-        raise ConfigError(
-            f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}: an elastic job would resize the workers "
-            "without its servers; set launch.nnodes to a fixed number of machines")
     if p.dp < p.ps_servers:
         raise ConfigError(
             f"parallel.sync = 'ps' with parallel.ps_servers = {p.ps_servers} servers but only parallel.dp = {p.dp} "
             f"workers: a server without a worker of its own is wasted; set parallel.ps_servers <= {p.dp} or "
             f"parallel.dp >= {p.ps_servers}")
+
+
+def check_elastic(cfg) -> None:
+    """launch.nnodes = MIN:MAX for a parameter server: what stays sound when machines leave or join.
+
+    Workers hold no state, so an async or SSP job goes on without those of a machine that left (the servers count
+    them out), and one that joins re-forms the job (torchrun's agent restarts every process; the chief loads the
+    last checkpoint into the servers, every other worker pulls from them). Refused: sync (every round needs every
+    worker), colocated servers (a leaving worker takes its shard with it), and a machine count at which the
+    servers leave no worker or the global batch does not split over the workers.
+    """
+    p, t = cfg.parallel, cfg.train
+    lo, hi = cfg.node_range
+    if lo == hi:
+        return
+    what = f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}"
+    if p.ps_mode == "sync":
+        raise ConfigError(f"{what}: parallel.ps_mode = 'sync' needs every worker at every step, and an elastic job goes "
+                          "on without some; set parallel.ps_mode = 'async' or 'ssp', or launch.nnodes to a fixed number "
+                          "of machines")
+    if p.ps_placement == "colocated":
+        raise ConfigError(f"{what}: with parallel.ps_placement = 'colocated' a worker that leaves takes its shard of the "
+                          "parameters with it; set parallel.ps_placement = 'dedicated', or launch.nnodes to a fixed "
+                          "number of machines")
+    if not isinstance(p.dp, int):
+        return  # dp = auto: resolved before the check runs again
+    per_node = cfg.launch.nproc_per_node or max(1, (p.dp + p.ps_servers) // hi)
+    for nodes in range(lo, hi + 1):
+        workers = nodes * per_node - p.ps_servers
+        if workers < 1:
+            raise ConfigError(
+                f"{what}: at {nodes} machine(s) x {per_node} processes the {p.ps_servers} parameter server(s) leave no "
+                f"worker; set launch.nnodes to at least {-(-(p.ps_servers + 1) // per_node)}:{hi}, or more processes "
+                "per machine")
+        if t.global_batch_size % (t.micro_batch_size * workers):
+            raise ConfigError(
+                f"{what}: at {nodes} machine(s) the job has {workers} workers, and train.global_batch_size "
+                f"({t.global_batch_size}) is not divisible by train.micro_batch_size ({t.micro_batch_size}) * "
+                f"{workers}; choose a micro batch size that divides the global batch at every size")
 
 
 SCHEME = Scheme("parameter_server", applies=lambda cfg: cfg.parallel.sync == "ps", check=check, strategy=build, serve=serve)

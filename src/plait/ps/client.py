@@ -4,6 +4,10 @@ Every call goes to all K servers at once (rpc_async) and waits for all answers. 
 on CPU; parameters are copied into the worker's model on its own device. The bytes pushed are
 counted by plait.comm.accounting (op "ps_push"), so `comm_bytes` in metrics.jsonl is the
 gradient volume a worker sends per step.
+
+A server in this process (`local`: parallel.ps_placement = 'colocated', or a test) is called
+directly, after the requests to the others have left: its shard's gradient never crosses the
+network and is not counted, so a colocated worker sends (dp-1)/dp of a dedicated one's bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +23,14 @@ from plait.ps.rpc import leave, server_name
 
 
 class PSClient:
-    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[str]], timeout_s: float = 300.0):
+    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[str]], timeout_s: float = 300.0,
+                 servers: list[str] | None = None, local: dict | None = None, before_leave=None):
+        """servers: the RPC name of each shard's server (default ps0, ps1, ...); local: {shard: ParameterServer}
+        held in this process; before_leave(): run after this worker finished, before it leaves the RPC job."""
         self.module, self.worker, self.shards, self.timeout_s = module, worker, shards, timeout_s
+        self.servers = servers or [server_name(k) for k in range(len(shards))]
+        self.local = local or {}
+        self.before_leave = before_leave
         self.params = dict(module.named_parameters())
         self.versions = [0] * len(shards)
         self.rounds = 0  # sync: rounds this worker has pushed
@@ -29,16 +39,35 @@ class PSClient:
         # Tell the servers at exit (before the RPC agent stops: atexit runs last-in, first-out).
         atexit.register(self.finish)
 
-    def _all(self, fn, args_for) -> list:
-        futs = [rpc.rpc_async(server_name(k), fn, args=args_for(k)) for k in range(len(self.shards))]
-        return [f.wait() for f in futs]
+    def _all(self, method: str, args_for) -> list:
+        """ParameterServer.`method`(*args_for(k)) on every server k: the remote ones by RPC, then the local ones."""
+        remote = {k: rpc.rpc_async(self.servers[k], srv.call, args=(method, *args_for(k)))
+                  for k in range(len(self.shards)) if k not in self.local}
+        here = {k: getattr(server, method)(*args_for(k)) for k, server in self.local.items()}
+        out = []
+        for k in range(len(self.shards)):
+            if k in here:
+                out.append(here[k])
+                continue
+            try:
+                out.append(remote[k].wait())
+            except RuntimeError as e:
+                if self.local and not self.finished:  # colocated: the shard went with its worker
+                    raise srv.PSError(
+                        f"{self.servers[k]}, which served a shard of the parameters (parallel.ps_placement = "
+                        f"'colocated'), is gone ({str(e).splitlines()[0][:120]}); a colocated job needs every worker: "
+                        "resume from the last checkpoint, or use parallel.ps_placement = 'dedicated' to go on "
+                        "without it") from e
+                raise
+        return out
 
     def _grads(self, k: int) -> dict[str, torch.Tensor]:
         out = {}
         for n in self.shards[k]:
             p = self.params[n]
             out[n] = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu()
-        accounting.record("ps_push", sum(t.numel() * t.element_size() for t in out.values()))
+        if k not in self.local:  # a shard served in this process crosses no network
+            accounting.record("ps_push", sum(t.numel() * t.element_size() for t in out.values()))
         return out
 
     @torch.no_grad()
@@ -49,11 +78,13 @@ class PSClient:
     # ---- start and end
     def open(self) -> None:
         """Chief: the servers hold the state to start from (fresh, or loaded from a checkpoint); let the workers in."""
-        self._all(srv.open_server, lambda k: ())
+        self._all("open", lambda k: ())
         self.pull()
 
     def wait_open(self) -> None:
-        self._all(srv.wait_open, lambda k: ())
+        """Every worker but the chief, before its first step: join the servers, then take their current parameters
+        (a worker that starts late, or replaces a dead one, starts from where the others are, not from its init)."""
+        self._all("wait_open", lambda k: (self.worker,))
         self.pull()
 
     def finish(self) -> None:
@@ -63,32 +94,34 @@ class PSClient:
             return
         self.finished = True
         try:
-            dead = any(self._all(srv.finish, lambda k: (self.worker,)))
+            dead = any(self._all("finish", lambda k: (self.worker,)))
         except RuntimeError:
             dead = True
+        if self.before_leave is not None:
+            dead = self.before_leave() or dead
         leave(self.completed and not dead, self.timeout_s)
 
     def pull(self) -> None:
-        for k, (version, values) in enumerate(self._all(srv.pull, lambda k: ())):
+        for k, (version, values) in enumerate(self._all("pull", lambda k: ())):
             self.versions[k] = version
             self._load(values)
 
     # ---- sync rounds
     def push_sync(self, loss: float) -> tuple[list[torch.Tensor], float]:
         """Push this round's gradients; returns the averaged gradients' norms in model order and the workers' mean loss."""
-        answers = self._all(srv.push_sync, lambda k: (self.worker, self.rounds, self._grads(k), loss))
+        answers = self._all("push_sync", lambda k: (self.worker, self.rounds, self._grads(k), loss))
         norms = {n: t for k, (ns, _) in enumerate(answers) for n, t in zip(self.shards[k], ns)}
         return [norms[n] for n in self.params if n in norms], answers[0][1]
 
     def apply_sync(self, coef: float | None, lr: float) -> None:
-        for values in self._all(srv.apply_sync, lambda k: (self.worker, self.rounds, coef, lr)):
+        for values in self._all("apply_sync", lambda k: (self.worker, self.rounds, coef, lr)):
             self._load(values)
         self.rounds += 1
 
     # ---- async / ssp
     def push_async(self, lr: float) -> list[int]:
         """Push, get the shard's fresh parameters back (after the SSP wait); returns each shard's staleness."""
-        answers = self._all(srv.push_async, lambda k: (self.worker, self.versions[k], self._grads(k), lr))
+        answers = self._all("push_async", lambda k: (self.worker, self.versions[k], self._grads(k), lr))
         out = []
         for k, (version, values, staleness) in enumerate(answers):
             self.versions[k] = version
@@ -100,7 +133,7 @@ class PSClient:
     def state(self) -> tuple[dict, dict]:
         """(parameters, optimizer state), each keyed by parameter name, from all servers."""
         params, optim = {}, {}
-        for answer in self._all(srv.get_state, lambda k: ()):
+        for answer in self._all("state", lambda k: ()):
             params.update(answer["params"])
             optim.update(answer["optim"])
         return params, optim
@@ -112,8 +145,10 @@ class PSClient:
                      "optim": {n: {s: v.detach().cpu() if torch.is_tensor(v) else v for s, v in optim[n].items()}
                                for n in names if n in optim}},)
 
-        self._all(srv.load_state, part)
+        self._all("load", part)
         self._load({n: params[n] for n in self.params})
 
     def staleness_since(self, since: int) -> tuple[list[int], int]:
-        return rpc.rpc_sync(server_name(0), srv.staleness_since, args=(since,))
+        if 0 in self.local:
+            return self.local[0].staleness(since)
+        return rpc.rpc_sync(self.servers[0], srv.call, args=("staleness", since))

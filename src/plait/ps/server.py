@@ -1,7 +1,10 @@
 """One parameter server: a shard of the parameters, its optimizer, and the rules of `parallel.ps_mode`.
 
-Workers call the module-level functions below by RPC (`rpc.rpc_sync("ps0", push_sync, ...)`); they act
-on this process's ParameterServer. Modes (Li et al. 2014; Ho et al. 2013):
+Workers call `call` below by RPC (`rpc.rpc_sync("ps0", call, args=("push_sync", ...))`); it acts on
+this process's ParameterServer. With parallel.ps_placement = 'colocated' every worker process runs
+one (server k in worker k), and a worker calls its own directly, without RPC.
+
+Modes (Li et al. 2014; Ho et al. 2013):
 
 * sync: a round ends when every worker has pushed its gradient; the server averages them (as DDP's
   all-reduce does: each divided by dp, then summed), returns the per-parameter norms so that the
@@ -37,10 +40,14 @@ class PSError(RuntimeError):
 
 
 class ParameterServer:
-    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg, make_optimizer):
-        """make_optimizer(module, only=ids): the job's optimizer over the parameters whose ids are given."""
+    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg, make_optimizer,
+                 host: int | None = None):
+        """make_optimizer(module, only=ids): the job's optimizer over the parameters whose ids are given.
+
+        host: the worker this server runs in (parallel.ps_placement = 'colocated'), which it does not ping.
+        """
         named = dict(module.named_parameters())
-        self.index, self.names = index, list(names)
+        self.index, self.names, self.host = index, list(names), host
         self.params = {n: named[n] for n in self.names}
         self.optimizer = make_optimizer(module, only={id(p) for p in self.params.values()}) if names else None
         p = cfg.parallel
@@ -157,9 +164,21 @@ class ParameterServer:
             self.opened = True
             self.cv.notify_all()
 
-    def wait_open(self) -> int:
+    def wait_open(self, worker: int | None = None) -> int:
+        """Wait until the chief opens the server; `worker` (re)joins: a worker counted dead or done is live again.
+
+        A worker that joins mid-run (a replacement, a late start) takes the slowest live worker's clock, so that
+        under SSP it neither holds the others back nor waits for them; its first pull gives it the current
+        parameters.
+        """
         with self.cv:
             self._wait(lambda: self.opened)
+            if worker is not None:
+                self.dead.discard(worker)
+                self.done.discard(worker)
+                others = [self.clocks[w] for w in self._live() if w != worker]
+                self.clocks[worker] = max(self.clocks[worker], min(others, default=0))
+                self.cv.notify_all()
             return self.version
 
     def finish(self, worker: int) -> list[int]:
@@ -183,6 +202,8 @@ class ParameterServer:
                     return
                 self.cv.wait(timeout=ping_every_s)
             for w in waiting:
+                if w == self.host:  # its own worker: alive while this process is
+                    continue
                 try:
                     rpc.rpc_sync(worker_name(w), ping, timeout=self.timeout_s)
                 except Exception as e:  # a dead peer: broken pipe / connection refused at once
@@ -259,41 +280,12 @@ def ping() -> bool:
     return True
 
 
-def push_sync(worker, rnd, grads, loss):
-    return _server().push_sync(worker, rnd, grads, loss)
+REQUESTS = frozenset({"push_sync", "apply_sync", "push_async", "pull", "state", "load", "open", "wait_open", "finish",
+                      "staleness"})
 
 
-def apply_sync(worker, rnd, coef, lr):
-    return _server().apply_sync(worker, rnd, coef, lr)
-
-
-def push_async(worker, version, grads, lr):
-    return _server().push_async(worker, version, grads, lr)
-
-
-def pull():
-    return _server().pull()
-
-
-def get_state():
-    return _server().state()
-
-
-def load_state(state):
-    return _server().load(state)
-
-
-def open_server():
-    return _server().open()
-
-
-def wait_open():
-    return _server().wait_open()
-
-
-def finish(worker):
-    return _server().finish(worker)
-
-
-def staleness_since(since):
-    return _server().staleness(since)
+def call(method: str, *args):
+    """A worker's request: run ParameterServer.`method` (one of REQUESTS) on this process's server."""
+    if method not in REQUESTS:
+        raise PSError(f"unknown parameter-server request {method!r}")
+    return getattr(_server(), method)(*args)
