@@ -118,7 +118,8 @@ class PipeDreamStrategy(PipelineStrategy):
         out.backward(grad)
         if not self.first:
             self.sends += send_tensor(x.grad, self.prev, self.pp_group, tags=(GRAD, t, j), async_op=True)
-        self.events.append((self.stage_ids[0], "B", j, start, time.time()))
+        # the timeline labels a backward of the previous step's micro-batch j as B j' (drawn in this step)
+        self.events.append((self.stage_ids[0], "B", j if t == self.batch else f"{j}'", start, time.time()))
         self.finished[t] = self.finished.get(t, 0) + 1
         if self.finished[t] == m:  # step t's gradient is complete on this stage: take it out of its version
             version = self.versions[t % 2]
