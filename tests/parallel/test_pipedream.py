@@ -127,3 +127,14 @@ def test_it_converges_with_adamw_within_a_margin_of_1f1b(pool2, tiny_text, tmp_p
     exact, stale = val_loss("1f1b"), val_loss("pipedream")
     assert abs(stale - exact) <= 0.02 * exact, (exact, stale)
     assert stale < 4.0, stale  # it learned: the tiny corpus's uniform guess is ln(160) = 5.07
+
+
+def test_it_resumes_a_flushing_schedules_checkpoint(pool2, gpt, tmp_path):
+    """1F1B's checkpoint of step 2 has every gradient applied: pipedream goes on from its weights, its first step
+    applying nothing (gradient norm 0) and its next the gradient of step 3's batch at those weights."""
+    cfg = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", "train.stop_after=2"])
+    first, _, _ = pool2.run(run, cfg, tmp_path / "run")[0]
+    cfg = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM])
+    rows, _, _ = pool2.run(run, cfg, tmp_path / "run", True)[0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[:2] == first
+    assert rows[2]["grad_norm"] == 0.0 and rows[3]["grad_norm"] > 0.0

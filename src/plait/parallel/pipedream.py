@@ -212,9 +212,14 @@ class PipeDreamStrategy(PipelineStrategy):
         sd[PENDING] = pending
         return sd
 
+    optional_state = (PENDING,)  # a flushing schedule's checkpoint has none: its gradients are all applied
+
     def load_state_dict(self, state: dict) -> None:
-        pending = state.pop(PENDING)
+        pending = state.pop(PENDING, None)
         super().load_state_dict(state)
+        if pending is None:  # from another schedule's checkpoint: the next step applies nothing, as the first does
+            self.pending = {}
+            return
         grads = []
         for name, p in zip(self.names, self.params):
             name = self._alias_names.get(name, name) if self._alias_ids else name

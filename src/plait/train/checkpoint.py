@@ -441,6 +441,10 @@ def load_checkpoint(strategy, path: Path, trust: bool | None = None) -> dict:
     """Verify, then load model and optimizer state into the strategy (any layout); returns the trainer state."""
     state = verify(path, trust)
     sd = strategy.state_dict()
+    saved = read_metadata(path).state_dict_metadata
+    for key in getattr(strategy, "optional_state", ()):  # entries a checkpoint of another layout may lack
+        if not any(k == key or k.startswith(key + ".") for k in saved):
+            sd.pop(key, None)
     _dcp_load(sd, path)
     strategy.load_state_dict(sd)
     return state
