@@ -74,6 +74,13 @@ def test_the_updates_are_one_version_stale(pool2, pp2, gpt, tmp_path):
     two = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM, "train.steps=2"])
     _, params2, _ = pool2.run(run, two, tmp_path / "two")[0]
     assert max(float((ref_params[k] - params2[k]).abs().max()) for k in ref_params) <= 1e-5
+    # Step 3 applies batch 1's gradient at the initial weights (its stashed version), not at V_2: the weights after
+    # three steps are W0 - lr (g(W0; b0) + g(W0; b1)), one step of one process on b0 and b1 together at lr x 2.
+    union = load_config(None, [*gpt, "parallel.dp=1", "train.steps=1", "train.global_batch_size=16", "optim.lr=0.6"])
+    _, union_params, _ = run_single(union, tmp_path / "union")
+    three = load_config(None, [*gpt, "parallel.dp=1", "parallel.pp=2", *PIPEDREAM, "train.steps=3"])
+    _, params3, _ = pool2.run(run, three, tmp_path / "three")[0]
+    assert max(float((union_params[k] - params3[k]).abs().max()) for k in union_params) <= 1e-5
     pipe = summary["pipeline"]
     assert pipe["schedule"] == "pipedream" and pipe["weight_versions"] == 2 and pipe["steps_measured"] >= 1
     # stage 0 of 2 holds one micro-batch beyond the m = 4 it runs per step, across the step boundary
