@@ -30,7 +30,7 @@ from plait.parallel.base import Strategy
 from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 from plait.ps import server as srv
 from plait.ps.client import PSClient
-from plait.ps.policy import assign_shards, staleness_summary
+from plait.ps.policy import Piece, assign_shards, split_rows, staleness_summary, whole
 from plait.ps.rpc import leave, worker_name
 
 
@@ -109,9 +109,13 @@ class PSStrategy(Strategy):
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
 
-def shards(module, servers: int) -> list[list[str]]:
-    """Parameter names per server, as every rank computes them."""
-    return assign_shards({n: q.numel() * q.element_size() for n, q in module.named_parameters()}, servers)
+def shards(module, servers: int, rows: bool = False) -> list[list[Piece]]:
+    """Each server's pieces, as every rank computes them: whole tensors balanced by bytes, or (rows: colocated
+    servers) row block k of every tensor on server k."""
+    named = list(module.named_parameters())
+    if rows:
+        return split_rows({n: q.shape[0] if q.dim() else 0 for n, q in named}, servers)
+    return whole(assign_shards({n: q.numel() * q.element_size() for n, q in named}, servers))
 
 
 def build(b: Build) -> PSStrategy:
@@ -128,7 +132,7 @@ def colocated_client(b: Build) -> PSClient:
     """Worker k's client, with server k (shard k of dp) running in this process: it answers the other workers from
     a thread while this one trains, and the worker leaves only once every worker is done with its shard."""
     p, rank = b.cfg.parallel, b.rt.rank
-    cut = shards(b.module, p.dp)
+    cut = shards(b.module, p.dp, rows=True)
     # The server's own copy of the (identically initialised) model, on CPU like a dedicated server's.
     server = srv.ParameterServer(rank, copy.deepcopy(b.module).cpu(), cut[rank], b.cfg, b.make_optimizer, host=rank)
     srv.start(server)

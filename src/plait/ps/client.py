@@ -19,15 +19,18 @@ import torch.distributed.rpc as rpc
 
 from plait.comm import accounting
 from plait.ps import server as srv
+from plait.ps.policy import Piece, piece_key
 from plait.ps.rpc import leave, server_name
 
 
 class PSClient:
-    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[str]], timeout_s: float = 300.0,
+    def __init__(self, module: torch.nn.Module, worker: int, shards: list[list[Piece]], timeout_s: float = 300.0,
                  servers: list[str] | None = None, local: dict | None = None, before_leave=None):
-        """servers: the RPC name of each shard's server (default ps0, ps1, ...); local: {shard: ParameterServer}
-        held in this process; before_leave(): run after this worker finished, before it leaves the RPC job."""
+        """shards: each server's pieces (plait.ps.policy); servers: the RPC name of each shard's server (default ps0,
+        ps1, ...); local: {shard: ParameterServer} held in this process; before_leave(): run after this worker
+        finished, before it leaves the RPC job."""
         self.module, self.worker, self.shards, self.timeout_s = module, worker, shards, timeout_s
+        self.pieces = {piece_key(pc): pc for shard in shards for pc in shard}
         self.servers = servers or [server_name(k) for k in range(len(shards))]
         self.local = local or {}
         self.before_leave = before_leave
@@ -63,17 +66,20 @@ class PSClient:
 
     def _grads(self, k: int) -> dict[str, torch.Tensor]:
         out = {}
-        for n in self.shards[k]:
-            p = self.params[n]
-            out[n] = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu()
+        for name, lo, hi in self.shards[k]:
+            p = self.params[name]
+            g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+            # a row block is copied: RPC would send a view's whole storage
+            out[piece_key((name, lo, hi))] = g.cpu() if lo is None else g[lo:hi].cpu().clone()
         if k not in self.local:  # a shard served in this process crosses no network
             accounting.record("ps_push", sum(t.numel() * t.element_size() for t in out.values()))
         return out
 
     @torch.no_grad()
     def _load(self, values: dict[str, torch.Tensor]) -> None:
-        for n, v in values.items():
-            self.params[n].copy_(v)
+        for key, v in values.items():
+            name, lo, hi = self.pieces[key]
+            (self.params[name] if lo is None else self.params[name][lo:hi]).copy_(v)
 
     # ---- start and end
     def open(self) -> None:
@@ -110,8 +116,9 @@ class PSClient:
     def push_sync(self, loss: float) -> tuple[list[torch.Tensor], float]:
         """Push this round's gradients; returns the averaged gradients' norms in model order and the workers' mean loss."""
         answers = self._all("push_sync", lambda k: (self.worker, self.rounds, self._grads(k), loss))
-        norms = {n: t for k, (ns, _) in enumerate(answers) for n, t in zip(self.shards[k], ns)}
-        return [norms[n] for n in self.params if n in norms], answers[0][1]
+        norms = {pc: t for k, (ns, _) in enumerate(answers) for pc, t in zip(self.shards[k], ns)}
+        order = list(self.params)
+        return [norms[pc] for pc in sorted(norms, key=lambda pc: (order.index(pc[0]), pc[1] or 0))], answers[0][1]
 
     def apply_sync(self, coef: float | None, lr: float) -> None:
         for values in self._all("apply_sync", lambda k: (self.worker, self.rounds, coef, lr)):
@@ -131,22 +138,38 @@ class PSClient:
 
     # ---- checkpoints
     def state(self) -> tuple[dict, dict]:
-        """(parameters, optimizer state), each keyed by parameter name, from all servers."""
+        """(parameters, optimizer state), each keyed by parameter name, from all servers (row blocks joined)."""
         params, optim = {}, {}
         for answer in self._all("state", lambda k: ()):
             params.update(answer["params"])
             optim.update(answer["optim"])
-        return params, optim
+        blocks: dict[str, list[Piece]] = {}
+        for pc in sorted(self.pieces.values(), key=lambda pc: pc[1] or 0):
+            blocks.setdefault(pc[0], []).append(pc)
+        joined, joined_optim = {}, {}
+        for name, pcs in blocks.items():
+            keys = [piece_key(pc) for pc in pcs]
+            joined[name] = params[keys[0]] if pcs[0][1] is None else torch.cat([params[k] for k in keys])
+            if keys[0] in optim:
+                first = optim[keys[0]]
+                # per-element state (moments, momentum) is joined; a step count is the same in every block
+                joined_optim[name] = {s: torch.cat([optim[k][s] for k in keys]) if pcs[0][1] is not None and
+                                      torch.is_tensor(v) and v.dim() > 0 else v for s, v in first.items()}
+        return joined, joined_optim
 
     def load(self, params: dict, optim: dict) -> None:
+        def rows(t, pc):
+            return t if pc[1] is None else t[pc[1]:pc[2]].clone()
+
         def part(k):
-            names = self.shards[k]
-            return ({"params": {n: params[n].detach().cpu() for n in names},
-                     "optim": {n: {s: v.detach().cpu() if torch.is_tensor(v) else v for s, v in optim[n].items()}
-                               for n in names if n in optim}},)
+            pcs = self.shards[k]
+            return ({"params": {piece_key(pc): rows(params[pc[0]].detach().cpu(), pc) for pc in pcs},
+                     "optim": {piece_key(pc): {s: rows(v.detach().cpu(), pc) if torch.is_tensor(v) and v.dim() > 0 else v
+                                               for s, v in optim[pc[0]].items()}
+                               for pc in pcs if pc[0] in optim}},)
 
         self._all("load", part)
-        self._load({n: params[n] for n in self.params})
+        self._load({piece_key(pc): rows(params[pc[0]], pc) for pc in self.pieces.values()})
 
     def staleness_since(self, since: int) -> tuple[list[int], int]:
         if 0 in self.local:

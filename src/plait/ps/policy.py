@@ -5,8 +5,12 @@
     policy.may_proceed(clock=5, clocks=[5, 3])   # True: 5 - 3 <= 2
 
 * Sharding (Li et al. 2014, "Scaling Distributed Machine Learning with the Parameter Server"):
-  parameters are whole tensors, placed largest first on the server with the fewest bytes so far
-  (the LPT rule), so the servers' loads are balanced by bytes and every rank computes the same map.
+  dedicated servers hold whole tensors, placed largest first on the server with the fewest bytes so
+  far (the LPT rule), so the servers' loads are balanced by bytes and every rank computes the same map.
+  Colocated servers (BytePS, Jiang et al. 2020, which partitions tensors too) hold row blocks: server
+  k of n takes rows [k r / n, (k+1) r / n) of every tensor of r rows, so each serves 1/n of the bytes
+  (exactly, when n divides the rows) and a worker keeps its own 1/n off the network.
+  A shard is a list of pieces (name, first row, end row); (name, None, None) is the whole tensor.
 * Staleness (Ho et al. 2013, "More Effective Distributed ML via a Stale Synchronous Parallel
   Parameter Server"): a worker's clock is the number of updates it has pushed. Under SSP with bound
   s, a worker at clock c may compute its next gradient only when every live worker has reached
@@ -19,6 +23,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.comm.placement import balanced_owners
+
+Piece = tuple[str, int | None, int | None]  # (parameter name, first row, end row); rows None: the whole tensor
+
+
+def piece_key(piece: Piece) -> str:
+    """The name a piece travels under: the parameter's, or name[lo:hi] for a row block."""
+    name, lo, hi = piece
+    return name if lo is None else f"{name}[{lo}:{hi}]"
+
+
+def whole(shards: list[list[str]]) -> list[list[Piece]]:
+    """Shards of whole tensors, as pieces."""
+    return [[(n, None, None) for n in names] for names in shards]
+
+
+def split_rows(rows: dict[str, int], servers: int) -> list[list[Piece]]:
+    """Row blocks of every tensor, block k on server k (rows 0 for a 0-d tensor: whole, on server 0); model order."""
+    out: list[list[Piece]] = [[] for _ in range(servers)]
+    for name, r in rows.items():
+        if r == 0:
+            out[0].append((name, None, None))
+            continue
+        for k in range(servers):
+            lo, hi = k * r // servers, (k + 1) * r // servers
+            if hi > lo:
+                out[k].append((name, lo, hi))
+    return out
 
 
 def assign_shards(sizes: dict[str, int], servers: int) -> list[list[str]]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed.rpc as rpc
 
-from plait.ps.policy import StalenessPolicy, staleness_summary
+from plait.ps.policy import Piece, StalenessPolicy, piece_key, staleness_summary
 from plait.ps.rpc import worker_name
 
 
@@ -40,16 +40,23 @@ class PSError(RuntimeError):
 
 
 class ParameterServer:
-    def __init__(self, index: int, module: torch.nn.Module, names: list[str], cfg, make_optimizer,
+    def __init__(self, index: int, module: torch.nn.Module, pieces: list[Piece], cfg, make_optimizer,
                  host: int | None = None):
-        """make_optimizer(module, only=ids): the job's optimizer over the parameters whose ids are given.
+        """pieces: this server's whole tensors or row blocks of `module`'s parameters (plait.ps.policy); make_optimizer(
+        module, only=None): the job's optimizer over a module's parameters.
 
         host: the worker this server runs in (parallel.ps_placement = 'colocated'), which it does not ping.
         """
         named = dict(module.named_parameters())
-        self.index, self.names, self.host = index, list(names), host
-        self.params = {n: named[n] for n in self.names}
-        self.optimizer = make_optimizer(module, only={id(p) for p in self.params.values()}) if names else None
+        self.index, self.host = index, host
+        # A whole tensor is the module's own parameter; a row block, a parameter of its own (a copy of the rows).
+        self.params = {piece_key(pc): named[pc[0]] if pc[1] is None else
+                       torch.nn.Parameter(named[pc[0]].detach()[pc[1]:pc[2]].clone(), named[pc[0]].requires_grad)
+                       for pc in pieces}
+        self.names = list(self.params)
+        holder = torch.nn.Module()
+        holder.pieces = torch.nn.ParameterList(self.params.values())
+        self.optimizer = make_optimizer(holder) if pieces else None
         p = cfg.parallel
         self.dp, self.mode, self.timeout_s = p.dp, p.ps_mode, cfg.launch.timeout_s
         self.policy = StalenessPolicy(p.ps_mode, p.staleness)
