@@ -10,6 +10,15 @@ avoid; it only lowers stage 2's memory.
 The gradient norm and the optimizer step work on the DTensors' local shards (plain tensors):
 the same elementwise arithmetic without DTensor's dispatch on every op, and the norm's one
 all-reduce is a torch.distributed call that plait.comm.accounting counts.
+
+Overlap at stage 3: each block's pre-forward asks for the next block's all-gather, each block's
+pre-backward for the previous block's (explicit prefetch, one unit ahead). On a GPU FSDP2 runs
+its collectives on side streams; a CPU has none, so there every all-gather and reduce-scatter
+would block the Python thread until the other ranks arrive. There (overlap_without_streams)
+all-gathers are issued asynchronously and waited for when the block runs, and each
+reduce-scatter is waited for only when the next one is issued (and the last at the end of
+backward): compute goes on while gloo moves the bytes, and a rank that falls a little behind no
+longer stops the other at every one of the step's 15 collectives. The same bytes move (3 Psi).
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError
@@ -45,20 +56,89 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32",
         kwargs["offload_policy"] = CPUOffloadPolicy()
     # Stage 2 holds every parameter whole from forward through backward anyway: one group (the root) makes
     # it one all-gather and one reduce-scatter a step, not one per block, and skips the blocks' hooks.
-    for block in model_blocks(model) if stage == 3 else []:
+    blocks = model_blocks(model) if stage == 3 else []
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if blocks:  # one unit ahead, in both directions: the root asks for the first block, the last block's backward first
+        for unit, following in zip([model, *blocks], blocks):
+            unit.set_modules_to_forward_prefetch([following])
+        for unit, previous in zip([model, *reversed(blocks)], reversed(blocks)):
+            if unit is not model:
+                unit.set_modules_to_backward_prefetch([previous])
+        model.set_modules_to_backward_prefetch([blocks[-1]])
     return model
+
+
+class DeferredReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter issued asynchronously; each call waits for the one before it, wait() for the last.
+
+    Safe only where FSDP2 reads the output no further right after the call: an averaging reduction
+    (no division after it), the gradients' own dtype (no cast), no offload, and no gradient to accumulate
+    into (`defer` is cleared otherwise, and every call then waits at once)."""
+
+    def __init__(self) -> None:
+        self.pending: dist.Work | None = None
+        self.defer = True
+        self.calls = self.deferred = 0  # reduce-scatters issued; those left in flight when FSDP2 went on
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=True)
+        self.wait()  # the previous unit's: at most one in flight, as FSDP2 keeps one reduce-scatter input
+        self.pending = work  # gloo's work holds input_tensor until it completes
+        self.calls += 1
+        if self.defer:
+            self.deferred += 1
+        else:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+def overlap_without_streams(model: nn.Module, dp_mesh, stage: int) -> DeferredReduceScatter | None:
+    """On a device without streams (CPU), make stage 3's collectives asynchronous; the reduce-scatter to wait for.
+
+    None where nothing changes: a device with streams (FSDP2 overlaps there already), stage 2 (one unit:
+    nothing to overlap with), a unit holding parameters of another dtype than float32 or bfloat16 (FSDP2
+    then divides after the reduction)."""
+    units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+    if dp_mesh.device_type != "cpu" or stage != 3 or len(units) < 2:
+        return None
+    if any(p.dtype not in (torch.float32, torch.bfloat16) for p in model.parameters()):
+        return None
+    comm = DeferredReduceScatter()
+    for unit in units:
+        unit.set_custom_reduce_scatter(comm)
+        if hasattr(unit, "_set_unshard_async_op"):  # FSDP2 waits for each all-gather itself, as the unit runs
+            unit._set_unshard_async_op(True)
+    return comm
 
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded = True
 
-    def __init__(self, *args, stage: int, dp_group=None, **kwargs):
+    def __init__(self, *args, stage: int, dp_group=None, reduce_scatter: DeferredReduceScatter | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.name = f"zero{stage}"
         self.dp_group = dp_group
+        self.reduce_scatter = reduce_scatter
+
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        if self.reduce_scatter is not None:  # FSDP2 adds into gradients that are already there, right after the call
+            self.reduce_scatter.defer = all(p.grad is None for p in self.module.parameters())
+        return super().forward_backward(micro_batches)
+
+    def after_backward(self) -> None:
+        if self.reduce_scatter is not None:
+            self.reduce_scatter.wait()  # the last unit's (the root's) reduce-scatter, before anything reads a gradient
+        super().after_backward()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -194,7 +274,8 @@ def build(b: Build) -> Strategy:
     # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
     precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
     strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,
-                            stage=b.cfg.parallel.zero, dp_group=b.rt.axis_group("dp"))
+                            stage=b.cfg.parallel.zero, dp_group=b.rt.axis_group("dp"),
+                            reduce_scatter=overlap_without_streams(b.module, b.rt.mesh["dp"], b.cfg.parallel.zero))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
     strategy.init_memory = init
     return strategy
