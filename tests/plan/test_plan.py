@@ -100,10 +100,10 @@ def test_step_time_model_orders_what_it_should():
     gpipe = t(pp=2, micro=4, schedule="gpipe")
     assert gpipe["bubble_s"] / (gpipe["compute_s"] + gpipe["tp_comm_s"]) == pytest.approx((2 - 1) / 8)
     # a calibrated tensor-parallel layer cost is paid per layer and micro-batch (4 layers x 2 micro-batches of 16)
-    tp = t(tp=2, micro=16)["tp_comm_s"]
+    tp, tp_sp = t(tp=2, micro=16)["tp_comm_s"], t(tp=2, micro=16, sp=True)["tp_comm_s"]
     hw.layer_overhead_s = {"tp": [0.01, 0.001], "tp_sp": [0.02, 0.0], "fsdp": 0.005}
     assert t(tp=2, micro=16)["tp_comm_s"] - tp == pytest.approx((0.01 + 0.016) * shape.layers * 2)
-    assert t(tp=2, micro=16, sp=True)["tp_comm_s"] - tp == pytest.approx(0.02 * shape.layers * 2)
+    assert t(tp=2, micro=16, sp=True)["tp_comm_s"] - tp_sp == pytest.approx(0.02 * shape.layers * 2)
     assert t(dp=2, zero=3, micro=16)["optimizer_s"] - t(dp=2, zero=1, micro=16)["optimizer_s"] == pytest.approx(
         0.005 * shape.layers)
 
@@ -136,6 +136,49 @@ def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
     assert {(lay.dp, lay.tp, lay.pp, lay.ep) for lay in layouts(shape, 4, 32)} == {(4, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4)}
     load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro=8).sets().split("--set ")[1:]] + [
         "model.moe_experts=8", "model.moe_every=2"])
+
+
+def test_a_pipeline_on_shared_cores_loses_only_the_cores_its_bubble_leaves_idle():
+    from plait.plan.cost import pipeline_time
+
+    # a device per rank (or no more ranks than cores): the bubble (p - 1) / (m v)
+    assert pipeline_time(1.0, 2, 8, 2) == pipeline_time(1.0, 2, 8, 2, cores=2) == pytest.approx(9 / 8)
+    assert pipeline_time(1.0, 4, 8, 4, cores=8) == pytest.approx(11 / 8)
+    # 4 stages on 2 cores, 8 slots: 1, 2, 3, 4 x 5, 3, 2, 1 stages at work take 1, 1, 1.5, 2 x 5, 1.5, 1, 1 of a
+    # slot on a core of one's own (17), where the busy time is 8 slots at 2 (all four working)
+    assert pipeline_time(1.0, 4, 8, 4, cores=2) == pytest.approx(17 / 16)
+    # dp 2 x pp 2 on 2 cores, 4 slots: the fill and drain run 2 ranks (1 slot each), the rest 4 (2 each): 8 / 8
+    assert pipeline_time(1.0, 2, 4, 4, cores=2) == pytest.approx(1.0)
+    cfg = load_config(None)
+    shape = Shape.from_config(cfg.model, 114)
+    shared = Hardware(cores=2, devices_per_node=4)  # calibrated with 4 ranks busy on 2 cores
+    t = predict_time(shape, Layout(pp=4, micro=4), 32, shared)
+    assert t["bubble_s"] == pytest.approx((t["compute_s"] + t["tp_comm_s"]) / 16)
+    # 2 ranks on those 2 cores have one each: half the time of the calibrated rate
+    assert predict_time(shape, Layout(dp=2, micro=16), 32, shared)["compute_s"] == pytest.approx(
+        predict_time(shape, Layout(dp=2, micro=16), 32, Hardware(devices_per_node=4))["compute_s"] / 2)
+
+
+def test_tensor_parallel_communication_outside_the_blocks_follows_the_bytes():
+    from plait.plan.cost import tp_outside_comm
+
+    cfg = load_config(None)  # tied embeddings, width 128, context 128
+    shape = Shape.from_config(cfg.model, 114)
+    fit = {"all_reduce/2": (1e-4, 1e9), "all_gather/2": (2e-4, 2e9), "reduce_scatter/2": (3e-4, 3e9)}
+    hw = Hardware(comm={k: {"latency_s": lat, "bw": bw} for k, (lat, bw) in fit.items()})
+    op = lambda name, nbytes: fit[f"{name}/2"][0] + nbytes / fit[f"{name}/2"][1]  # noqa: E731
+    act, logits = 4 * 16 * 128 * 128, 4 * 16 * 128 * 114
+    # embedding's all-reduce; head: logits all-gathered, the input's gradient all-reduced
+    assert tp_outside_comm(shape, Layout(tp=2, micro=16), hw) == pytest.approx(
+        op("all_reduce", act) + op("all_gather", logits) + op("all_reduce", act))
+    # sequence parallel: the head's input all-gathered and reduce-scattered back, block 0's input gradient gathered
+    embed, head = op("all_reduce", act) + op("all_gather", act), op("all_gather", logits) + op("all_gather", act) + \
+        op("reduce_scatter", act)
+    assert tp_outside_comm(shape, Layout(tp=2, micro=16, sp=True), hw) == pytest.approx(embed + head)
+    assert tp_outside_comm(shape, Layout(tp=2, pp=2, micro=16, sp=True), hw) == pytest.approx(max(embed, head))
+    # in the step: 4 all-reduces per layer and the outside, per micro-batch (2 of 16)
+    assert predict_time(shape, Layout(tp=2, micro=16), 32, hw)["tp_comm_s"] == pytest.approx(
+        2 * (4 * shape.layers * op("all_reduce", act) + tp_outside_comm(shape, Layout(tp=2, micro=16), hw)))
 
 
 def run_and_judge(cfg, run_dir, faults):

@@ -9,7 +9,12 @@ that what they share (cores, memory bandwidth) is in the numbers:
   t = latency + bytes / bandwidth over sizes from 16 KiB to 4 MiB, for groups of 2 and of `world`,
 * what a sharded layer costs beyond its compute share and its communication: 2-way tensor parallel
   (with and without sequence parallel) and ZeRO-3 (see _layer_overheads),
-* the optimizer's time per parameter (an AdamW step).
+* the optimizer's time per parameter (an AdamW step),
+* the cores the processes share (a pipeline's idle stages leave theirs to the busy ones: cost.pipeline_time).
+
+Timings that are differences (a layer more, a sharded layer against a plain one, a micro-batch of
+16 against one of 1) are taken round by round and their median kept (_interleaved): the machine
+may be shared, and load that comes and goes must not land on one side of a difference only.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch.distributed as dist
 
 from plait.data.spec import DataSpec
 from plait.models import build_model
-from plait.parallel.fsdp import apply_fsdp
+from plait.parallel.fsdp import _on_local_shards as on_local_shards  # the trainer's ZeRO-3 step, timed as it runs
+from plait.parallel.fsdp import apply_fsdp, overlap_without_streams
 from plait.parallel.gradsync import align_grads
 from plait.parallel.tp import apply_tp
 from plait.plan.cost import Hardware, flops_per_step
@@ -116,27 +122,37 @@ def _model_efficiency(model_cfg, vocab: int, micro: int, peak: float) -> tuple[f
     model = build_model(model_cfg, spec)
     shape = Shape.from_config(model_cfg, vocab)
     big = max(2, micro)
-    times = {}
-    for b in (1, big):
-        x = torch.randint(0, vocab, (b, model_cfg.context))
-        times[b] = _timeit(lambda x=x: lm_loss(model(x), x).backward(), min_s=0.6)
-    # t(b) = overhead + flops(b) / (peak * efficiency): two sizes give both
-    per_sample = (times[big] - times[1]) / (big - 1)
-    overhead = max(0.0, times[1] - per_sample)
-    efficiency = flops_per_step(shape, 1) / per_sample / peak if per_sample > 0 else flops_per_step(shape, big) / times[big] / peak
+    xs = {b: torch.randint(0, vocab, (b, model_cfg.context)) for b in (1, big)}
+    fns = {b: (lambda x=x: lm_loss(model(x), x).backward()) for b, x in xs.items()}
+    # t(b) = overhead + flops(b) / (peak * efficiency): two sizes give both, round by round (see _interleaved)
+    rounds = _interleaved(fns, calls={1: 8, big: 2}, rounds=7)
+    per_sample = statistics.median((r[big] - r[1]) / (big - 1) for r in rounds)
+    overhead = max(0.0, statistics.median(r[1] - (r[big] - r[1]) / (big - 1) for r in rounds))
+    efficiency = flops_per_step(shape, 1) / per_sample / peak if per_sample > 0 else \
+        flops_per_step(shape, big) / statistics.median(r[big] for r in rounds) / peak
     return min(efficiency, 1.5), overhead
 
 
-def _fixed_time(fn, calls: int = 6, reps: int = 2) -> float:
-    """Seconds per call over a fixed number of calls (every rank of a collective must make the same ones)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+def _interleaved(fns: dict, calls: int | dict = 4, rounds: int = 5) -> list[dict]:
+    """Seconds per call of each fn, measured in turn round after round: [{key: seconds}] per round.
+
+    On a machine that other work shares, load comes and goes within seconds; a quantity that is a
+    difference of timings (one more layer, a sharded layer against a plain one) is taken per round,
+    from timings a moment apart, and its median over rounds is what counts. Every rank makes the
+    same calls (a collective inside a fn needs its peers)."""
+    for fn in fns.values():
+        fn()
+    out = []
+    for _ in range(rounds):
+        row = {}
+        for key, fn in fns.items():
+            n = calls[key] if isinstance(calls, dict) else calls
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            row[key] = (time.perf_counter() - t0) / n
+        out.append(row)
+    return out
 
 
 def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
@@ -148,7 +164,9 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     * "tp", "tp_sp": a 2-way tensor-parallel layer, without and with sequence parallel, per layer and
       micro-batch (gradient alignment and the optimizer's step on DTensors included), as [seconds,
       seconds per sample] fitted at two micro-batch sizes;
-    * "fsdp": a ZeRO-3 (fully_shard) layer over all ranks, per layer and step, optimizer included.
+    * "fsdp": a ZeRO-3 (fully_shard) layer over all ranks, per layer and step, as the trainer runs it
+      (asynchronous collectives on CPU, the optimizer stepped on the local shards). ZeRO-2 is one
+      fully_shard group for the whole model, so it has no per-layer cost.
     """
     from dataclasses import replace
 
@@ -162,45 +180,63 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     small = max(1, micro // 4)
     xs = {b: torch.randint(0, vocab, (b, model_cfg.context), generator=gen) for b in {small, micro}}
 
-    def layer(b: int, wrap=None, more: int = 1) -> tuple[float, int]:
-        """(seconds, parameters) of one more layer, from models of 1 and 1 + `more` layers: forward, backward,
-        the gradient alignment tensor parallel does (a no-op elsewhere) and the optimizer step."""
-        t, n = {}, {}
-        for layers in (1, 1 + more):
-            torch.manual_seed(0)
-            model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
-            n[layers] = sum(p.numel() for p in model.parameters())
-            if wrap is not None:
-                wrap(model)
-            opt = torch.optim.AdamW(model.parameters())
+    def stepper(layers: int, b: int, wrap=None):
+        """One training step of a model of `layers` blocks as plait's trainer runs it (forward, backward, the
+        gradient alignment tensor parallel does, a no-op elsewhere, and the optimizer step), and its parameter
+        count. `wrap(model)` shards it and returns the ZeRO-3 reduce-scatter to wait for, if any."""
+        torch.manual_seed(0)
+        model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
+        n = sum(p.numel() for p in model.parameters())
+        pending = wrap(model) if wrap is not None else None
+        opt = torch.optim.AdamW(model.parameters())
 
-            def step(model=model, opt=opt, x=xs[b]):
-                lm_loss(model(x), x).backward()
-                align_grads(model.parameters())
+        def step(model=model, opt=opt, x=xs[b]):
+            lm_loss(model(x), x).backward()
+            if pending is not None:
+                pending.wait()
+            align_grads(model.parameters())
+            if pending is not None and opt.state:  # ZeRO-3 steps the DTensors' local shards (plait.parallel.fsdp)
+                with on_local_shards(opt):
+                    opt.step()
+            else:
                 opt.step()
-                opt.zero_grad()
+            opt.zero_grad(set_to_none=True)
 
-            t[layers] = _fixed_time(step, calls=4 * (1 + more), reps=3) if more > 1 else _fixed_time(step)
-        return (t[1 + more] - t[1]) / more, (n[1 + more] - n[1]) // more
+        return step, n
+
+    def zero3(model):
+        apply_fsdp(model, dp_mesh, 3)
+        return overlap_without_streams(model, dp_mesh, 3)
 
     def cost(op: str, nbytes: float, n: int) -> float:  # from the collectives just measured on these n ranks
         return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
 
+    # one more layer (models of 2 blocks against 1), plain and 2-way tensor parallel with and without sequence
+    # parallel, at two micro-batch sizes, all timed round by round
+    wraps = {"plain": None, "tp": lambda m: apply_tp(m, tp_mesh, False) and None,
+             "tp_sp": lambda m: apply_tp(m, tp_mesh, True) and None}
+    fns = {(kind, layers, b): stepper(layers, b, wrap)[0] for kind, wrap in wraps.items() for b in sorted(xs)
+           for layers in (1, 2)}
+    rounds = _interleaved(fns, calls=3, rounds=5)
     out = {}
-    plains = {b: layer(b)[0] for b in sorted(xs)}
-    for key, sp in (("tp", False), ("tp_sp", True)):
-        extra = {}
-        for b, plain in plains.items():
-            tp, _ = layer(b, lambda m, sp=sp: apply_tp(m, tp_mesh, sp))
-            extra[b] = tp - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2)
-        per_sample = max(0.0, (extra[micro] - extra[small]) / (micro - small)) if micro > small else 0.0
-        out[key] = [max(0.0, extra[micro] - per_sample * micro), per_sample]
-    # the per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1, more calls
-    plain, params = layer(micro, more=2)
-    sharded, _ = layer(micro, lambda m: apply_fsdp(m, dp_mesh, 3), more=2)
-    nbytes = 4 * params
+    for key in ("tp", "tp_sp"):
+        def extra(r, b, key=key):  # the sharded layer beyond half the plain one and its 4 all-reduces
+            plain = r[("plain", 2, b)] - r[("plain", 1, b)]
+            return r[(key, 2, b)] - r[(key, 1, b)] - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context *
+                                                                          model_cfg.width, 2)
+        at = {b: statistics.median(extra(r, b) for r in rounds) for b in xs}
+        per_sample = max(0.0, (at[micro] - at[small]) / (micro - small)) if micro > small else 0.0
+        out[key] = [max(0.0, at[micro] - per_sample * micro), per_sample]
+    # the per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1
+    fns, params = {}, {}
+    for kind, wrap in (("plain", None), ("fsdp", zero3)):
+        for layers in (1, 3):
+            fns[(kind, layers)], params[layers] = stepper(layers, micro, wrap)
+    rounds = _interleaved(fns, calls=3, rounds=5)
+    nbytes = 4 * (params[3] - params[1]) // 2
     comm_s = 2 * cost("all_gather", nbytes, world) + cost("reduce_scatter", nbytes, world)
-    out["fsdp"] = max(0.0, sharded - plain - comm_s)
+    sharded = statistics.median((r[("fsdp", 3)] - r[("fsdp", 1)] - r[("plain", 3)] + r[("plain", 1)]) / 2 for r in rounds)
+    out["fsdp"] = max(0.0, sharded - comm_s)
     return out
 
 
@@ -227,24 +263,30 @@ def measure(model_cfg, vocab: int, micro: int) -> dict:
     p = torch.nn.Parameter(torch.randn(1 << 20))
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p])
-    per_param = _timeit(opt.step) / p.numel()
+    per_param = statistics.median(r[0] for r in _interleaved({0: opt.step}, calls=3, rounds=5)) / p.numel()
     out = [None] * world
     dist.all_gather_object(out, {"flops": flops, "eff": eff, "overhead": overhead, "per_param": per_param,
-                                 "layers": overheads})
+                                 "layers": overheads, "threads": torch.get_num_threads()})
     if dist.get_rank() != 0:
         return None
     return {"flops": {k: min(o["flops"][k] for o in out) for k in flops}, "efficiency": statistics.median(o["eff"] for o in out),
             "overhead": statistics.median(o["overhead"] for o in out),
             "optimizer_s_per_param": max(o["per_param"] for o in out), "comm": comm, "world": world,
+            "threads": max(o["threads"] for o in out),
             "layer_overhead_s": {k: _median([o["layers"][k] for o in out]) for k in overheads}}
 
 
-def calibrate(model_cfg, vocab: int, micro: int, world: int = 2) -> Hardware:
-    """Measure `world` local processes and return (not yet saved) the device profile."""
-    with RankPool(world, timeout_s=600) as pool:
+def calibrate(model_cfg, vocab: int, micro: int, world: int = 2, pool: RankPool | None = None) -> Hardware:
+    """Measure `world` local processes (those of `pool` when given) and return (not yet saved) the device profile."""
+    if pool is not None:
         m = pool.run(measure, model_cfg, vocab, micro)[0]
+    else:
+        with RankPool(world, timeout_s=600) as pool:
+            m = pool.run(measure, model_cfg, vocab, micro)[0]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    # the ranks' share of this host's cores: a rank waiting in a collective leaves its core to the others
+    cores = max(1, len(os.sched_getaffinity(0)) // m.get("threads", 1))
     return Hardware(name=f"calibrated: {world} CPU processes on {os.cpu_count()} cores", memory_bytes=mem,
                     flops=m["flops"]["float32"], efficiency=m["efficiency"], devices_per_node=world, overlap=0.0,
                     microbatch_overhead_s=m["overhead"], layer_overhead_s=m["layer_overhead_s"],
-                    optimizer_s_per_param=m["optimizer_s_per_param"], comm=m["comm"])
+                    optimizer_s_per_param=m["optimizer_s_per_param"], comm=m["comm"], cores=cores)

@@ -10,14 +10,20 @@ Per step and device:
     data parallel    gradients all-reduced (ZeRO 1/2: reduce-scatter + all-gather, same volume;
                      ZeRO 3: one more all-gather); overlapped with backward by the profile's factor
     tensor parallel  4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward), plus
-                     the profile's measured fixed cost of a tensor-parallel layer (DTensor dispatch)
-    pipeline         2 sends of b s h per micro-batch and stage boundary; bubble (p-1)/(m+p-1) [/ v]
+                     the profile's measured fixed cost of a tensor-parallel layer (DTensor dispatch);
+                     outside the blocks (tp_outside_comm) the vocabulary-parallel embedding's all-reduce,
+                     the head's all-gather of the logits and its input's all-reduce in backward (with
+                     sequence parallel: the head's input all-gathered, reduce-scattered back, and the
+                     first block's input gradient all-gathered)
+    pipeline         2 sends of b s h per micro-batch and stage boundary; bubble (p-1)/m [/ v] of the busy
+                     time, or less where ranks share cores (pipeline_time)
     expert parallel  per MoE layer and micro-batch 4 all-to-alls over ep ranks (dispatch and combine, forward
                      and backward; 6 under activation checkpointing) of the k b s h routed rows, each
                      (ep-1) steps of latency and (ep-1)/ep of its bytes on the link; the experts' gradients
                      all-reduced over their dp/ep replicas, the dense ones over dp
-    optimizer        parameters the device updates x the profile's seconds per parameter (ZeRO 2/3:
-                     plus the profile's measured fixed cost of a fully_shard layer)
+    optimizer        parameters the device updates x the profile's seconds per parameter (ZeRO 3:
+                     plus the profile's measured fixed cost of a fully_shard layer; ZeRO 2 is one
+                     fully_shard group, no per-layer hooks)
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Hardware:
     devices_per_node: int = 8
     overlap: float = 0.7  # share of data-parallel communication hidden behind backward
     optimizer_s_per_param: float = 2e-11  # AdamW update time per parameter (memory bound)
+    cores: int = 0  # CPU cores the devices of a node share (calibrated CPU processes); 0: each device computes alone
     microbatch_overhead_s: float = 2e-4  # fixed cost of one forward + backward of the whole model (launches, Python)
     comm: dict = field(default_factory=dict)  # measured: "op/n" -> {"latency_s", "bw"} for n local ranks
     # measured fixed costs of a sharded layer beyond its compute and communication (plait.plan.calibrate):
@@ -92,6 +99,46 @@ def model_flops(shape: Shape, global_batch: int) -> float:
     return flops_per_step(shape, global_batch, ac=False)
 
 
+def tp_outside_comm(shape: Shape, layout: Layout, hw: Hardware, elem: int = 4) -> float:
+    """Seconds of tensor-parallel communication outside the blocks, per micro-batch, on the busiest pipeline
+    stage: the tied (vocabulary-parallel) embedding's output all-reduced (first stage); the head's logits
+    all-gathered and its input's gradient all-reduced, or with sequence parallel its input all-gathered and
+    that gradient reduce-scattered, plus the first block's input gradient all-gathered (last stage)."""
+    t = layout.tp
+    act = elem * layout.micro * shape.context * shape.width
+    embed = hw.collective("all_reduce", act, t, t) if shape.tied else 0.0
+    head = hw.collective("all_gather", elem * layout.micro * shape.context * shape.vocab, t, t)
+    if layout.sp:
+        head += hw.collective("all_gather", act, t, t) + hw.collective("reduce_scatter", act, t, t)
+        embed += hw.collective("all_gather", act, t, t)
+    else:
+        head += hw.collective("all_reduce", act, t, t)
+    return embed + head if layout.pp == 1 else max(embed, head)
+
+
+def pipeline_time(busy: float, p: int, slots: int, ranks: int, cores: int = 0) -> float:
+    """Seconds of a pipeline step whose ranks are each `busy` seconds busy (timed with all `ranks` of the host
+    busy at once) in `slots` micro-batch slots (m v) over p stages.
+
+    The schedule's wavefront takes slots + p - 1 slot times; in slot time k the stages s with
+    0 <= k - s < slots work. With a device per rank (cores 0, or ranks <= cores) that is the bubble
+    (p - 1) / slots. Where ranks share fewer cores, a waiting rank takes no CPU (gloo blocks in its
+    receive), so a slot time in which a of the ranks work lasts max(1, a / cores) times a slot on a core
+    of its own, against max(1, ranks / cores) when all of them work: while the pipeline fills and drains
+    the busy stages get the idle ones' cores, and only cores left idle are bubble.
+    """
+    if p <= 1:
+        return busy
+    per_stage = ranks / p
+    units = sum(_slowdown(per_stage * sum(0 <= k - s < slots for s in range(p)), cores) for k in range(slots + p - 1))
+    return busy / slots / _slowdown(ranks, cores) * units
+
+
+def _slowdown(working: float, cores: int) -> float:
+    """How much longer a rank's work takes with `working` ranks on `cores` cores than on a core of its own."""
+    return max(1.0, working / cores) if cores else 1.0
+
+
 def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, elem: int = 4) -> dict:
     """Seconds per step split into compute, exposed data-parallel communication, tensor- and
     pipeline-parallel communication, bubble and optimizer; plus MFU. `elem`: bytes per element of
@@ -103,6 +150,9 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     imbalance = busiest / (sum(per_rank) / p)  # the slowest stage sets the pace
     compute = flops_per_step(shape, global_batch, layout.ac) / layout.devices / (hw.flops * hw.efficiency) * imbalance
     compute += hw.microbatch_overhead_s * m * v * (1 / p) * imbalance  # every micro-batch pays it, per stage
+    ranks = min(layout.devices, hw.devices_per_node)  # that share a host's cores
+    if hw.cores:  # timed with devices_per_node ranks on the cores: fewer ranks have a larger share each
+        compute *= _slowdown(ranks, hw.cores) / _slowdown(hw.devices_per_node, hw.cores)
     backward = compute * (2 / 3 if not layout.ac else 2 / 4)
     act = elem * layout.micro * shape.context * shape.width  # one micro-batch's hidden states
     tp_span, dp_span = t, d * t
@@ -111,7 +161,7 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
         per = hw.collective("all_reduce", act, t, tp_span)
         fixed, per_sample = hw.layer_overhead_s.get("tp_sp" if layout.sp else "tp", (0.0, 0.0))
         extra = fixed + per_sample * layout.micro
-        tp_comm = (4 * per + extra) * (shape.layers / p) * m
+        tp_comm = (4 * per + extra) * (shape.layers / p) * m + tp_outside_comm(shape, layout, hw, elem) * m
     experts = shape.local_expert_params(layout)
     grad_bytes = elem * (busiest - experts)  # the dense part; the experts are averaged over their replicas only
     z = layout.zero
@@ -134,9 +184,9 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     pp_comm = 2 * m * v * hw.collective("send", act / (t if layout.sp else 1), 2, d * t * 2) if p > 1 else 0.0
     bubble = 0.0
     if p > 1:
-        bubble = (compute + tp_comm) * (p - 1) / m / v
+        bubble = pipeline_time(compute + tp_comm, p, m * v, ranks, hw.cores) - (compute + tp_comm)
     optimizer = hw.optimizer_s_per_param * ((busiest - experts) / (d if z >= 1 else 1) + experts)
-    if d > 1 and z >= 2:  # fully_shard's hooks, copies and sharded optimizer step, per layer
+    if d > 1 and z == 3:  # fully_shard's hooks and copies, per layer (ZeRO-2 is one group for the whole model)
         optimizer += hw.layer_overhead_s.get("fsdp", 0.0) * shape.layers / p
     step = compute + tp_comm + pp_comm + ep_comm + bubble + exposed_dp + optimizer
     return {
