@@ -45,7 +45,11 @@ def align_grads(params) -> None:
 
 def allreduce_grads(params, group, size: int) -> None:
     """Average every gradient over `group` (size ranks) with one flat all-reduce."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    average_tensors([_local(p.grad) for p in params if p.grad is not None], group, size)
+
+
+def average_tensors(grads: list[torch.Tensor], group, size: int) -> None:
+    """Average these tensors over `group` (size ranks) in place, with one flat all-reduce."""
     if not grads or size == 1:
         return
     flat = _flatten_dense_tensors(grads)

@@ -35,10 +35,9 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from plait.comm.p2p import recv_message, send_tensor
-from plait.parallel.gradsync import align_grads
+from plait.parallel.gradsync import align_grads, average_tensors
 from plait.parallel.pipeline import PipelineStrategy, step_bubble, theoretical_bubble
 
 PENDING = "pipedream_pending_grad"  # checkpoint key of the drained step's gradient (plain names)
@@ -146,13 +145,7 @@ class PipeDreamStrategy(PipelineStrategy):
             if self._tied_group is not None and grads[i] is not None:
                 dist.all_reduce(grads[i], group=self._tied_group)
         if self.dp_sync:
-            present = [g for g in grads if g is not None]
-            if present:
-                flat = _flatten_dense_tensors(present)
-                dist.all_reduce(flat, group=self.rt.axis_group("dp"))
-                flat.div_(self.rt.axis_size("dp"))
-                for g, synced in zip(present, _unflatten_dense_tensors(flat, present)):
-                    g.copy_(synced)
+            average_tensors([g for g in grads if g is not None], self.rt.axis_group("dp"), self.rt.axis_size("dp"))
         return grads
 
     def _apply(self, t: int) -> None:
