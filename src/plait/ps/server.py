@@ -204,10 +204,13 @@ class ParameterServer:
         """Answer requests until every worker is done or gone; find dead workers by pinging them."""
         while True:
             with self.cv:
+                # every ping_every_s, not at every request's notify (that was a ping round per push)
+                deadline = time.monotonic() + ping_every_s
+                while self._live() and time.monotonic() < deadline:
+                    self.cv.wait(timeout=deadline - time.monotonic())
                 waiting = self._live()
                 if not waiting:
                     return
-                self.cv.wait(timeout=ping_every_s)
             for w in waiting:
                 if w == self.host:  # its own worker: alive while this process is
                     continue
