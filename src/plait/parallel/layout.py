@@ -11,9 +11,10 @@ multiplies degrees. The mesh is (pp, dp, tp), tp innermost: a tensor-parallel gr
 consecutive ranks (one machine, the fastest links), pipeline stages are the outermost split.
 
 With a parameter server (parallel.sync = 'ps') ranks [0, dp) are workers and [dp, dp + ps_servers)
-servers (none with parallel.ps_placement = 'colocated': each worker serves a shard). Workers join no process group (a dead worker must not leave the others stuck in a
-collective), but each knows its dp coordinate, so every worker, the chief included, loads only
-its own slice of each global batch.
+servers (none with parallel.ps_placement = 'colocated': each worker serves a shard). Workers join
+no process group (a dead worker must not leave the others stuck in a collective), but each knows
+its dp coordinate, so every worker, the chief included, loads only its own slice of each global
+batch.
 """
 
 from __future__ import annotations
