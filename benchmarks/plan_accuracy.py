@@ -14,7 +14,8 @@ measured layout of its group (or within the measured spread of it).
     python benchmarks/plan_accuracy.py [--steps 8] [--repeats 2] [--models default,large] [--worlds 1,2,4]
 
 runs/plan_accuracy.json keeps every row with the measured phase times (forward_backward, optimizer,
-data, communication wait and bytes per step) next to the predicted terms, to find what a miss is.
+data, communication wait and bytes per step) next to the predicted terms and the profile they came
+from, to find what a miss is.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def main() -> None:
                        "run_medians": medians[i], "step_predicted": pred["time"]["step_s"],
                        "predicted_terms": {k: v for k, v in pred["time"].items() if k != "mfu"},
                        "phases_measured": {k: statistics.median(p[k] for p in phases[i]) for k in phases[i][0]},
-                       "state_measured": state, "state_predicted": pstate, "act_measured": act, "act_predicted": pact}
+                       "state_measured": state, "state_predicted": pstate, "act_measured": act, "act_predicted": pact,
+                       "profile": asdict(hw)}
                 rows.append(row)
                 print(f"  {lay.label():38} step {step * 1000:7.1f} ms ±{spread / 2:4.0%}, predicted "
                       f"{row['step_predicted'] * 1000:7.1f} ({row['step_predicted'] / step - 1:+4.0%});  model state "
