@@ -1,6 +1,7 @@
 """Elastic parameter server: colocated servers (same trajectory as dedicated ones, (dp-1)/dp of the bytes), a worker
 that joins mid-run starts from the servers' current parameters, and launch.nnodes = MIN:MAX where it is sound."""
 
+import atexit
 import json
 import socket
 import subprocess
@@ -104,6 +105,7 @@ def test_a_worker_that_joins_mid_run_starts_from_the_servers_parameters():
     assert cut[1][0] == ("0.weight", 8, 16) and len(cut[0]) == len(cut[1]) == 4
     servers = {k: ParameterServer(k, _mlp(0), cut[k], cfg, _sgd) for k in range(2)}
     chief = PSClient(_mlp(0), 0, cut, local=servers)
+    atexit.unregister(chief.finish)  # no RPC job to leave here
     chief.open()
     servers[0].dead.add(1), servers[1].dead.add(1)  # worker 1 died (its pings failed)
     x = torch.randn(32, 8)
@@ -116,6 +118,7 @@ def test_a_worker_that_joins_mid_run_starts_from_the_servers_parameters():
     assert max_diff(want, {n: p.detach() for n, p in _mlp(0).named_parameters()}) > 0.01  # the servers moved on
 
     late = PSClient(_mlp(1), 1, cut, local=servers)  # a replacement with another init
+    atexit.unregister(late.finish)
     late.wait_open()
     got = {n: p.detach() for n, p in late.module.named_parameters()}
     assert all(torch.equal(got[n], want[n]) for n in want) and got.keys() == want.keys()

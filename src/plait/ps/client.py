@@ -42,9 +42,10 @@ class PSClient:
         # Tell the servers at exit (before the RPC agent stops: atexit runs last-in, first-out).
         atexit.register(self.finish)
 
-    def _all(self, method: str, args_for) -> list:
-        """ParameterServer.`method`(*args_for(k)) on every server k: the remote ones by RPC, then the local ones."""
-        remote = {k: rpc.rpc_async(self.servers[k], srv.call, args=(method, *args_for(k)))
+    def _all(self, method: str, args_for, timeout: float = rpc.constants.UNSET_RPC_TIMEOUT) -> list:
+        """ParameterServer.`method`(*args_for(k)) on every server k: the remote ones by RPC, then the local ones
+        (timeout: the RPC's in seconds, 0 for none; by default the job's)."""
+        remote = {k: rpc.rpc_async(self.servers[k], srv.call, args=(method, *args_for(k)), timeout=timeout)
                   for k in range(len(self.shards)) if k not in self.local}
         here = {k: getattr(server, method)(*args_for(k)) for k, server in self.local.items()}
         out = []
@@ -101,6 +102,9 @@ class PSClient:
         self.finished = True
         try:
             dead = any(self._all("finish", lambda k: (self.worker,)))
+            # Then wait until every worker is done or found dead: an orderly leave with a dead peer would wait for it
+            # until its timeout (a worker killed after the chief's last step held the job 2 x launch.timeout_s).
+            dead = any(self._all("settle", lambda k: (), timeout=0)) or dead
         except RuntimeError:
             dead = True
         if self.before_leave is not None:

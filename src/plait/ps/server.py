@@ -195,6 +195,14 @@ class ParameterServer:
             self.cv.notify_all()
             return sorted(self.dead)
 
+    def settle(self) -> list[int]:
+        """Wait until every worker is done or found dead; returns the dead (then the job cannot end in order: an
+        orderly leave would wait for them until its timeout)."""
+        with self.cv:
+            while self._live():
+                self.cv.wait(timeout=1.0)
+            return sorted(self.dead)
+
     def staleness(self, since: int) -> tuple[list[int], int]:
         with self.cv:
             return [s for _, _, s in self.log[since:]], len(self.log)
@@ -291,7 +299,7 @@ def ping() -> bool:
 
 
 REQUESTS = frozenset({"push_sync", "apply_sync", "push_async", "pull", "state", "load", "open", "wait_open", "finish",
-                      "staleness"})
+                      "settle", "staleness"})
 
 
 def call(method: str, *args):
