@@ -60,8 +60,12 @@ def expected_bytes(a) -> tuple[int, int]:
 
     cfg = load_config(None, ["model.name='mlp'", "data.name='digits'", f"model.width={a.width}"])
     model = build_model(cfg.model, build_data(cfg.data, cfg.model).spec)
-    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-    return sum(sizes.values()), sum(sizes[n] for n in shards(model, a.dp)[0])
+    named = dict(model.named_parameters())
+    own = 0
+    for name, lo, hi in shards(model, a.dp, rows=True)[0]:  # the chief's row blocks
+        q = named[name]
+        own += q.numel() * q.element_size() * ((hi - lo) / q.shape[0] if lo is not None else 1)
+    return sum(q.numel() * q.element_size() for q in named.values()), int(own)
 
 
 def main() -> int:
@@ -74,13 +78,13 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=64, help="samples per worker per step")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    total, own = expected_bytes(a)
     results: dict[str, list[dict]] = {p: [] for p in PLACEMENTS}
     with tempfile.TemporaryDirectory() as d:
         for rep in range(a.repeats):
             for p in PLACEMENTS:
                 results[p].append(run(Path(d) / f"{rep}-{p}", a, p))
     med = {p: {k: statistics.median(r[k] for r in results[p]) for k in ("bytes", "step_s")} for p in PLACEMENTS}
-    total, own = expected_bytes(a)
     formula = {"dedicated": total, "colocated": total - own}
     print(f"parameter server ({a.mode}), mlp width {a.width} on digits, dp={a.dp} workers, {a.micro} samples per worker "
           f"per step, {a.steps} steps; baseline: {a.servers} dedicated server(s) ({a.dp + a.servers} processes) against "
