@@ -32,8 +32,8 @@ from plait.parallel.fsdp import _on_local_shards as on_local_shards  # the train
 from plait.parallel.fsdp import apply_fsdp, overlap_without_streams
 from plait.parallel.gradsync import align_grads
 from plait.parallel.tp import apply_tp
-from plait.plan.cost import Hardware, flops_per_step
-from plait.plan.memory import Shape
+from plait.plan.cost import Hardware, flops_per_step, tp_outside_comm
+from plait.plan.memory import Layout, Shape
 from plait.testing import RankPool
 from plait.train.loss import lm_loss
 
@@ -155,18 +155,17 @@ def _interleaved(fns: dict, calls: int | dict = 4, rounds: int = 5) -> list[dict
     return out
 
 
-def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
+def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict, overhead: float) -> dict:
     """What a sharded layer costs beyond its share of the compute and its communication (DTensor's
-    dispatch and redistribution, FSDP's hooks and copies, the split matmuls' lower efficiency),
-    measured as the difference between a model of 2 layers and one of 1 (so the embedding and head
-    do not count):
+    dispatch and redistribution, FSDP's hooks and copies, the split matmuls' lower efficiency);
+    `overhead` is the fixed cost of a micro-batch (_model_efficiency), which tensor parallel does not split:
 
     * "tp", "tp_sp": a 2-way tensor-parallel layer, without and with sequence parallel, per layer and
       micro-batch (gradient alignment and the optimizer's step on DTensors included), as [seconds,
-      seconds per sample] fitted at two micro-batch sizes;
+      seconds per sample] fitted at two micro-batch sizes, from the whole model against the plain one;
     * "fsdp": a ZeRO-3 (fully_shard) layer over all ranks, per layer and step, as the trainer runs it
-      (asynchronous collectives on CPU, the optimizer stepped on the local shards). ZeRO-2 is one
-      fully_shard group for the whole model, so it has no per-layer cost.
+      (asynchronous collectives on CPU, the optimizer stepped on the local shards), from a model of 3
+      layers against one of 1. ZeRO-2 is one fully_shard group for the whole model: no per-layer cost.
     """
     from dataclasses import replace
 
@@ -211,19 +210,22 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict) -> dict:
     def cost(op: str, nbytes: float, n: int) -> float:  # from the collectives just measured on these n ranks
         return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
 
-    # one more layer (models of 2 blocks against 1), plain and 2-way tensor parallel with and without sequence
-    # parallel, at two micro-batch sizes, all timed round by round
+    # the whole model, plain and 2-way tensor parallel with and without sequence parallel, at two micro-batch
+    # sizes, timed round by round: what tensor parallel costs beyond what the cost model already counts (half
+    # the plain step's compute and optimizer, the whole fixed cost of a micro-batch, the collectives' bytes)
+    # is its per-layer cost. A whole model, not one layer more: the difference is `layers` times larger than
+    # the timing noise of a shared machine, and the embedding's and head's DTensor costs count too.
     wraps = {"plain": None, "tp": lambda m: apply_tp(m, tp_mesh, False) and None,
              "tp_sp": lambda m: apply_tp(m, tp_mesh, True) and None}
-    fns = {(kind, layers, b): stepper(layers, b, wrap)[0] for kind, wrap in wraps.items() for b in sorted(xs)
-           for layers in (1, 2)}
-    rounds = _interleaved(fns, calls=3, rounds=5)
+    fns = {(kind, b): stepper(model_cfg.layers, b, wrap)[0] for kind, wrap in wraps.items() for b in sorted(xs)}
+    rounds = _interleaved(fns, calls=2, rounds=5)
+    shape, two = Shape.from_config(model_cfg, vocab), Hardware(comm=comm, devices_per_node=2)
     out = {}
     for key in ("tp", "tp_sp"):
-        def extra(r, b, key=key):  # the sharded layer beyond half the plain one and its 4 all-reduces
-            plain = r[("plain", 2, b)] - r[("plain", 1, b)]
-            return r[(key, 2, b)] - r[(key, 1, b)] - plain / 2 - 4 * cost("all_reduce", 4 * b * model_cfg.context *
-                                                                          model_cfg.width, 2)
+        def extra(r, b, key=key):
+            counted = 4 * model_cfg.layers * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2) + \
+                tp_outside_comm(shape, Layout(tp=2, micro=b, sp=key == "tp_sp"), two)
+            return (r[(key, b)] - (r[("plain", b)] - overhead) / 2 - overhead - counted) / model_cfg.layers
         at = {b: statistics.median(extra(r, b) for r in rounds) for b in xs}
         per_sample = max(0.0, (at[micro] - at[small]) / (micro - small)) if micro > small else 0.0
         out[key] = [max(0.0, at[micro] - per_sample * micro), per_sample]
@@ -259,7 +261,7 @@ def measure(model_cfg, vocab: int, micro: int) -> dict:
         comm.update(_collectives(pair, 2))
     if world > 2:
         comm.update(_collectives(dist.group.WORLD, world))
-    overheads = _layer_overheads(model_cfg, vocab, micro, comm) if world % 2 == 0 else {}
+    overheads = _layer_overheads(model_cfg, vocab, micro, comm, overhead) if world % 2 == 0 else {}
     p = torch.nn.Parameter(torch.randn(1 << 20))
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p])
