@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,31 @@ def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.
     env = {**ENV, "PLAIT_FAULTS": faults} if faults else ENV
     return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout, **popen)
+
+
+def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
+    """Every rank of RUN's job as `python -m plait.worker RUN [args]` on one free loopback port, without torchrun's
+    agent (which ends the whole job when one process dies): what a parameter-server test starts by hand."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [subprocess.Popen([sys.executable, "-m", "plait.worker", str(run), *args], text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT,
+                             env={**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})})
+            for r in range(world)]
+
+
+def finish_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], list[str]]:
+    """Wait for started ranks: their exit codes and outputs in rank order; any left running is killed."""
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outs
 
 
 def weights(run: Path) -> dict:

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ENV, TINY_GPT, params_after
+from helpers import TINY_GPT, finish_ranks, params_after, start_ranks
 from plait.config import dump_config, load_config
 from plait.testing import run_distributed
 
@@ -252,21 +249,7 @@ def test_parameter_server_sync(reference, base, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(dump_config(cfg))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "plait.worker", str(run)], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env={**ENV, "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    codes, outs = finish_ranks(start_ranks(run, 3), 120)
+    assert codes == [0, 0, 0], outs
     got = read_trajectory(run, load_file(str(export(run))))
     assert_same_trajectory(reference("gpt"), got)

@@ -5,14 +5,11 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ENV, max_diff, params_after, plait
+from helpers import finish_ranks, max_diff, params_after, plait, start_ranks
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
 from plait.parallel.layout import Layout
@@ -83,25 +80,9 @@ def spawn(run: Path, overrides: list[str] | None, faults: str = "", timeout: flo
         cfg = load_config(None, overrides)
         run.mkdir(parents=True, exist_ok=True)
         (run / "config.toml").write_text(dump_config(cfg))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    world = Layout.from_config(cfg).world_size
-    try:
-        for r in range(world):
-            env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "PLAIT_FAULTS": faults}
-            resume = ["--resume"] if overrides is None else []
-            procs.append(subprocess.Popen([sys.executable, "-m", "plait.worker", str(run), *resume], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-    return [p.returncode for p in procs], outs
+    procs = start_ranks(run, Layout.from_config(cfg).world_size, *(["--resume"] if overrides is None else []),
+                        env={"PLAIT_FAULTS": faults})
+    return finish_ranks(procs, timeout)
 
 
 @contextlib.contextmanager

@@ -3,15 +3,12 @@ that joins mid-run starts from the servers' current parameters, and launch.nnode
 
 import atexit
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ENV, max_diff
+from helpers import finish_ranks, max_diff, start_ranks
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
 from plait.parallel import ps as ps_scheme
@@ -147,23 +144,9 @@ def placements(tmp_path_factory) -> dict[str, Path]:
         runs[name] = root / name
         runs[name].mkdir()
         (runs[name] / "config.toml").write_text(dump_config(cfg))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        world = Layout.from_config(cfg).world_size
-        for r in range(world):
-            env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
-            procs.append(subprocess.Popen([sys.executable, "-m", "plait.worker", str(runs[name])], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * 5, outs
+        procs += start_ranks(runs[name], Layout.from_config(cfg).world_size)
+    codes, outs = finish_ranks(procs, 240)
+    assert codes == [0] * 5, outs
     return runs
 
 
