@@ -12,7 +12,10 @@ the weight-version gap (0 for 1F1B: every update uses the gradient of the weight
 Convergence (--converge): the default job (GPT on the stdlib's text, AdamW) at dp = 1, pp = 2 for --converge-steps
 steps, 1F1B and PipeDream-2BW, final validation loss of each (the one-step-stale gradient against the exact one).
 
-    python benchmarks/pipedream.py --converge [--converge-steps 400]
+    python benchmarks/pipedream.py --converge [--converge-steps 400] [--lr LR] [--delayed]
+
+--delayed adds one process applying each gradient one step late (PipeDream-2BW's rule without a pipeline): where
+pipedream's losses follow it, a gap to 1F1B is the rule's, not the pipeline runtime's.
 """
 
 from __future__ import annotations
@@ -48,17 +51,49 @@ def throughput(schedule: str, m: int, steps: int, run_dir: str):
     return statistics.median(times), m * 8 * 64, s["pipeline"]
 
 
-def converge(schedule: str, steps: int, run_dir: str):
-    """Pool task: the default job at pp = 2; rank 0 returns the final validation loss and the run's wall time."""
+def converge(schedule: str, steps: int, run_dir: str, more: list[str]):
+    """Pool task: the default job at pp = 2; rank 0 returns the final validation loss and the losses logged."""
     import torch.distributed as dist
 
     from plait.train.trainer import train
 
     cfg = load_config(None, ["parallel.dp=1", "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
                              f"train.steps={steps}", "log.progress=false", "log.report=false",
-                             "train.sample_tokens=0", "checkpoint.every=0"])
+                             "train.sample_tokens=0", "checkpoint.every=0", *more])
     s = train(cfg, run_dir).summary
-    return (s["val_loss"], s.get("wall_s") or s.get("train_s")) if dist.get_rank() == 0 else None
+    return (s["val_loss"], logged_losses(run_dir)) if dist.get_rank() == 0 else None
+
+
+def delayed(steps: int, run_dir: str, more: list[str]) -> tuple[float, dict]:
+    """The same job on one process whose optimizer applies each step's gradient one step late (the previous step's
+    gradient swapped in after backward): PipeDream-2BW's update rule with no pipeline, as a reference."""
+    from plait.parallel.base import Strategy
+    from plait.train.trainer import train
+
+    plain = Strategy.forward_backward
+
+    def late(self, micro_batches):
+        loss = plain(self, micro_batches)
+        params = list(self.module.parameters())
+        now = [p.grad for p in params]
+        for p, g in zip(params, getattr(self, "_late", [None] * len(params))):
+            p.grad = g
+        self._late = now
+        return loss
+
+    Strategy.forward_backward = late
+    try:
+        cfg = load_config(None, ["parallel.dp=1", f"train.steps={steps}", "log.progress=false", "log.report=false",
+                                 "train.sample_tokens=0", "checkpoint.every=0", *more])
+        s = train(cfg, run_dir).summary
+    finally:
+        Strategy.forward_backward = plain
+    return s["val_loss"], logged_losses(run_dir)
+
+
+def logged_losses(run_dir: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def main() -> None:
@@ -67,14 +102,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--converge", action="store_true", help="the default job's validation loss, both schedules")
     ap.add_argument("--converge-steps", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=0.0, help="--converge: optim.lr (0: the default job's)")
+    ap.add_argument("--delayed", action="store_true",
+                    help="--converge: also one process applying each gradient a step late (the rule, no pipeline)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-pipedream"))
     a = ap.parse_args()
     with RankPool(2, timeout_s=3600) as pool:
         if a.converge:
-            print(f"default job, dp = 1, pp = 2, {a.converge_steps} steps")
-            for schedule in SCHEDULES:
-                val, wall = pool.run(converge, schedule, a.converge_steps, str(a.out / f"converge-{schedule}"))[0]
-                print(f"  {schedule:10} val loss {val:.4f}" + (f"  ({wall:.0f} s)" if wall else ""))
+            more = [f"optim.lr={a.lr}"] if a.lr else []
+            rows = {s: pool.run(converge, s, a.converge_steps, str(a.out / f"converge-{s}"), more)[0] for s in SCHEDULES}
+            if a.delayed:
+                rows["delayed, 1 process"] = delayed(a.converge_steps, str(a.out / "converge-delayed"), more)
+            steps = sorted(rows["1f1b"][1])
+            shown = [t for t in steps if t % max(1, len(steps) // 4) == 0 or t == steps[-1]]
+            print(f"default job{' at lr ' + str(a.lr) if a.lr else ''}, dp = 1, pp = 2, {a.converge_steps} steps; "
+                  f"training loss at steps {shown}, then validation loss")
+            for name, (val, losses) in rows.items():
+                print(f"  {name:20}" + "".join(f"{losses.get(t, float('nan')):>9.4f}" for t in shown) + f"{val:>10.4f}")
             return
         results: dict[tuple, list] = {}
         for k in range(a.repeats):
