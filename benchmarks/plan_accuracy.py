@@ -9,7 +9,8 @@ followed by one run of every layout: the profile is the median of the rounds' ca
 layout's step time the median of all its post-warm-up steps (the spread of the runs' own medians
 is printed next to it), and a burst of load elsewhere falls on both sides alike.
 Targets: memory within 10 %, step time within 20 %, and the planner's top choice the fastest
-measured layout of its group (or within the measured spread of it).
+measured layout of its group, or as fast as it in at least one round (the rounds do not agree which
+of the two is faster: the measurement cannot order them).
 
     python benchmarks/plan_accuracy.py [--steps 8] [--repeats 2] [--models default,large] [--worlds 1,2,4]
 
@@ -137,11 +138,14 @@ def main() -> None:
             best_pred = min(rows, key=lambda r: r["step_predicted"])
             fastest = min(rows, key=lambda r: r["step_measured"])
             gap = best_pred["step_measured"] / fastest["step_measured"] - 1
-            met = best_pred is fastest or gap <= max(best_pred["spread"], fastest["spread"]) / 2
+            # a tie: in some round the choice's median was no slower than the fastest's
+            wins = sum(b <= f for b, f in zip(best_pred["run_medians"], fastest["run_medians"]))
+            met = best_pred is fastest or wins > 0
             choices.append(met)
+            rounds = f"as fast in {wins} of {len(fastest['run_medians'])} rounds"
             print(f"  planner's choice {best_pred['layout']}: {best_pred['step_measured'] * 1000:.1f} ms measured; fastest "
-                  f"{fastest['layout']}: {fastest['step_measured'] * 1000:.1f} ms ({gap:+.0%}"
-                  f"{'' if best_pred is fastest else ', within the spread' if met else ', outside the spread'})", flush=True)
+                  f"{fastest['layout']}: {fastest['step_measured'] * 1000:.1f} ms ({gap:+.1%}"
+                  f"{'' if best_pred is fastest else ', ' + rounds})", flush=True)
             results += rows
     within = lambda key, tol: sum(abs(r[f"{key}_predicted"] / r[f"{key}_measured"] - 1) <= tol for r in results)  # noqa: E731
     n = len(results)
