@@ -5,6 +5,9 @@ warm-up, then `--repeats` trials in which native, ring and tree take turns, so t
 shared machine hits all three alike. A trial's time is the slowest rank's mean over `--iters` calls; the
 ratio printed is the median over the repeats of native's time over the algorithm's in the same repeat
 (busbw ratio; > 1: faster than gloo's own), with the median busbw and its min-max over the repeats.
+Beside it, per call on rank 0: the median call (algorithm, then native) and the share of calls that
+stalled (took over 3x the median: on a machine with fewer cores than busy threads, a thread waiting for
+a core). A trial's mean is set by how many of its calls stall.
 
 Target (issue: plait's own all-reduce against gloo's): ratio >= 0.9 at every size from 1 MB to 64 MB
 on 2 and 4 ranks, so that `parallel.allreduce = "ring"` is not a slowdown.
@@ -43,7 +46,8 @@ def main() -> int:
         print(f"\n{n} ranks\n{format_table(mine)}", flush=True)
         rows += mine
     print(f"\ntarget: busbw >= {TARGET}x gloo's native all-reduce (median of the per-repeat ratios)")
-    print(f"{'ranks':>5}{'size':>7}  {'algo':<6}{'busbw':>8}{'native':>8}{'ratio':>8}  target")
+    print(f"{'ranks':>5}{'size':>7}  {'algo':<6}{'busbw':>8}{'native':>8}{'ratio':>8}  {'target':<8}"
+          f"{'median call (us)':>17}{'stalled':>9}{'native':>10}{'stalled':>9}")
     native = {(r["ranks"], r["size_bytes"]): r for r in rows if r["algo"] == "native"}
     met = True
     for r in rows:
@@ -53,7 +57,8 @@ def main() -> int:
         met &= ok
         nat = native[(r["ranks"], r["size_bytes"])]
         print(f"{r['ranks']:>5}{human(r['size_bytes']):>7}  {r['algo']:<6}{r['busbw_GBps']:>8.3f}{nat['busbw_GBps']:>8.3f}"
-              f"{r['vs_native']:>7.2f}x  {'met' if ok else 'NOT MET'}{'' if r['correct'] else ' (WRONG result)'}")
+              f"{r['vs_native']:>7.2f}x  {'met' if ok else 'NOT MET':<8}{r['call_median_us']:>17.0f}{r['stalled']:>9.0%}"
+              f"{nat['call_median_us']:>10.0f}{nat['stalled']:>9.0%}{'' if r['correct'] else ' (WRONG result)'}")
     print(f"\nall points: {'met' if met else 'NOT MET'}")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)

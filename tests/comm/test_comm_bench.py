@@ -23,6 +23,10 @@ def test_rows_give_the_median_the_spread_and_the_paired_ratio_to_native():
     assert r["busbw_max_GBps"] == pytest.approx(4096 / 1e-4 / 1e9 * 1.5)
     assert r["vs_native"] == pytest.approx(1.0)  # repeat by repeat: 0.5, 1, 0.5, 1, 1 -> median 1
     assert _row("allreduce", "ring", 4, 4096, RING, None, True)["vs_native"] is None
+    assert "call_median_us" not in r
+    # rank 0's calls one by one: the median call, and the share that took over 3x it (two of ten)
+    calls = _row("allreduce", "ring", 2, 4096, RING, NATIVE, True, calls=[1e-4] * 8 + [3.5e-4, 4e-3])
+    assert calls["call_median_us"] == pytest.approx(100.0) and calls["stalled"] == pytest.approx(0.2)
 
 
 def test_sizes_parse_like_nccl_tests():

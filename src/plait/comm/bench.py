@@ -168,15 +168,18 @@ def _calls_per_trial(op: str, algo: str, buf, out, local_size: int, opts: BenchO
     return max(2, min(opts.iters, int(opts.max_seconds / max(_slowest(time.perf_counter() - t0), 1e-9))))
 
 
-def _trial(op: str, algo: str, buf, out, local_size: int, calls: int) -> float:
-    """Seconds per call over `calls` calls, the slowest rank's mean."""
+def _trial(op: str, algo: str, buf, out, local_size: int, calls: int) -> tuple[float, list[float]]:
+    """(seconds per call over `calls` calls, the slowest rank's mean; this rank's seconds for each call)."""
     import torch.distributed as dist
 
     dist.barrier()
+    each = []
     t0 = time.perf_counter()
     for _ in range(calls):
+        start = time.perf_counter()
         _call(op, algo, buf, out, local_size)
-    return _slowest((time.perf_counter() - t0) / calls)
+        each.append(time.perf_counter() - start)
+    return _slowest((time.perf_counter() - t0) / calls), each
 
 
 def bench_rank(opts: BenchOptions) -> list[dict]:
@@ -206,25 +209,38 @@ def bench_rank(opts: BenchOptions) -> list[dict]:
                 bufs[algo] = (buf, out)
                 calls[algo] = _calls_per_trial(op, algo, buf, out, local_size, opts)
             times: dict[str, list[float]] = {algo: [] for algo in algos}
+            each: dict[str, list[float]] = {algo: [] for algo in algos}
             for _ in range(opts.repeats):  # the algorithms take turns: load bursts hit them alike
                 for algo in algos:
-                    times[algo].append(_trial(op, algo, *bufs[algo], local_size, calls[algo]))
+                    mean, mine = _trial(op, algo, *bufs[algo], local_size, calls[algo])
+                    times[algo].append(mean)
+                    each[algo] += mine
             buf, out = bufs[algos[0]]
             size = (out if op == "allgather" else buf).numel() * ELEMENT_BYTES
             for algo in algos:
-                rows.append(_row(op, algo, n, size, times[algo], times.get("native"), correct[algo]))
+                rows.append(_row(op, algo, n, size, times[algo], times.get("native"), correct[algo], each[algo]))
     return rows if rank == 0 else []
 
 
-def _row(op: str, algo: str, n: int, size: int, times: list[float], native: list[float] | None, correct: bool) -> dict:
+STALL = 3.0  # a call that takes this many times the median call has stalled (waited for a core, a retransmit)
+
+
+def _row(op: str, algo: str, n: int, size: int, times: list[float], native: list[float] | None, correct: bool,
+         calls: list[float] | None = None) -> dict:
+    """One table row from the repeats' times (seconds per call); with `calls` (rank 0's seconds for each timed
+    call) also the median call and the share of calls that stalled, which set a trial's mean on a busy machine."""
     median, factor = statistics.median(times), busbw_factor(op, n)
     algbw = size / median / 1e9
+    per_call = {}
+    if calls:
+        typical = statistics.median(calls)
+        per_call = {"call_median_us": typical * 1e6, "stalled": sum(c > STALL * typical for c in calls) / len(calls)}
     return {"op": op, "algo": algo, "ranks": n, "size_bytes": size, "count": size // ELEMENT_BYTES,
             "repeats": len(times), "time_us": median * 1e6, "time_min_us": min(times) * 1e6,
             "time_max_us": max(times) * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
             "busbw_min_GBps": size / max(times) / 1e9 * factor, "busbw_max_GBps": size / min(times) / 1e9 * factor,
             "vs_native": statistics.median(a / b for a, b in zip(native, times)) if native else None,
-            "correct": correct}
+            "correct": correct} | per_call
 
 
 def format_table(rows: list[dict]) -> str:
