@@ -53,6 +53,14 @@ def test_all_reduce_algorithms_equal_dist_all_reduce(pool):
         assert max(worst.values()) <= 1e-5, worst
 
 
+def test_halving_doubling_with_a_rank_folded_in_on_5_ranks():
+    """On 2 and 3 ranks the tree swaps whole vectors; on 5 one rank folds in ahead of a 4-rank halving-doubling
+    (100-byte segments too, in compare_all_reduce's last size)."""
+    with RankPool(5, timeout_s=60) as p:
+        for worst in p.run(compare_all_reduce, [7, 1001]):
+            assert max(worst["tree"], worst["tree_segments"]) <= 1e-5, worst
+
+
 def compare_halves_and_broadcast(per_rank):
     """Pool task: ring reduce-scatter / all-gather and tree broadcast against torch's, on a subgroup too."""
     import torch
