@@ -16,7 +16,8 @@ number of ranks and any tensor size (chunks may be uneven or empty).
   partners at distance p/2, p/4, ..., 1 halve the segment each rank is responsible for, then the
   reverse doubles it back: the same 2 (n-1)/n volume in 2 log2 p latency terms. With n not a power
   of two, the first 2 (n - p) ranks pair up first (even ranks hand their vector to the odd one and
-  get the result back at the end), as in MPICH.
+  get the result back at the end), as in MPICH. Where that leaves p = 2 (2 or 3 ranks), the two ranks
+  swap whole vectors and add instead (recursive doubling): the same bytes in one step instead of two.
 * Hierarchical (the two-level scheme of NCCL and Horovod): ranks are grouped into nodes of
   `local_size` consecutive ranks; members send their vectors to the node's first rank, the leaders
   run a ring all-reduce among themselves, then each leader sends the result back to its members,
