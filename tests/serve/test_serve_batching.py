@@ -124,7 +124,7 @@ class GatedExecutor:
         return True
 
     async def run(self, task, on_event=None, cancelled=None):
-        self.seen += [float(v) for v in task[1].reshape(len(task[1]), -1)[:, 0]]
+        self.seen += [float(v) for v in task.inputs.reshape(len(task.inputs), -1)[:, 0]]
         await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, 60)
         return self.runner.run(task)
 

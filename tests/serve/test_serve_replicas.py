@@ -14,6 +14,7 @@ import torch
 from plait.export import load_exported
 from plait.serve.server import ServerThread
 from plait.serve.service import ServeOptions
+from plait.serve.tasks import Token
 from serve_helpers import gpt_run, poll  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -144,8 +145,8 @@ def test_a_dropped_stream_or_a_504_stops_the_replicas_work(server):
     real = pool._on_message
 
     def counting(r, msg):
-        if msg[0] == "event":
-            events.append(msg[1])
+        if isinstance(msg, Token):
+            events.append(msg.task_id)
         real(r, msg)
 
     pool._on_message = counting  # the reader threads look it up on each message

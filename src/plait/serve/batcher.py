@@ -65,6 +65,7 @@ class Pending:
     future: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # the caller timed out or went away: drop the work
+    on_event: Callable[..., None] | None = None  # the caller's listener for partial answers (streamed tokens)
 
 
 class Batcher:
@@ -102,13 +103,13 @@ class Batcher:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
 
-    def submit(self, key: Hashable, payload: Any, rows: int) -> Pending:
+    def submit(self, key: Hashable, payload: Any, rows: int, on_event: Callable[..., None] | None = None) -> Pending:
         """Queue one request; raises QueueFull when the policy refuses it."""
         if not self.policy.admit(len(self._queue)):
             self._purge()
             if not self.policy.admit(len(self._queue)):
                 raise QueueFull(f"the queue holds {len(self._queue)} requests (max_queue = {self.policy.max_queue})")
-        item = Pending(key, payload, rows, asyncio.get_running_loop().create_future())
+        item = Pending(key, payload, rows, asyncio.get_running_loop().create_future(), on_event=on_event)
         self._queue.append(item)
         self._changed.set()
         return item

@@ -23,23 +23,14 @@ host needs each chosen token anyway, to stream it and to feed it back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from plait.models.gpt import GPT, KVCache
 from plait.models.sampling import sample
+from plait.serve.tasks import GenRow, RowFailed
 
-
-@dataclass
-class GenRow:
-    """One generation request: prompt token ids and how to sample its continuation."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0  # <= 0: greedy
-    top_k: int | None = None
-    seed: int = 0
+__all__ = ["GenRow", "RowFailed", "generate", "sample_row"]  # GenRow and RowFailed live in plait.serve.tasks
 
 
 def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +39,6 @@ def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     for i, s in enumerate(seqs):
         idx[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
     return idx, torch.tensor([width - len(s) for s in seqs])
-
-
-@dataclass
-class RowFailed:
-    """In place of a row's tokens: why that row (alone) could not be generated."""
-
-    message: str
 
 
 def sample_row(logits: torch.Tensor, row: GenRow, generator: torch.Generator) -> int:

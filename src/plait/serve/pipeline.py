@@ -31,21 +31,49 @@ import shutil
 import tempfile
 import threading
 import traceback
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from plait.comm.p2p import recv_message, send_tensor
 from plait.procs import CONTEXT, spawn
 from plait.serve.device import torch_device
-from plait.serve.kvcache import GenRow, RowFailed, sample_row
+from plait.serve.kvcache import sample_row
 from plait.serve.model import ModelRef, ServedModel, load_model
 from plait.serve.protocol import RequestError, ServeError
+from plait.serve.tasks import (
+    Cancelled,
+    Emit,
+    Failed,
+    Generate,
+    GenerateOutput,
+    GenRow,
+    Infer,
+    InferOutput,
+    Result,
+    RowFailed,
+    Task,
+)
 
 STAGE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 # A message's tags: (flag, task id, micro-batch, cache id); cache id -1: a plain forward without a cache.
 DATA, STOP, SKIP, DROP = 0, 1, 2, 3
 NO_CACHE = -1
+
+
+@dataclass(frozen=True)
+class StageReady:
+    """A stage's status message: loaded, holding blocks `bounds` (a task's error is a tasks.Failed)."""
+
+    rank: int
+    pid: int
+    bounds: tuple[int, int]  # [first, last) block
+
+
+@dataclass(frozen=True)
+class StageFailed:
+    rank: int
+    traceback: str
 
 
 def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, outbox, status, threads: int,
@@ -65,9 +93,9 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
         bounds = stage_bounds(served.module, world)
         part = pipeline_stage(served.module, bounds, rank).eval().to(dev)  # the whole model stays on the host
         del served
-        status.put(("ready", rank, os.getpid(), bounds[rank]))
+        status.put(StageReady(rank, os.getpid(), bounds[rank]))
     except BaseException:
-        status.put(("failed", rank, traceback.format_exc()))
+        status.put(StageFailed(rank, traceback.format_exc()))
         return
     pending: list = []
     caches: dict[int, dict] = {}  # generation rows' KV caches for this stage's blocks, until the server drops them
@@ -98,7 +126,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
                 try:
                     y = part(x) if cid == NO_CACHE else part(x, caches.setdefault(cid, {}))
                 except Exception as e:
-                    status.put(("error", task_id, f"stage {rank}: {type(e).__name__}: {e}"))
+                    status.put(Failed(task_id, f"stage {rank}: {type(e).__name__}: {e}"))
                     flag = SKIP
             y = None if y is None else y.cpu()  # to the host: gloo sends CPU tensors, the server reads numpy
             if last:
@@ -112,7 +140,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
 
 
 class PipelineExecutor:
-    """The executor for `--pp K` (see plait.serve.service for the interface)."""
+    """The executor for `--pp K` (an `Executor`, plait.serve.tasks)."""
 
     restarts = 0
 
@@ -186,19 +214,19 @@ class PipelineExecutor:
                 continue
             self._loop.call_soon_threadsafe(self._on_result, task_id, mb, y)
 
-    def _on_status(self, msg: tuple) -> None:
-        if msg[0] == "ready":
-            _, rank, pid, bounds = msg
-            self._ready.add(rank)
-            self.pids[rank], self.bounds[rank] = pid, bounds
-            if len(self._ready) == self.k and not self._started.done():
-                self._started.set_result(True)
-        elif msg[0] == "failed":
-            self._on_broken(f"pipeline stage {msg[1]} could not start:\n{msg[2]}")
-        elif msg[0] == "error":
-            entry = self._tasks.pop(msg[1], None)
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(RuntimeError(msg[2]))
+    def _on_status(self, msg: StageReady | StageFailed | Failed) -> None:
+        match msg:
+            case StageReady(rank=rank, pid=pid, bounds=bounds):
+                self._ready.add(rank)
+                self.pids[rank], self.bounds[rank] = pid, bounds
+                if len(self._ready) == self.k and not self._started.done():
+                    self._started.set_result(True)
+            case StageFailed(rank=rank, traceback=tb):
+                self._on_broken(f"pipeline stage {rank} could not start:\n{tb}")
+            case Failed(task_id=task_id, message=message):
+                entry = self._tasks.pop(task_id, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_exception(RuntimeError(message))
 
     def _on_broken(self, why: str) -> None:
         self._broken = why
@@ -234,16 +262,18 @@ class PipelineExecutor:
             self._inbox.put(((DATA, task_id, mb, cid), np.ascontiguousarray(c)))
         return await fut
 
-    async def run(self, task: tuple, on_event=None, cancelled=None) -> Any:
-        kind, payload = task
-        if kind == "infer":
-            chunks = np.array_split(payload, min(self.k, len(payload)))  # K micro-batches keep K stages busy
-            return {"logits": np.concatenate(await self._through(chunks))}
-        if kind == "generate":
-            return await self._generate(payload, on_event, cancelled)
-        raise ValueError(f"unknown task kind {kind!r}")
+    async def run(self, task: Task, on_event: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
+        match task:
+            case Infer(inputs=x):
+                chunks = np.array_split(x, min(self.k, len(x)))  # K micro-batches keep K stages busy
+                return InferOutput({"logits": np.concatenate(await self._through(chunks))})
+            case Generate(rows=rows):
+                return GenerateOutput(await self._generate(rows, on_event, cancelled))
+            case _:
+                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.tasks)")
 
-    async def _generate(self, rows: list[GenRow], on_event, cancelled) -> list[list[int] | RowFailed]:
+    async def _generate(self, rows: tuple[GenRow, ...], on_event: Emit | None,
+                        cancelled: Cancelled | None) -> list[list[int] | RowFailed]:
         import torch
 
         ctx = self.served.context

@@ -7,9 +7,13 @@ event loop; end-of-file on the pipe means the process died. Then its in-flight b
 to another replica (each batch is tried at most twice), a replacement process is started,
 and a batch that fails twice gets a 503 that says so: a crash never leaves a request hanging.
 
+The pipe carries the typed messages of plait.serve.tasks (Submit, Cancel; Ready, LoadFailed,
+Token, Done, Failed); the replica's side is plait.serve.replica_worker, reached through
+plait.serve.coldstart (which times the replica's imports).
+
 Cancellation reaches the process: while a generation batch runs, the pool watches which of its
 requests were given up (the client disconnected, or --timeout-ms passed) and sends
-("cancel", task, rows); a thread in the replica reads those while the model runs, and the
+Cancel(task, rows); a thread in the replica reads those while the model runs, and the
 generation loop drops the rows at its next token (plait.serve.kvcache).
 
 --device cuda: each replica loads the weights on the host and its runner moves them to GPU
@@ -20,101 +24,42 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import queue
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from plait.procs import CONTEXT, spawn
 from plait.serve.coldstart import replica_entry
-from plait.serve.device import torch_device
-from plait.serve.model import ModelRef, load_model
+from plait.serve.model import ModelRef
 from plait.serve.protocol import RequestError, ServeError
-from plait.serve.runner import Runner
+from plait.serve.tasks import (
+    Cancel,
+    Cancelled,
+    Done,
+    Emit,
+    Failed,
+    Generate,
+    LoadFailed,
+    Ready,
+    Result,
+    Submit,
+    Task,
+    Token,
+)
 
 ATTEMPTS = 2  # a batch whose replica crashes is retried once
 CANCEL_POLL_S = 0.05  # how often a running generation batch is checked for requests given up
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: str = "cpu", index: int = 0,
-                 timing: dict | None = None) -> None:
-    """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away.
-
-    `timing` (from plait.serve.coldstart): the cold start so far; the ready message adds the load time."""
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        runner = Runner(load_model(ref), pad_to, torch_device(device, index))
-        runner.prepare()
-        split = None
-        if timing is not None:
-            split = {"process_s": timing["process_s"], "imports_s": timing["imports_s"],
-                     "load_s": time.time() - timing["loaded_since"]}
-        conn.send(("ready", os.getpid(), split))
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
-        return
-    tasks: queue.Queue = queue.Queue()
-    cancelled: dict[int, set] = {}  # task id -> rows given up (None in the set: the whole task)
-    lock = threading.Lock()
-
-    def read() -> None:  # a thread, so that cancellations arrive while a task runs
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                msg = None  # the server is gone
-            if msg is None:
-                tasks.put(None)
-                return
-            if msg[0] == "cancel":
-                with lock:
-                    cancelled.setdefault(msg[1], set()).update(msg[2])
-            else:
-                tasks.put(msg)
-
-    threading.Thread(target=read, name="plait-replica-inbox", daemon=True).start()
-    while True:
-        msg = tasks.get()
-        if msg is None:
-            return
-        task_id, task = msg
-
-        def emit(row: int, pos: int, tok: int, task_id=task_id) -> None:
-            conn.send(("event", task_id, row, pos, tok))
-
-        def given_up(row: int, task_id=task_id) -> bool:
-            with lock:
-                rows = cancelled.get(task_id, ())
-                return row in rows or None in rows
-
-        try:
-            if given_up(-1):  # the whole task was given up before it started
-                result = None
-            else:
-                result = runner.run(task, emit, given_up)
-        except Exception as e:
-            conn.send(("error", task_id, f"{type(e).__name__}: {e}"))
-        else:
-            conn.send(("result", task_id, result))
-        with lock:
-            cancelled.pop(task_id, None)
-            if len(cancelled) > 1024:  # cancellations that came after their task had finished
-                cancelled.clear()
-
-
 @dataclass(eq=False)
 class _Task:
     id: int
-    task: tuple
+    task: Task
     future: asyncio.Future
-    on_event: Any = None
+    on_event: Emit | None = None
     attempts: int = 0
     replica: Any = None  # the replica running it now
     cancelled_rows: set = field(default_factory=set)  # rows given up (sent to whichever replica runs it)
@@ -133,7 +78,7 @@ class _Replica:
 
 
 class ReplicaPool:
-    """The executor for `--replicas N` (see plait.serve.service for the interface)."""
+    """The executor for `--replicas N` and `--autoscale` (an `Executor`, plait.serve.tasks)."""
 
     def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
                  start_timeout_s: float = 180.0, device: str = "cpu", autoscale_min: int | None = None,
@@ -234,7 +179,7 @@ class ReplicaPool:
 
     def running(self) -> list[list[tuple[str, int]]]:
         """Per replica: (task kind, attempt) of each batch it is running (what operators and tests look at)."""
-        return [[(t.task[0], t.attempts) for t in list(r.inflight.values())] if r is not None else []
+        return [[(t.task.kind, t.attempts) for t in list(r.inflight.values())] if r is not None else []
                 for r in self._replicas]
 
     async def stop(self) -> None:
@@ -265,19 +210,21 @@ class ReplicaPool:
 
     # ------------------------------------------------------------------ routing
 
-    async def run(self, task: tuple, on_event=None, cancelled=None) -> Any:
+    async def run(self, task: Task, on_event: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
         assert self._loop is not None
         t = _Task(next(self._ids), task, self._loop.create_future(), on_event)
         self._dispatch(t)
-        if cancelled is None or task[0] != "generate":
-            return await t.future
-        watcher = self._loop.create_task(self._watch(t, cancelled, len(task[1])))
-        try:
-            return await t.future
-        finally:
-            watcher.cancel()
+        match task:
+            case Generate(rows=rows) if cancelled is not None:  # a generation's requests may be given up as it runs
+                watcher = self._loop.create_task(self._watch(t, cancelled, len(rows)))
+                try:
+                    return await t.future
+                finally:
+                    watcher.cancel()
+            case _:
+                return await t.future
 
-    async def _watch(self, t: _Task, cancelled, rows: int) -> None:
+    async def _watch(self, t: _Task, cancelled: Cancelled, rows: int) -> None:
         """Tell the replica running `t` about rows whose requests were given up (timeout, disconnect)."""
         while not t.future.done():
             new = {i for i in range(rows) if i not in t.cancelled_rows and cancelled(i)}
@@ -290,7 +237,7 @@ class ReplicaPool:
         r = t.replica
         if r is not None and r.live and t.id in r.inflight:
             try:
-                r.conn.send(("cancel", t.id, sorted(rows)))
+                r.conn.send(Cancel(t.id, tuple(sorted(rows))))
             except (OSError, ValueError):
                 pass  # the replica is dying; the reader thread re-routes its work
 
@@ -308,48 +255,54 @@ class ReplicaPool:
         t.replica = r
         r.inflight[t.id] = t
         try:
-            r.conn.send((t.id, t.task))
+            r.conn.send(Submit(t.id, t.task))
         except (OSError, ValueError):
             pass  # the reader thread sees the death and re-routes what was in flight
         if t.cancelled_rows:  # a retried batch: the new replica hears what was given up
             self._send_cancel(t, t.cancelled_rows)
 
-    def _on_message(self, r: _Replica, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            r.live = r.was_live = True
-            if r.started is not None and not r.started.done():
-                r.started.set_result(msg[1])
-            if len(msg) > 2 and msg[2] is not None:
-                self.cold_starts.append((r.index, msg[2]))
-                if self.on_cold_start is not None:
-                    self.on_cold_start(r.index, msg[2])
+    def _on_message(self, r: _Replica, msg: Ready | LoadFailed | Token | Done | Failed) -> None:
+        match msg:
+            case Ready(pid=pid, cold_start=split):
+                self._on_ready(r, pid, split)
+            case LoadFailed(traceback=tb):
+                self._on_load_failed(r, tb)
+            case Token(task_id=task_id, row=row, position=pos, token=tok):
+                t = r.inflight.get(task_id)
+                if t is not None and t.on_event is not None:
+                    t.on_event(row, pos, tok)
+            case Done(task_id=task_id) | Failed(task_id=task_id):
+                t = r.inflight.pop(task_id, None)
+                if t is not None and not t.future.done():
+                    if isinstance(msg, Done):
+                        t.future.set_result(msg.result)
+                    else:
+                        t.future.set_exception(RuntimeError(f"replica {r.index}: {msg.message}"))
+                if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
+                    self._dispatch(self._waiting.pop(0))
+
+    def _on_ready(self, r: _Replica, pid: int, split: dict | None) -> None:
+        r.live = r.was_live = True
+        if r.started is not None and not r.started.done():
+            r.started.set_result(pid)
+        if split is not None:
+            self.cold_starts.append((r.index, split))
+            if self.on_cold_start is not None:
+                self.on_cold_start(r.index, split)
+        waiting, self._waiting = self._waiting, []
+        for t in waiting:
+            if not t.future.done():
+                self._dispatch(t)
+
+    def _on_load_failed(self, r: _Replica, tb: str) -> None:
+        error = ServeError(f"replica {r.index} could not load the model:\n{tb}")
+        if r.started is not None and not r.started.done():
+            r.started.set_exception(error)
+        if not any(x is not None and x.live for x in self._replicas):
             waiting, self._waiting = self._waiting, []
             for t in waiting:
                 if not t.future.done():
-                    self._dispatch(t)
-        elif kind == "failed":
-            error = ServeError(f"replica {r.index} could not load the model:\n{msg[1]}")
-            if r.started is not None and not r.started.done():
-                r.started.set_exception(error)
-            if not any(x is not None and x.live for x in self._replicas):
-                waiting, self._waiting = self._waiting, []
-                for t in waiting:
-                    if not t.future.done():
-                        t.future.set_exception(RequestError(503, f"no replica is up: {str(error).splitlines()[0]}"))
-        elif kind == "event":
-            t = r.inflight.get(msg[1])
-            if t is not None and t.on_event is not None:
-                t.on_event(*msg[2:])
-        elif kind in ("result", "error"):
-            t = r.inflight.pop(msg[1], None)
-            if t is not None and not t.future.done():
-                if kind == "result":
-                    t.future.set_result(msg[2])
-                else:
-                    t.future.set_exception(RuntimeError(f"replica {r.index}: {msg[2]}"))
-            if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
-                self._dispatch(self._waiting.pop(0))
+                    t.future.set_exception(RequestError(503, f"no replica is up: {str(error).splitlines()[0]}"))
 
     def _on_death(self, r: _Replica) -> None:
         r.live = False

@@ -1,9 +1,10 @@
 """Run one batch on a loaded model: the code every executor shares (server thread, replica process).
 
-Tasks are plain picklable tuples, so the same `Runner.run` serves in-process and behind a pipe:
+Tasks and results are the picklable dataclasses of plait.serve.tasks, so the same `Runner.run`
+serves in-process and behind a pipe:
 
-    ("infer", array)         -> {output name: array}
-    ("generate", [GenRow])   -> [[new token ids] per row]
+    Infer(array)             -> InferOutput({output name: array})
+    Generate((GenRow, ...))  -> GenerateOutput([[new token ids] or RowFailed per row])
 
 Exact batching: CPU GEMM kernels pick their blocking (and so the order of each row's sums)
 from the matrix shape and thread count, which is why a batch of 7 and a batch of 1 can differ
@@ -22,16 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from plait.serve.kvcache import GenRow, generate
+from plait.serve.kvcache import generate
 from plait.serve.model import ServedModel
-
-Emit = Callable[[int, int, int], None]  # (row, position, token)
+from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
 
 
 def exact_sizes(module: torch.nn.Module, input_shape: list, pad_to: int, trials: int = 2,
@@ -84,21 +83,24 @@ class Runner:
             out["label"] = logits.argmax(-1).numpy()
         return out
 
-    def generate(self, rows: list[GenRow], emit: Emit | None = None,
-                 cancelled: Callable[[int], bool] | None = None) -> list[list[int]]:
-        return generate(self.served.module, rows, emit, cancelled, device=self.device)
+    def generate(self, rows: Sequence[GenRow], emit: Emit | None = None,
+                 cancelled: Cancelled | None = None) -> list[list[int] | RowFailed]:
+        return generate(self.served.module, list(rows), emit, cancelled, device=self.device)
 
-    def run(self, task: tuple, emit: Emit | None = None, cancelled: Callable[[int], bool] | None = None) -> Any:
-        kind, payload = task
-        if kind == "infer":
-            return self.infer(payload)
-        if kind == "generate":
-            return self.generate(payload, emit, cancelled)
-        raise ValueError(f"unknown task kind {kind!r}")
+    def run(self, task: Task, emit: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
+        match task:
+            case Infer(inputs=x):
+                return InferOutput(self.infer(x))
+            case Generate(rows=rows):
+                return GenerateOutput(self.generate(rows, emit, cancelled))
+            case _:
+                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.tasks)")
 
 
 class LocalExecutor:
-    """The model in the server process; batches run one at a time on a worker thread (the event loop stays free)."""
+    """The model in the server process; batches run one at a time on a worker thread (the event loop stays free).
+
+    An `Executor` (plait.serve.tasks); the runner does the dispatch on the task's type."""
 
     capacity = 1
     restarts = 0
@@ -117,7 +119,7 @@ class LocalExecutor:
     def ready(self) -> bool:
         return True
 
-    async def run(self, task: tuple, on_event: Emit | None = None, cancelled: Callable[[int], bool] | None = None) -> Any:
+    async def run(self, task: Task, on_event: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
         loop = asyncio.get_running_loop()
         emit = None if on_event is None else (lambda *a: loop.call_soon_threadsafe(on_event, *a))
         return await loop.run_in_executor(self._pool, self.runner.run, task, emit, cancelled)

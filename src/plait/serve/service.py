@@ -1,13 +1,10 @@
 """One served model: options, the executor that holds it, the batcher in front, timeouts and backpressure.
 
 The HTTP layer (plait.serve.app) only decodes requests and encodes answers; this module
-decides where work runs. Executors share one small interface:
-
-    capacity: int                      batches that may run at once
-    restarts: int                      processes restarted after a crash
-    await start() / await stop()
-    ready() -> bool
-    await run(task, on_event=None, cancelled=None) -> result     (see plait.serve.runner)
+decides where work runs. Each request is queued as a one-request task (plait.serve.tasks: Infer,
+Generate); the batcher's batch is merged into one task of the same type and handed to the
+executor, whose result is split back per request. Executors share one interface, the
+`Executor` protocol of plait.serve.tasks (start, stop, ready, run; capacity, restarts).
 """
 
 from __future__ import annotations
@@ -22,14 +19,12 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
-from plait.serve.kvcache import GenRow, RowFailed
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
@@ -37,6 +32,7 @@ from plait.serve.protocol import RequestError, ServeError
 from plait.serve.quantize import QUANTIZE_CHOICES
 from plait.serve.replicas import ReplicaPool
 from plait.serve.runner import LocalExecutor, Runner
+from plait.serve.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
 
 
 @dataclass
@@ -137,7 +133,7 @@ class Service:
         self.ongoing = 0  # requests admitted and not yet answered (what the autoscaler follows)
         self._ongoing_peak = 0  # the most at once since the autoscaler last looked
         self.autoscaler: Autoscaler | None = None
-        self.executor = self._executor()
+        self.executor: Executor = self._executor()
         self.batcher: Batcher | None = None
         if opts.autoscale is not None and self.served.backend == "pytorch":
             # The replicas hold the weights; the front end keeps only the shapes it describes (so that scaled
@@ -148,7 +144,7 @@ class Service:
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
 
-    def _executor(self):
+    def _executor(self) -> Executor:
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
         if self.opts.pp > 1:
             return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp),
@@ -188,13 +184,14 @@ class Service:
                                on_batch=self.metrics.batch_size.observe)
         self.batcher.start()
         self.metrics.queue_depth.set_function(lambda: self.batcher.depth if self.batcher else 0)
-        if isinstance(self.executor, ReplicaPool):
-            self.metrics.replicas.set_function(lambda: self.executor.live_count)
-            self.metrics.replicas_desired.set(self.executor.target)
-        if self.opts.autoscale is not None:
-            self.autoscaler = Autoscaler(self.opts.autoscaling, self.executor, self.take_ongoing, self.metrics)
-            self.executor.on_no_replica = self.autoscaler.wake
-            self.autoscaler.start()
+        pool = self.executor
+        if isinstance(pool, ReplicaPool):  # replica counts (and the autoscaler) belong to a pool alone
+            self.metrics.replicas.set_function(lambda: pool.live_count)
+            self.metrics.replicas_desired.set(pool.target)
+            if self.opts.autoscale is not None:
+                self.autoscaler = Autoscaler(self.opts.autoscaling, pool, self.take_ongoing, self.metrics)
+                pool.on_no_replica = self.autoscaler.wake
+                self.autoscaler.start()
 
     def take_ongoing(self) -> int:
         """The most requests ongoing at once since the last call: a request that came and went between two of the
@@ -221,10 +218,11 @@ class Service:
 
     # ------------------------------------------------------------------ requests
 
-    async def _submit(self, key, payload, rows: int, arrived: float) -> Any:
+    async def _submit(self, key, task: Task, rows: int, arrived: float, on_event=None):
+        """Queue one request's task and wait for its share of the batch's answer (within --timeout-ms)."""
         assert self.batcher is not None
         try:
-            item = self.batcher.submit(key, payload, rows)
+            item = self.batcher.submit(key, task, rows, on_event)
         except QueueFull as e:
             self.metrics.rejected.labels("queue_full").inc()
             raise RequestError(503, f"server busy: {e}; retry later") from None
@@ -246,8 +244,8 @@ class Service:
 
     async def infer(self, x: np.ndarray, arrived: float) -> dict[str, np.ndarray]:
         """Outputs for one request's input batch (rows merged with other requests' by the batcher)."""
-        key = ("infer", x.dtype.str, x.shape[1:])  # only same-shaped rows stack into one tensor
-        return await self._submit(key, x, x.shape[0], arrived)
+        key = (Infer, x.dtype.str, x.shape[1:])  # only same-shaped rows stack into one tensor
+        return await self._submit(key, Infer(x), x.shape[0], arrived)
 
     def require_generation(self) -> None:
         if not self.served.can_generate:
@@ -257,47 +255,57 @@ class Service:
     async def generate(self, row: GenRow, arrived: float, on_token=None) -> list[int]:
         """New token ids for one prompt; on_token(position, token) is called as they come (streaming)."""
         self.require_generation()
-        return await self._submit(("generate",), (row, on_token), 1, arrived)
+        return await self._submit((Generate,), Generate((row,)), 1, arrived, on_token)
 
     async def _run_batch(self, batch: list[Pending]) -> None:
-        if batch[0].key[0] == "infer":
-            x = np.concatenate([p.payload for p in batch]) if len(batch) > 1 else batch[0].payload
-            if self.autoscaler is not None:  # the batch may wait for a cold start: not once all its requests gave up
-                run = asyncio.ensure_future(self.executor.run(("infer", x)))
-                run.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
-                gave_up = asyncio.ensure_future(asyncio.wait([p.future for p in batch]))
-                try:
-                    await asyncio.wait({run, gave_up}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    gave_up.cancel()
-                if not run.done():
-                    return  # every request of the batch timed out or went away; its answer will not be read
-                out = run.result()
-            else:
-                out = await self.executor.run(("infer", x))
-            start = 0
-            for p in batch:
-                stop = start + p.rows
-                if not p.future.done():
-                    p.future.set_result({k: v[start:stop] for k, v in out.items()})
-                start = stop
-            return
+        task = type(batch[0].payload).merge([p.payload for p in batch])
+        match task:
+            case Infer() if self.autoscaler is not None:  # the batch may wait for a cold start
+                result = await self._unless_all_give_up(task, batch)
+            case Infer():
+                result = await self.executor.run(task)
+            case Generate():
+                def on_event(i: int, pos: int, tok: int) -> None:
+                    callback = batch[i].on_event
+                    if callback is not None and not batch[i].cancelled:
+                        callback(pos, tok)
 
-        def on_event(i: int, pos: int, tok: int) -> None:
-            callback = batch[i].payload[1]
-            if callback is not None and not batch[i].cancelled:
-                callback(pos, tok)
+                result = await self.executor.run(task, on_event, lambda i: batch[i].cancelled)
+        if result is not None:
+            self._answer(batch, result)
 
-        rows = [p.payload[0] for p in batch]
-        tokens = await self.executor.run(("generate", rows), on_event, lambda i: batch[i].cancelled)
-        for p, t in zip(batch, tokens):
-            if p.future.done():
-                continue
-            if isinstance(t, RowFailed):  # this request alone: the others in the batch got their tokens
-                p.future.set_exception(RequestError(400, f"generation failed for this request's sampling parameters "
-                                                         f"(temperature, top_k): {t.message}"))
-            else:
-                p.future.set_result(t)
+    async def _unless_all_give_up(self, task: Task, batch: list[Pending]) -> Result | None:
+        """The executor's result, or None once every request of the batch timed out or went away (its answer would
+        not be read, and the work must not be waited for)."""
+        run = asyncio.ensure_future(self.executor.run(task))
+        run.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
+        gave_up = asyncio.ensure_future(asyncio.wait([p.future for p in batch]))
+        try:
+            await asyncio.wait({run, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gave_up.cancel()
+        return run.result() if run.done() else None
+
+    @staticmethod
+    def _answer(batch: list[Pending], result: Result) -> None:
+        """Each request's share of the batch's result, in the batch's order."""
+        match result:
+            case InferOutput(outputs=out):
+                start = 0
+                for p in batch:
+                    stop = start + p.rows
+                    if not p.future.done():
+                        p.future.set_result({k: v[start:stop] for k, v in out.items()})
+                    start = stop
+            case GenerateOutput(tokens=tokens):
+                for p, t in zip(batch, tokens):
+                    if p.future.done():
+                        continue
+                    if isinstance(t, RowFailed):  # this request alone: the others in the batch got their tokens
+                        p.future.set_exception(RequestError(400, f"generation failed for this request's sampling "
+                                                                 f"parameters (temperature, top_k): {t.message}"))
+                    else:
+                        p.future.set_result(t)
 
     def gen_row(self, body: dict) -> tuple[GenRow, bool, int]:
         """Check a /v1/generate body; returns the row to generate, whether to stream, and the prompt's token count.
