@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from plait.data.spec import SPLIT_SEED
+from plait.errors import DataError
+
 
 class TokenWindows:
     """Non-overlapping windows of a token stream: sample i is tokens[i*T : i*T + T + 1],
@@ -42,3 +45,15 @@ def eval_batches(dataset, samples: int, batch_size: int) -> list[torch.Tensor]:
     """The fixed validation set: the first `samples` samples in batches of `batch_size`."""
     n = min(samples, len(dataset))
     return [torch.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def split_tensors(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float) -> tuple[Tensors, Tensors]:
+    """Train and validation rows of in-memory tensors, by a permutation that depends only on SPLIT_SEED."""
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, int(len(x) * val_fraction))
+    if n_val >= len(x):
+        raise DataError(f"data.name = {name!r} has only {len(x)} samples: too few to hold out a validation set")
+    v, t = perm[:n_val], perm[n_val:]
+    train, val = Tensors(x[t], y[t]), Tensors(x[v], y[v])
+    train.source_index, val.source_index = t, v  # each sample's row in the source (audits name samples by it)
+    return train, val

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plait.data.spec import DataSpec
+from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.errors import DataError
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -149,8 +149,6 @@ class PackedImages(_Decoding):
 
 def image_folder(data_cfg, model_cfg):
     """data.name = "images": train and validation splits of a folder of class folders (split by a fixed seed)."""
-    from plait.data.sources import SPLIT_SEED, DataBundle  # the bundle type lives with the other sources
-
     root = Path(data_cfg.path)
     classes, files, labels = list_images(root)
     n = len(files)

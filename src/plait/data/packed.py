@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plait.data.spec import DataSpec
+from plait.data.hf_tokenizer import tokenizer_from_json
+from plait.data.images import PackedImages
+from plait.data.spec import DataBundle, DataSpec
 from plait.errors import DataError
 
 FORMAT = "plait-packed/1"
@@ -251,9 +253,6 @@ def source_name(data_cfg) -> str:
 
 def packed_source(data_cfg, model_cfg):
     """data.name = "packed": the train and validation splits of a folder written by `plait data pack`."""
-    from plait.data.hf_tokenizer import tokenizer_from_json
-    from plait.data.sources import DataBundle  # the bundle type lives with the other sources
-
     if not data_cfg.path:
         raise DataError("data.name = 'packed' needs data.path = the folder `plait data pack` wrote")
     if _is_remote(data_cfg.path):
@@ -268,8 +267,6 @@ def packed_source(data_cfg, model_cfg):
                                     data_cfg.on_bad_sample)
     spec = DataSpec(**meta["spec"])
     if meta["kind"] == "images":
-        from plait.data.images import PackedImages  # decoding and augmentation live with the image source
-
         splits = {k: PackedImages(v, meta["image"], data_cfg.on_bad_sample) for k, v in splits.items()}
     for split, ids in (meta.get("source_index") or {}).items():
         splits[split].source_index = torch.tensor(ids, dtype=torch.long)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from plait.data.datasets import Tensors
+from plait.errors import DataError
+
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -74,8 +77,6 @@ def balanced_class_weights(labels: torch.Tensor, classes: int) -> list[float]:
 def make_sampler(dataset, global_batch_size: int, seed: int, kind: str = "shuffle"):
     """data.sampler: "shuffle" (a permutation per epoch) or "balanced" (classes equally likely)."""
     if kind == "balanced":
-        from plait.data.sources import labels_of  # the label of every sample, whatever the source
-
         return BalancedBatchSampler(labels_of(dataset), global_batch_size, seed)
     return GlobalBatchSampler(len(dataset), global_batch_size, seed)
 
@@ -88,3 +89,21 @@ def shard(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def micro_batches(indices: torch.Tensor, micro: int) -> list[torch.Tensor]:
     return [indices[i:i + micro] for i in range(0, len(indices), micro)]
+
+
+def labels_of(dataset) -> torch.Tensor:
+    """The class label of every sample of a classification dataset, without decoding its inputs."""
+    inner, keep = getattr(dataset, "dataset", None), getattr(dataset, "keep", None)
+    if inner is not None and keep is not None:  # a Subset (data.exclude)
+        return labels_of(inner)[keep]
+    if isinstance(dataset, Tensors):
+        return dataset.y.long()
+    if isinstance(getattr(dataset, "labels", None), list):  # an image folder
+        return torch.tensor(dataset.labels, dtype=torch.long)
+    stored = getattr(dataset, "stored_labels", None)  # packed splits: recorded when packed
+    if stored is not None:
+        return stored
+    if inner is not None:  # an augmenting wrapper
+        return labels_of(inner)
+    raise DataError("data.sampler = 'balanced' and data.class_weights = 'balanced' need class labels; this data has "
+                    "none (or was packed without them: pack it again)")

@@ -6,34 +6,23 @@ import os
 import pickle
 import sysconfig
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from plait.data.datasets import Tensors, TokenWindows
+from plait.data.datasets import Tensors, TokenWindows, split_tensors
+from plait.data.exclude import exclude
+from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.images import image_folder
 from plait.data.packed import packed_source
-from plait.data.sampler import balanced_class_weights
-from plait.data.spec import DataSpec
+from plait.data.sampler import balanced_class_weights, labels_of
+from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.data.table import table_source
 from plait.data.tokenizer import CharTokenizer
 from plait.data.user import factory_source
 from plait.errors import DataError
-
-SPLIT_SEED = 0  # the train/validation split never depends on train.seed
-
-
-@dataclass
-class DataBundle:
-    train: Any
-    val: Any
-    spec: DataSpec
-    tokenizer: CharTokenizer | None = None
-    unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
-    ground_truth_val_loss: float | None = None  # clicks: the generating model's own loss on val (the best possible)
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -75,8 +64,6 @@ def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> floa
 
 def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: int) -> DataBundle:
     if data_cfg.tokenizer:  # a Hugging Face tokenizer.json (e.g. the one next to train.init_from's checkpoint)
-        from plait.data.hf_tokenizer import HFTokenizer
-
         tok = HFTokenizer.from_file(data_cfg.tokenizer)
     else:
         tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
@@ -117,24 +104,13 @@ def user_text(data_cfg, model_cfg) -> DataBundle:
     return _text_bundle("text", text[:cut], text[cut:], data_cfg, model_cfg.context)
 
 
-def _split_tensors(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float) -> tuple[Tensors, Tensors]:
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    n_val = max(1, int(len(x) * val_fraction))
-    if n_val >= len(x):
-        raise DataError(f"data.name = {name!r} has only {len(x)} samples: too few to hold out a validation set")
-    v, t = perm[:n_val], perm[n_val:]
-    train, val = Tensors(x[t], y[t]), Tensors(x[v], y[v])
-    train.source_index, val.source_index = t, v  # each sample's row in the source (audits name samples by it)
-    return train, val
-
-
 def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float,
                   num_classes: int | None = None) -> DataBundle:
     x = x.float()
     y = y.long()
     if len(y) and int(y.min()) < 0:
         raise DataError(f"data.name = {name!r}: labels must be class indices >= 0; found {int(y.min())}")
-    train, val = _split_tensors(name, x, y, val_fraction)
+    train, val = split_tensors(name, x, y, val_fraction)
     classes = num_classes if num_classes is not None else int(y.max()) + 1
     spec = DataSpec(name=name, task="classification", input_shape=list(x.shape[1:]), num_classes=classes)
     return DataBundle(train, val, spec)
@@ -229,8 +205,6 @@ def build_data(data_cfg, model_cfg) -> DataBundle:
     else:
         bundle = SOURCES[data_cfg.name](data_cfg, model_cfg)
     if getattr(data_cfg, "exclude", ""):
-        from plait.data.exclude import exclude  # lazily: only runs that exclude audited samples need it
-
         bundle = exclude(bundle, data_cfg.exclude)
     if getattr(data_cfg, "class_weights", "none") == "balanced":
         if bundle.spec.task != "classification":
@@ -239,21 +213,3 @@ def build_data(data_cfg, model_cfg) -> DataBundle:
         spec = replace(bundle.spec, class_weights=balanced_class_weights(labels_of(bundle.train), bundle.spec.num_classes))
         bundle = replace(bundle, spec=spec)
     return bundle
-
-
-def labels_of(dataset) -> torch.Tensor:
-    """The class label of every sample of a classification dataset, without decoding its inputs."""
-    inner, keep = getattr(dataset, "dataset", None), getattr(dataset, "keep", None)
-    if inner is not None and keep is not None:  # a Subset (data.exclude)
-        return labels_of(inner)[keep]
-    if isinstance(dataset, Tensors):
-        return dataset.y.long()
-    if isinstance(getattr(dataset, "labels", None), list):  # an image folder
-        return torch.tensor(dataset.labels, dtype=torch.long)
-    stored = getattr(dataset, "stored_labels", None)  # packed splits: recorded when packed
-    if stored is not None:
-        return stored
-    if inner is not None:  # an augmenting wrapper
-        return labels_of(inner)
-    raise DataError("data.sampler = 'balanced' and data.class_weights = 'balanced' need class labels; this data has "
-                    "none (or was packed without them: pack it again)")

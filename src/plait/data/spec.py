@@ -1,8 +1,18 @@
-"""What a data source tells the model builder and the loss."""
+"""What a data source tells the model builder and the loss, and the bundle every source returns.
+
+The bundle lives here, below every source module, so that sources.py (which lists the sources) and
+the sources in their own files (images, packed, table, user) all import it at the top.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.data.tokenizer import CharTokenizer
+
+SPLIT_SEED = 0  # the train/validation split never depends on train.seed
 
 
 @dataclass
@@ -16,3 +26,13 @@ class DataSpec:
     cardinalities: list = field(default_factory=list)  # clicks: categories per categorical field (ids lead each row)
     dense_features: int = 0  # clicks: real-valued features after the categorical ids
     class_weights: list = field(default_factory=list)  # classification: per-class loss weights (data.class_weights)
+
+
+@dataclass
+class DataBundle:
+    train: Any
+    val: Any
+    spec: DataSpec
+    tokenizer: CharTokenizer | None = None
+    unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
+    ground_truth_val_loss: float | None = None  # clicks: the generating model's own loss on val (the best possible)

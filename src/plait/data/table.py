@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from plait.data.spec import DataSpec
+from plait.data.datasets import split_tensors
+from plait.data.spec import DataBundle, DataSpec
 from plait.errors import ConfigError, DataError
 
 SUFFIXES = (".csv", ".parquet", ".pq")
@@ -98,8 +99,6 @@ def _number(value, path: Path, r: int, first_line: int, column: str) -> float:
 
 def table_source(data_cfg, model_cfg):
     """data.name = "table": numeric feature columns -> a target column, split like the other in-memory sources."""
-    from plait.data.sources import DataBundle, _split_tensors  # the bundle type and the split live with the sources
-
     if not data_cfg.target:
         raise ConfigError("data.name = 'table' needs data.target = the column to predict; set --set data.target=NAME")
     path = Path(data_cfg.path)
@@ -131,5 +130,5 @@ def table_source(data_cfg, model_cfg):
             classes = sorted({str(v) for v in targets})
             y = torch.tensor([classes.index(str(v)) for v in targets], dtype=torch.long)
         spec = DataSpec(name="table", task="classification", input_shape=[len(cols)], num_classes=int(y.max()) + 1)
-    train, val = _split_tensors("table", x, y, data_cfg.val_fraction)
+    train, val = split_tensors("table", x, y, data_cfg.val_fraction)
     return DataBundle(train, val, spec)

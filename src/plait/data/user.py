@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from plait.data.spec import DataSpec
+from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.errors import ConfigError, DataError, PlaitError
 
-SPLIT_SEED = 0  # as plait.data.sources: the train/validation split never depends on train.seed
 CHECKED_SAMPLES = 8  # samples collated before launch, from both ends of each split
 
 
@@ -144,8 +143,6 @@ def factory_spec(train: MapDataset, val: MapDataset, task: str) -> DataSpec:
 
 def factory_source(data_cfg, model_cfg) -> Any:
     """data.factory: the user's dataset(s) as a DataBundle."""
-    from plait.data.sources import DataBundle  # the bundle type lives with the other sources
-
     ref = data_cfg.factory
     made = import_object("data.factory", ref)(**data_cfg.options)
     parts = made if isinstance(made, tuple) and len(made) == 2 else (made,)  # (train, val), or one to split
