@@ -3,6 +3,8 @@
 import json
 import math
 import socket
+import sys
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -23,6 +25,10 @@ json_values = st.recursive(
 
 
 def std(data: bytes):
+    """The standard library's answer, under the protocol's own depth bound: nesting deeper than MAX_JSON_DEPTH is
+    refused whatever sys.getrecursionlimit() is (earlier tests in this process may have raised it)."""
+    if protocol.nesting_depth(data) > protocol.MAX_JSON_DEPTH:
+        return ("error", "too deep")
     try:
         return ("ok", json.loads(data, parse_constant=protocol._no_constant))
     except (ValueError, RecursionError) as e:
@@ -58,6 +64,35 @@ def test_edge_cases_get_the_standard_librarys_answer(data):
     else:
         with pytest.raises(RequestError):
             loads(data)
+
+
+@pytest.mark.parametrize("limit", [1000, 100_000])  # the default; what hypothesis and torch._dynamo raise it to
+def test_the_depth_bound_does_not_depend_on_the_recursion_limit(limit):
+    """A 1000-deep body parsed once an earlier test had raised the recursion limit: the bound is counted instead."""
+    deep = protocol.MAX_JSON_DEPTH
+    bound = b"[" * deep + b"]" * deep
+    before = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(limit)
+        for data in (b"[" * 1000 + b"]" * 1000, b"[" * (deep + 1) + b"]" * (deep + 1), b'{"a": ' + bound + b"}"):
+            with pytest.raises(RequestError, match=r"^request body is nested too deeply to be parsed$"):
+                loads(data)
+        value, levels = loads(bound), 1
+        while value:
+            value, levels = value[0], levels + 1
+        assert levels == deep == protocol.nesting_depth(bound) == 512
+        text = b'["' + b"[{" * 5000 + b'\\"]", "\\\\", "]]"]'  # brackets in strings are text, escapes included
+        assert protocol.nesting_depth(text) == 1 and loads(text) == ["[{" * 5000 + '"]', "\\", "]]"]
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def test_the_depth_scan_is_linear_on_a_hostile_body():
+    """An unterminated string of escaped quotes (every quote a place a string could start) is scanned once."""
+    body = b"[" * 600 + b'"' + b'\\"' * 2_000_000 + b"\\"
+    t0 = time.perf_counter()
+    assert protocol.nesting_depth(body) == 600
+    assert time.perf_counter() - t0 < 2.0  # 0.05 s here; a scan that restarts at each quote takes hours
 
 
 def test_the_fast_loop_and_parser_serve_and_a_huge_head_is_cut(mlp_run):  # noqa: F811

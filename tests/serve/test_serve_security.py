@@ -27,7 +27,7 @@ from plait.serve import kvcache
 from plait.serve.app import create_app, endpoint_of
 from plait.serve.cli import TOKEN_ENV, serve_token
 from plait.serve.kvcache import GenRow, RowFailed, generate
-from plait.serve.protocol import HEADER_LENGTH, RequestError
+from plait.serve.protocol import HEADER_LENGTH, RequestError, encode_error
 from plait.serve.server import ServerThread
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
@@ -345,6 +345,25 @@ def test_malformed_generate_bodies_are_400(gpt):
     assert r.status_code == 400 and r.json()["error"] == "request body is nested too deeply to be parsed"
     r = gpt.post("/v1/generate", content=b'{"prompt": "a", "temperature": NaN}')
     assert r.status_code == 400
+
+
+def test_both_infer_paths_answer_an_error_with_the_same_bytes(mlp, gpt):
+    """The middleware's fast path (/v2/models/mlp/infer) and the framework's route (/versions/1/infer) share
+    protocol.encode_error: same status, headers and body, byte for byte."""
+    for body in (b"[" * 1000 + b"]" * 1000, json.dumps(tensor(shape=[1, 1, 8, 7])).encode()):
+        fast = mlp.post("/v2/models/mlp/infer", content=body)
+        routed = mlp.post("/v2/models/mlp/versions/1/infer", content=body)
+        assert fast.status_code == routed.status_code == 400
+        assert fast.content == routed.content and fast.headers["content-type"] == routed.headers["content-type"]
+        assert fast.headers["content-length"] == routed.headers["content-length"] == str(len(fast.content))
+    assert fast.content == (b'{"error": "input \'input\': data has 64 values but shape [1, 1, 8, 7] needs 56"}')
+    assert encode_error(RequestError(503, "busy")) == (503, b'{"error": "busy"}', {"content-type": "application/json",
+                                                                                    "retry-after": "1"})
+    assert encode_error(KeyError("x")) == (500, b'{"error": "internal error: KeyError: \'x\'"}',
+                                           {"content-type": "application/json"})
+    # A message that quotes a client's lone surrogate is escaped (it was a bare 500: it cannot be written as UTF-8).
+    r = gpt.post("/v1/generate", content=b'{"prompt": "a", "model": "\\ud800"}')
+    assert r.status_code == 404 and r.content == b'{"error": "unknown model \'\\ud800\'; this server serves: gpt"}'
 
 
 def test_nan_inputs_and_outputs(mlp):

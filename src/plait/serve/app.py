@@ -34,8 +34,8 @@ from plait.serve.protocol import (
     RequestError,
     check_inputs,
     decode_infer_request,
+    encode_error,
     encode_infer_response,
-    error_body,
     loads,
 )
 from plait.serve.service import Service
@@ -79,8 +79,10 @@ def _body(schema: dict, description: str) -> dict:
                                         "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+def error_response(e: Exception, headers: dict[str, str] | None = None) -> Response:
+    """`e` answered as the middleware's infer path answers it (protocol.encode_error), plus `headers`."""
+    status, body, base = encode_error(e)
+    return Response(body, status_code=status, headers=base | (headers or {}))
 
 
 # The metric label of each route; a path that matches none is `other` (bounded label values).
@@ -166,12 +168,8 @@ class Observe:
                                                     None if length is None else length.decode("latin-1"),
                                                     scope["state"]["arrived"])
             status = 200
-        except RequestError as e:
-            status, content = e.status, error_body(str(e))
-            out_headers = {"content-type": "application/json"} | ({"retry-after": "1"} if e.status == 503 else {})
-        except Exception as e:
-            status, content = 500, error_body(f"internal error: {type(e).__name__}: {e}")
-            out_headers = {"content-type": "application/json"}
+        except Exception as e:  # RequestError and any other: the same answer as the framework's routes give
+            status, content, out_headers = encode_error(e)
         raw = [(k.encode(), v.encode()) for k, v in out_headers.items()] + [(b"content-length", str(len(content)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": content})
@@ -195,8 +193,8 @@ class Observe:
             if self.expected is not None and path not in OPEN_PATHS:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not secrets.compare_digest(given, self.expected):
-                    resp = error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                                 {"WWW-Authenticate": "Bearer"})
+                    resp = error_response(RequestError(401, "missing or wrong bearer token: send 'Authorization: "
+                                                            "Bearer <token>'"), {"www-authenticate": "Bearer"})
                     return await resp(scope, receive, send_wrapper)
             if scope["method"] == "POST" and path == self.infer_path:
                 await self._infer(scope, receive, send_wrapper)
@@ -236,35 +234,45 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="plait serve", version="1", lifespan=lifespan,
                   description="Open Inference Protocol (KServe v2) and text generation for plait models.")
-    limit = int(service.opts.max_body_mb * 1024 * 1024)
-    # A generate body holds a prompt of at most --max-prompt-chars characters (12 bytes each at worst: an escaped pair).
-    gen_limit = min(limit, 12 * service.opts.max_prompt_chars + 64 * 1024)
-    gen_flag = "--max-prompt-chars" if gen_limit < limit else "--max-body-mb"
-    timeout_s = service.opts.read_timeout_s
-    name = service.name
+    _error_handlers(app)
+    # Registered in this order: it is the order of the OpenAPI document's paths.
+    _health_routes(app, service)
+    _metadata_routes(app, service)
+    _infer_routes(app, service)
+    _generate_routes(app, service)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics():
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return Observe(app, service)  # type: ignore[return-value]
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error is the protocol's `{"error": message}` (protocol.encode_error), never FastAPI's 422 or HTML."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):
-        return error(e.status, str(e), {"Retry-After": "1"} if e.status == 503 else None)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         message = f"no such endpoint: {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error(e.status_code, message)
+        return error_response(RequestError(e.status_code, message))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        return error(500, f"internal error: {type(e).__name__}: {e}")
+        return error_response(e)
 
-    def model_or_404(model: str, version: str | None = None) -> None:
-        if model != name:
-            raise RequestError(404, f"unknown model '{model}'; this server serves: {name}")
-        if version not in (None, "", "1"):
-            raise RequestError(404, f"model '{model}' has no version '{version}'; it has version 1")
 
-    def index() -> list[dict]:
-        return [{"name": name, "version": "1", "state": "READY" if service.ready() else "UNAVAILABLE"}]
+def _model_or_404(service: Service, model: str, version: str | None = None) -> None:
+    if model != service.name:
+        raise RequestError(404, f"unknown model '{model}'; this server serves: {service.name}")
+    if version not in (None, "", "1"):
+        raise RequestError(404, f"model '{model}' has no version '{version}'; it has version 1")
 
+
+def _health_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v2/health/live", summary="liveness")
     async def live():
         return {"live": True}
@@ -274,58 +282,78 @@ def create_app(service: Service) -> FastAPI:
         ok = service.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
+
+def _index(service: Service) -> list[dict]:
+    return [{"name": service.name, "version": "1", "state": "READY" if service.ready() else "UNAVAILABLE"}]
+
+
+def _metadata(service: Service) -> dict:
+    s = service.served
+    return {"name": service.name, "versions": ["1"], "platform": s.backend,
+            "inputs": [t.as_json() for t in s.inputs], "outputs": [t.as_json() for t in s.outputs],
+            "parameters": {"registry_name": s.registry_name, "task": s.spec.task, "checkpoint": s.checkpoint,
+                           "max_batch_size": service.opts.max_batch_size, "layout": service.layout,
+                           "quantize": service.opts.quantize or "none", "device": service.device}}
+
+
+def _model_config(service: Service) -> dict:
+    """Triton's model configuration, as far as plait has its fields."""
+    s, o = service.served, service.opts
+
+    def dims(t):
+        return {"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape[1:])}
+
+    return {"name": service.name, "platform": s.backend, "max_batch_size": o.max_batch_size,
+            "input": [dims(t) for t in s.inputs], "output": [dims(t) for t in s.outputs],
+            "dynamic_batching": {"max_queue_delay_microseconds": int(o.max_delay_ms * 1000)},
+            "instance_group": [{"count": o.replicas if o.pp == 1 else 1, "kind": "KIND_CPU"}]}
+
+
+def _metadata_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v2", summary="server metadata")
     async def server_metadata():
         return {"name": "plait", "version": "1", "extensions": ["binary_tensor_data", "model_repository"]}
 
     @app.get("/v2/models", summary="models served")
     async def models():
-        return {"models": index()}
+        return {"models": _index(service)}
 
     @app.post("/v2/repository/index", summary="Triton's repository index")
     async def repository_index():
-        return index()
-
-    def metadata() -> dict:
-        s = service.served
-        return {"name": name, "versions": ["1"], "platform": s.backend,
-                "inputs": [t.as_json() for t in s.inputs], "outputs": [t.as_json() for t in s.outputs],
-                "parameters": {"registry_name": s.registry_name, "task": s.spec.task, "checkpoint": s.checkpoint,
-                               "max_batch_size": service.opts.max_batch_size, "layout": service.layout,
-                               "quantize": service.opts.quantize or "none", "device": service.device}}
+        return _index(service)
 
     @app.get("/v2/models/{model}", summary="model metadata")
     async def model_metadata(model: str):
-        model_or_404(model)
-        return metadata()
+        _model_or_404(service, model)
+        return _metadata(service)
 
     @app.get("/v2/models/{model}/versions/{version}", summary="model metadata (one version)")
     async def model_version_metadata(model: str, version: str):
-        model_or_404(model, version)
-        return metadata()
+        _model_or_404(service, model, version)
+        return _metadata(service)
 
     @app.get("/v2/models/{model}/ready", summary="model readiness")
     async def model_ready(model: str):
-        model_or_404(model)
+        _model_or_404(service, model)
         ok = service.ready()
-        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
+        return JSONResponse({"name": service.name, "ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/v2/models/{model}/config", summary="Triton-style model configuration")
     async def model_config(model: str):
-        model_or_404(model)
-        s, o = service.served, service.opts
+        _model_or_404(service, model)
+        return _model_config(service)
 
-        def dims(t):
-            return {"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape[1:])}
 
-        return {"name": name, "platform": s.backend, "max_batch_size": o.max_batch_size,
-                "input": [dims(t) for t in s.inputs], "output": [dims(t) for t in s.outputs],
-                "dynamic_batching": {"max_queue_delay_microseconds": int(o.max_delay_ms * 1000)},
-                "instance_group": [{"count": o.replicas if o.pp == 1 else 1, "kind": "KIND_CPU"}]}
+def _body_limit(service: Service) -> int:
+    return int(service.opts.max_body_mb * 1024 * 1024)
+
+
+def _infer_routes(app: FastAPI, service: Service) -> None:
+    limit, timeout_s = _body_limit(service), service.opts.read_timeout_s
 
     async def infer(request: Request, model: str, version: str | None = None) -> Response:
         """Unknown models and versioned paths (the served model's own path is answered by Observe)."""
-        model_or_404(model, version)
+        _model_or_404(service, model, version)
         body = await read_body(request, limit, timeout_s)
         content, headers = await infer_body(service, body, request.headers.get(HEADER_LENGTH),
                                             request.scope["state"]["arrived"])
@@ -342,43 +370,50 @@ def create_app(service: Service) -> FastAPI:
     async def model_version_infer(request: Request, model: str, version: str):
         return await infer(request, model, version)
 
+
+def _generate_routes(app: FastAPI, service: Service) -> None:
+    limit = _body_limit(service)
+    # A generate body holds a prompt of at most --max-prompt-chars characters (12 bytes each at worst: an escaped pair).
+    gen_limit = min(limit, 12 * service.opts.max_prompt_chars + 64 * 1024)
+    gen_flag = "--max-prompt-chars" if gen_limit < limit else "--max-body-mb"
+
     @app.post("/v1/generate", summary="text generation", openapi_extra=_body(GENERATE_SCHEMA, "generation request"))
     async def generate(request: Request):
-        raw = await read_body(request, gen_limit, timeout_s, gen_flag)
+        raw = await read_body(request, gen_limit, service.opts.read_timeout_s, gen_flag)
         body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object with a 'prompt'")
         if "model" in body:
-            model_or_404(body["model"][:200] if isinstance(body["model"], str) else "(not a string)")
+            _model_or_404(service, body["model"][:200] if isinstance(body["model"], str) else "(not a string)")
         service.require_generation()
         row, stream, prompt_tokens = service.gen_row(body)
         arrived = request.scope["state"]["arrived"]
-        tok = service.served.tokenizer
-        if not stream:
-            # A client that goes away gives its request up: the batcher drops it, replicas are told to stop it.
-            job = asyncio.ensure_future(service.generate(row, arrived))
-            gone = asyncio.ensure_future(_disconnected(request.receive))
-            try:
-                await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not job.done():
-                    job.cancel()
-            if not job.done() or job.cancelled():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await job
-                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-            tokens = job.result()
-            return {"model": name, "text": tok.decode(tokens), "tokens": tokens, "prompt_tokens": prompt_tokens,
-                    "seed": row.seed}
-        return StreamingResponse(_sse(service, row, arrived), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        if stream:
+            return StreamingResponse(_sse(service, row, arrived), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        tokens = await _unless_disconnected(service.generate(row, arrived), request.receive)
+        if tokens is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        return {"model": service.name, "text": service.served.tokenizer.decode(tokens), "tokens": tokens,
+                "prompt_tokens": prompt_tokens, "seed": row.seed}
 
-    @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics():
-        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return Observe(app, service)  # type: ignore[return-value]
+async def _unless_disconnected(work, receive):
+    """`work`'s result, or None when the client goes away first: a request given up is dropped by the batcher, and
+    replicas are told to stop it."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+    if not job.done() or job.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        return None
+    return job.result()
 
 
 async def _sse(service: Service, row, arrived: float):

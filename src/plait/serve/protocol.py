@@ -7,10 +7,11 @@ when the client asks for binary outputs. Everything a client can get wrong raise
 `RequestError` with the HTTP status and a message that names the problem.
 
 Bounds (docs/security.md): JSON is parsed strictly (no NaN/Infinity tokens; nesting deeper than
-the interpreter allows is a 400, not a RecursionError); a tensor has at most MAX_DIMS dimensions,
-each at most MAX_DIM; floating-point inputs must be finite (NaN and Inf are refused with 400),
-and an answer whose floating-point outputs are not finite cannot be sent as JSON (400, naming
-binary outputs as the way to get them), so every JSON body plait sends is valid JSON.
+MAX_JSON_DEPTH is a 400, counted before parsing, whatever the interpreter's recursion limit); a
+tensor has at most MAX_DIMS dimensions, each at most MAX_DIM; floating-point inputs must be finite
+(NaN and Inf are refused with 400), and an answer whose floating-point outputs are not finite
+cannot be sent as JSON (400, naming binary outputs as the way to get them), so every JSON body
+plait sends is valid JSON. `encode_error` turns any exception into the error answer of every route.
 """
 
 from __future__ import annotations
@@ -182,6 +183,32 @@ def _no_constant(token: str):
 ORJSON_MAX_OPENINGS = 512  # more '[' and '{' than this (a nested tensor, a hostile body): the standard library parses
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")  # a number with 19 digits in a row may be an integer beyond 64 bits
 
+# Arrays and objects open at once, at most. The standard library's parser recurses once per level, so without a
+# bound of its own the deepest body it reads depends on sys.getrecursionlimit() (which hypothesis and torch._dynamo
+# raise) and on how deep the caller's stack is. 512 leaves room under the default limit of 1000 for any caller's
+# stack, and is far above what a request needs (a tensor nests MAX_DIMS levels inside 3 of the request's).
+MAX_JSON_DEPTH = 512
+# A string, escapes included (its brackets are text). It always matches from a quote to the closing quote or to the
+# end of the data (an unterminated string), so the scan stays linear whatever the body holds.
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\(?:.|\Z)[^"\\]*+)*+(?:"|\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = np.zeros(256, dtype=np.int8)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+
+
+def nesting_depth(data: bytes | str) -> int:
+    """The most arrays and objects open at once in `data` (brackets inside strings do not count): a scan in C and
+    numpy, without parsing. Malformed JSON gets a number too; the parser names what is wrong with it."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return int(np.cumsum(_DEPTH_STEP[np.frombuffer(brackets, dtype=np.uint8)], dtype=np.int64).max(initial=0))
+
+
+def _too_deep(data: bytes | str) -> bool:
+    openings = data.count(b"[" if isinstance(data, bytes) else "[") + data.count(b"{" if isinstance(data, bytes) else "{")
+    return openings > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH  # fewer openings cannot nest deeper
+
 
 def _orjson_agrees(data: bytes) -> bool:
     """Whether orjson's reading of `data` is the standard library's (cheap checks on the raw bytes, in C)."""
@@ -189,19 +216,21 @@ def _orjson_agrees(data: bytes) -> bool:
 
 
 def loads(data: bytes | str, what: str = "request body"):
-    """Strict JSON (no NaN/Infinity; depth bounded by the interpreter): anything else is a 400 naming the problem."""
+    """Strict JSON (no NaN/Infinity; at most MAX_JSON_DEPTH levels deep): anything else is a 400 naming the problem."""
     if orjson is not None and isinstance(data, bytes) and _orjson_agrees(data):
         # orjson accepts a subset of what the standard library does (UTF-8 only, no NaN, no lone surrogates), with
-        # the same values, once nesting cannot reach the interpreter's recursion limit and no integer can be wider
-        # than 64 bits (orjson would read it as a float); whatever it refuses goes to the standard library, which
-        # accepts it or names the problem: the answer is always the standard library's.
+        # the same values, once nesting stays under MAX_JSON_DEPTH and no integer can be wider than 64 bits
+        # (orjson would read it as a float); whatever it refuses goes to the standard library, which accepts it or
+        # names the problem: the answer is always the standard library's.
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass
+    if _too_deep(data):
+        raise _bad(f"{what} is nested too deeply to be parsed")
     try:
         return json.loads(data, parse_constant=_no_constant)
-    except RecursionError:
+    except RecursionError:  # a caller that lowered the recursion limit below MAX_JSON_DEPTH
         raise _bad(f"{what} is nested too deeply to be parsed") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits, NaN/Infinity
         raise _bad(f"{what} is not valid JSON: {str(e)[:200]}") from None
@@ -209,17 +238,35 @@ def loads(data: bytes | str, what: str = "request body"):
 
 def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     """Parse an infer request body (JSON, or JSON + binary tensor data)."""
-    if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise _bad(f"{HEADER_LENGTH} = {header_length!r} is not an integer") from None
-        if not 0 < n <= len(body):
-            raise _bad(f"{HEADER_LENGTH} = {n} but the body has {len(body)} bytes; it must be between 1 and the body size")
-        head, binary = body[:n], memoryview(body)[n:]
-    else:
-        head, binary = body, memoryview(b"")
-    req = loads(head)
+    head, binary = _split_body(body, header_length)
+    obj = loads(head)
+    req, inputs = _request_head(obj)
+    offset = 0
+    for i, t in enumerate(inputs):
+        name, datatype, arr, offset = _decode_input(i, t, req.inputs, binary, offset)
+        req.inputs[name] = arr
+        req.datatypes[name] = datatype
+    if offset != len(binary):
+        raise _bad(f"the body has {len(binary) - offset} bytes after the tensor data that the inputs declare")
+    _output_choices(req, obj.get("outputs"))
+    return req
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary tensor data after it (Triton's framing; no header length: all JSON)."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        n = int(header_length)
+    except ValueError:
+        raise _bad(f"{HEADER_LENGTH} = {header_length!r} is not an integer") from None
+    if not 0 < n <= len(body):
+        raise _bad(f"{HEADER_LENGTH} = {n} but the body has {len(body)} bytes; it must be between 1 and the body size")
+    return body[:n], memoryview(body)[n:]
+
+
+def _request_head(req) -> tuple[InferRequest, list]:
+    """The request's id and parameters (its inputs still to decode), and the list of its input tensors."""
     if not isinstance(req, dict):
         raise _bad(f"request body must be a JSON object with 'inputs', got {type(req).__name__}")
     inputs = req.get("inputs")
@@ -233,65 +280,73 @@ def decode_infer_request(body: bytes, header_length: str | None) -> InferRequest
         if not isinstance(req["id"], str):
             raise _bad("'id' must be a string")
         out.id = req["id"]
-    offset = 0
-    for i, t in enumerate(inputs):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise _bad(f"inputs[{i}] must be an object with a string 'name'")
-        name = t["name"]
-        if name in out.inputs:
-            raise _bad(f"input '{name}' is given twice")
-        datatype = t.get("datatype")
-        if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise _bad(f"input '{name}': datatype {short(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
-        shape = _shape(name, t.get("shape"))
-        count = math.prod(shape)
-        tparams = t.get("parameters") or {}
-        if not isinstance(tparams, dict):
-            raise _bad(f"input '{name}': 'parameters' must be a JSON object")
-        size = tparams.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise _bad(f"input '{name}': binary_data_size must be a non-negative integer")
-            want = count * DATATYPES[datatype].itemsize
-            if size != want:
-                raise _bad(f"input '{name}': binary_data_size is {size} bytes but shape {list(shape)} of {datatype} "
-                           f"needs {want}")
-            if offset + size > len(binary):
-                raise _bad(f"input '{name}': the body holds {len(binary) - offset} bytes of tensor data after the JSON "
-                           f"header, {size} are declared")
-            arr = np.frombuffer(binary[offset:offset + size], dtype=DATATYPES[datatype])
-            offset += size
-            _finite(name, datatype, arr)
-        elif "data" in t:
-            arr = _json_values(name, datatype, t["data"])
-            if arr.size != count:
-                raise _bad(f"input '{name}': data has {arr.size} values but shape {list(shape)} needs {count}")
-            _finite(name, datatype, arr)
-        else:
-            raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
-        out.inputs[name] = arr.reshape(shape)
-        out.datatypes[name] = datatype
-    if offset != len(binary):
-        raise _bad(f"the body has {len(binary) - offset} bytes after the tensor data that the inputs declare")
-    default = params.get("binary_data_output", False)
+    return out, inputs
+
+
+def _decode_input(i: int, t, seen: dict, binary: memoryview, offset: int) -> tuple[str, str, np.ndarray, int]:
+    """inputs[i]: its name, datatype and array, and where the next input's binary data starts."""
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        raise _bad(f"inputs[{i}] must be an object with a string 'name'")
+    name = t["name"]
+    if name in seen:
+        raise _bad(f"input '{name}' is given twice")
+    datatype = t.get("datatype")
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise _bad(f"input '{name}': datatype {short(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
+    shape = _shape(name, t.get("shape"))
+    tparams = t.get("parameters") or {}
+    if not isinstance(tparams, dict):
+        raise _bad(f"input '{name}': 'parameters' must be a JSON object")
+    size = tparams.get("binary_data_size")
+    if size is not None:
+        arr = _binary_input(name, datatype, shape, size, binary[offset:])
+        offset += size
+    elif "data" in t:
+        arr = _json_values(name, datatype, t["data"])
+        if arr.size != math.prod(shape):
+            raise _bad(f"input '{name}': data has {arr.size} values but shape {list(shape)} needs {math.prod(shape)}")
+        _finite(name, datatype, arr)
+    else:
+        raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
+    return name, datatype, arr.reshape(shape), offset
+
+
+def _binary_input(name: str, datatype: str, shape: tuple[int, ...], size, rest: memoryview) -> np.ndarray:
+    """An input's `size` bytes of binary tensor data from the start of `rest` (the data not yet taken)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise _bad(f"input '{name}': binary_data_size must be a non-negative integer")
+    want = math.prod(shape) * DATATYPES[datatype].itemsize
+    if size != want:
+        raise _bad(f"input '{name}': binary_data_size is {size} bytes but shape {list(shape)} of {datatype} "
+                   f"needs {want}")
+    if size > len(rest):
+        raise _bad(f"input '{name}': the body holds {len(rest)} bytes of tensor data after the JSON "
+                   f"header, {size} are declared")
+    arr = np.frombuffer(rest[:size], dtype=DATATYPES[datatype])
+    _finite(name, datatype, arr)
+    return arr
+
+
+def _output_choices(req: InferRequest, outputs) -> None:
+    """Which outputs the request asks for (None: all) and which of them come back as binary data."""
+    default = req.parameters.get("binary_data_output", False)
     if not isinstance(default, bool):
         raise _bad("parameters.binary_data_output must be true or false")
-    out.binary_default = default
-    outputs = req.get("outputs")
-    if outputs is not None:
-        if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
-            raise _bad("'outputs' must be a list of objects with a string 'name'")
-        out.outputs = []
-        for o in outputs:
-            oparams = o.get("parameters") or {}
-            if not isinstance(oparams, dict):
-                raise _bad(f"output '{o['name']}': 'parameters' must be a JSON object")
-            binary_flag = oparams.get("binary_data", default)
-            if not isinstance(binary_flag, bool):
-                raise _bad(f"output '{o['name']}': parameters.binary_data must be true or false")
-            out.outputs.append(o["name"])
-            out.binary[o["name"]] = binary_flag
-    return out
+    req.binary_default = default
+    if outputs is None:
+        return
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
+        raise _bad("'outputs' must be a list of objects with a string 'name'")
+    req.outputs = []
+    for o in outputs:
+        oparams = o.get("parameters") or {}
+        if not isinstance(oparams, dict):
+            raise _bad(f"output '{o['name']}': 'parameters' must be a JSON object")
+        binary_flag = oparams.get("binary_data", default)
+        if not isinstance(binary_flag, bool):
+            raise _bad(f"output '{o['name']}': parameters.binary_data must be true or false")
+        req.outputs.append(o["name"])
+        req.binary[o["name"]] = binary_flag
 
 
 def check_inputs(req: InferRequest, model_name: str, specs: list[TensorSpec], max_rows: int) -> int:
@@ -359,8 +414,25 @@ def _not_finite() -> RequestError:
 
 
 def error_body(message: str) -> bytes:
-    """KServe v2 error object (tritonclient reads its 'error' field)."""
+    """KServe v2 error object (tritonclient reads its 'error' field). ASCII-escaped: a message that quotes a client's
+    lone surrogate (which the standard library's parser lets in) still encodes."""
     return json.dumps({"error": message}).encode()
+
+
+def encode_error(e: Exception) -> tuple[int, bytes, dict[str, str]]:
+    """The HTTP answer to an exception raised while serving a request: status, body and headers.
+
+    The one encoder of both infer entry points (the middleware's fast path and the framework's routes) and of
+    every other route: a RequestError answers with its status and message (a 503 adds Retry-After: come back in a
+    second); anything else is a 500 that names the exception (a bug of the server, never of the request)."""
+    if isinstance(e, RequestError):
+        status, message = e.status, str(e)
+    else:
+        status, message = 500, f"internal error: {type(e).__name__}: {e}"
+    headers = {"content-type": "application/json"}
+    if status == 503:
+        headers["retry-after"] = "1"
+    return status, error_body(message), headers
 
 
 def dumps(obj) -> bytes:
