@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.config import load_config
+from plait.data import build_data
+from plait.data.spec import DataSpec
 from plait.edge import export_edge, load_edge
-from plait.edge.parity import Parity
+from plait.edge.parity import HeldOut, Parity, compare
 from plait.serve.model import ModelRef, load_model
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
 
@@ -40,11 +43,24 @@ def test_cli_exports_onnx_and_prints_its_parity(mlp_run, tmp_path, capsys):  # n
     assert meta["plait.batch"] == "1" and '"name": "mlp"' in meta["plait.model"]
 
 
-def test_dynamic_onnx_matches_eager_on_any_batch(onnx_dynamic, eager):
+def validation_set(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every validation sample of the run's data (179 digits images: the held-out inputs of the parity gate)."""
+    cfg = load_config(run / "config.toml", validate=False)
+    val = build_data(cfg.data, cfg.model).val
+    return val.fetch(torch.arange(len(val)))
+
+
+def test_dynamic_onnx_matches_eager_on_any_batch(onnx_dynamic, eager, mlp_run):  # noqa: F811
     out, report = onnx_dynamic
     p = report.parity
     assert (p.source, p.samples) == ("validation", 179)
-    assert p.max_abs_diff <= 1e-5 and p.bound == pytest.approx(1e-4 * max(1.0, p.bound / 1e-4)) and p.ok
+    # the fp32 bound is 1e-4 times the largest eager logit on those inputs, or 1e-4 when every logit is below 1 (as
+    # here: the scaled case is test_the_fp32_bound_scales_with_the_largest_logit)
+    x, _ = validation_set(mlp_run)
+    largest = float(eager(x).abs().max())
+    assert len(x) == 179 and largest < 1.0, largest
+    assert p.bound == 1e-4
+    assert p.max_abs_diff <= 1e-5 and p.ok
     assert p.eager_acc == p.export_acc and p.agreement == 1.0
     assert ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).get_inputs()[0].shape[0] == "batch"
     module, meta = load_edge(out)
@@ -52,6 +68,18 @@ def test_dynamic_onnx_matches_eager_on_any_batch(onnx_dynamic, eager):
     for rows in (1, 7, 40):
         x = torch.randn(rows, 1, 8, 8, generator=torch.Generator().manual_seed(rows))
         assert float((module(x) - eager(x)).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize(("error", "ok"), [(1.9e-3, True), (2.1e-3, False)])
+def test_the_fp32_bound_scales_with_the_largest_logit(error, ok):
+    """Logits up to 20 in size: the bound is 1e-4 * 20 = 2e-3; an export off by 1.9e-3 passes, by 2.1e-3 fails."""
+    x = torch.linspace(-1, 1, 64).reshape(16, 4)
+    logits = lambda v: 20 * v  # noqa: E731
+    p = compare(logits, lambda v: logits(v) + error, HeldOut(x, None, "random"),
+                DataSpec("synthetic", "classification", [4], num_classes=4), quantized=False)
+    assert p.bound == pytest.approx(2e-3, rel=1e-6)
+    assert p.max_abs_diff == pytest.approx(error, abs=1e-6)  # float32 rounding of 20 + error
+    assert p.ok is ok
 
 
 def test_fixed_batch_runs_in_padded_chunks(mlp_run, eager, tmp_path):  # noqa: F811
