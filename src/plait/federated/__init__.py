@@ -7,7 +7,8 @@
 Modules: server.py (the round state machine, shared by server and simulation), client.py
 (local training and uploads), strategies/ (FedAvg, FedProx, FedAdam, FedSGD; the aggregators
 mean / median / trimmed mean in combine.py, norm bounds in robust.py, the central-DP wrapper in
-dp.py), partition.py, robust.py (update validation), secagg.py (pairwise masks), privacy.py
+dp.py), partition.py, validate.py (update validation), secagg.py (pairwise masks), privacy.py
 (the DP accountant), tensors.py (weights as data, update norms and clipping), transport.py
-(HTTP), simulate.py, report.py (run directory and plots), cli.py.
+(HTTP), wire.py (what transport and server share: FederatedError, the task framing, tokens, the
+RoundService the app serves), simulate.py, report.py (run directory and plots), cli.py.
 """

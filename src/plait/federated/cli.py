@@ -23,6 +23,7 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.federated.wire import parse_tokens
 
 TOKEN_ENV = "PLAIT_FED_TOKEN"
 SIM_DEFAULTS = ["model.name='mlp'", "data.name='digits'"]  # what `plait fed` runs with no config
@@ -77,9 +78,8 @@ def _read_token_file(path: str) -> str:
 
 
 def cmd_simulate(a) -> int:
-    # lazily: plait --help must not import torch
-    from plait.federated.simulate import compare, simulate
-    from plait.federated.strategies import STRATEGIES
+    from plait.federated.simulate import compare, simulate  # lazily: plait --help must not import torch
+    from plait.federated.strategies import STRATEGIES  # lazily: plait --help must not import torch
 
     cfg = _config(a)
     out = _run_dir(a)
@@ -96,9 +96,7 @@ def cmd_simulate(a) -> int:
 
 
 def cmd_server(a) -> int:
-    # lazily: plait --help must not import torch or FastAPI
-    from plait.federated.server import serve
-    from plait.federated.transport import parse_tokens
+    from plait.federated.server import serve  # lazily: plait --help must not import torch or FastAPI
 
     cfg = _config(a)
     out = _run_dir(a)

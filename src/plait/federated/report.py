@@ -19,7 +19,7 @@ import numpy as np
 
 from plait.config import dump_config
 from plait.federated.partition import label_histograms
-from plait.federated.transport import FederatedError
+from plait.federated.wire import FederatedError
 from plait.models import model_metadata
 from plait.report import read_metrics
 from plait.report.plots import plt, save

@@ -35,8 +35,9 @@ from plait.federated.report import RunRecorder
 from plait.federated.secagg import MaskedSum, check_public_key
 from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, build_strategy
 from plait.federated.tensors import Weights, encode, get_weights, set_weights
-from plait.federated.transport import FederatedError, HTTPServerThread, make_app
+from plait.federated.transport import HTTPServerThread, make_app
 from plait.federated.validate import check_update
+from plait.federated.wire import FederatedError
 from plait.models import build_model
 from plait.runtime import pick_device
 from plait.train.loss import loss_for
@@ -116,6 +117,14 @@ class Coordinator:
         now = time.monotonic()
         with self.lock:
             return sorted(c for c, t in self.seen.items() if now - t <= within_s)
+
+    def status(self) -> dict:
+        """The round in progress, for monitoring (GET /v1/status)."""
+        with self.lock:
+            plan = self.plan
+            return {"round": self.round, "phase": self.phase, "selected": plan.clients if plan else [],
+                    "received": sorted(self.updates) if self.masked is None else sorted(self.masked.received),
+                    "alive": self.alive(self.fed.heartbeat_timeout_s)}
 
     def weights_blob(self) -> bytes:
         """The current global weights as a wire message, encoded once per round."""

@@ -20,187 +20,150 @@ the server.
 
 from __future__ import annotations
 
-import hmac
 import json
 import ssl
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from plait.errors import PlaitError
 from plait.federated.tensors import Weights, decode, encode
+from plait.federated.wire import FederatedError, RoundService, authorized, frame, parse_tokens, unframe
 
-if TYPE_CHECKING:
-    from plait.federated.server import Coordinator
-
-
-class FederatedError(PlaitError):
-    """A federated run cannot go on: no quorum of clients, a wrong token, a config that differs from the server's."""
-
-
-def frame(meta: dict, blob: bytes) -> bytes:
-    """A task message: 8-byte length, the JSON task, then the weights blob (possibly empty)."""
-    head = json.dumps(meta).encode()
-    return len(head).to_bytes(8, "little") + head + blob
-
-
-def unframe(body: bytes) -> tuple[dict, bytes]:
-    n = int.from_bytes(body[:8], "little")
-    return json.loads(body[8:8 + n]), body[8 + n:]
+# FederatedError, frame, parse_tokens and unframe live in wire.py; callers that imported them from here still can.
+__all__ = ["FedHTTPClient", "FederatedError", "HTTPServerThread", "frame", "make_app", "parse_tokens", "unframe"]
 
 
 def _no_constant(token: str):
     raise ValueError(f"{token} is not JSON")
 
 
-def parse_tokens(text: str) -> dict:
-    """Tokens file: each line `TOKEN` (shared by all clients) or `CLIENT_ID TOKEN`; '#' starts a comment."""
-    tokens: dict = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) == 1:
-            tokens["*"] = parts[0]
-        elif len(parts) == 2 and parts[0].isdigit():
-            tokens[int(parts[0])] = parts[1]
-        else:
-            raise FederatedError(f"tokens file line {n}: expected 'TOKEN' or 'CLIENT_ID TOKEN', got {line!r}")
-    if not tokens:
-        raise FederatedError("the tokens file holds no token; add a line with a token")
-    return tokens
+def _deny(status: int, reason: str) -> JSONResponse:
+    return JSONResponse({"accepted": False, "reason": reason}, status_code=status)
 
 
-def authorized(tokens: dict, header: str | None, client_id: int | None) -> bool:
-    if not header or not header.startswith("Bearer "):
-        return False
-    given = header[len("Bearer "):].encode()
-    want = [tokens[client_id]] if client_id in tokens else []
-    if "*" in tokens:
-        want.append(tokens["*"])
-    if client_id is None:
-        want = list(tokens.values())
-    return any(hmac.compare_digest(given, w.encode()) for w in want)
+def _client_of(request: Request) -> int | None:
+    try:
+        return int(request.query_params["client_id"])
+    except (KeyError, ValueError):
+        return None
 
 
-def make_app(coord: Coordinator, tokens: dict, fingerprint: str) -> FastAPI:
+async def _read_body(request: Request, max_body: int) -> bytes | None:
+    """The body, or None once it is (or says it will be) over `max_body` bytes: a huge upload is never read whole."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_body:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_json(request: Request, max_body: int) -> dict | None:
+    body = await _read_body(request, max_body)
+    try:
+        obj = json.loads(body, parse_constant=_no_constant) if body is not None else None
+    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, long integers, NaN; too deep
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def make_app(coord: RoundService, tokens: dict, fingerprint: str) -> FastAPI:
     """The FastAPI app serving one Coordinator (handlers' annotations must resolve at module level)."""
     app = FastAPI(title="plait federated server", docs_url=None, redoc_url=None, openapi_url=None)
     max_body = (coord.length + 1) * 8 * 2 + (1 << 20)
+    _add_register(app, coord, tokens, fingerprint, max_body)
+    _add_rounds(app, coord, tokens, max_body)
+    _add_status(app, coord, tokens)
+    return app
 
-    def deny(status: int, reason: str) -> JSONResponse:
-        return JSONResponse({"accepted": False, "reason": reason}, status_code=status)
 
-    def client_of(request: Request) -> int | None:
-        try:
-            return int(request.query_params["client_id"])
-        except (KeyError, ValueError):
-            return None
-
-    async def read_body(request: Request) -> bytes | None:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > max_body:
-            return None
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def read_json(request: Request) -> dict | None:
-        body = await read_body(request)
-        try:
-            obj = json.loads(body, parse_constant=_no_constant) if body is not None else None
-        except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, long integers, NaN; too deep
-            return None
-        return obj if isinstance(obj, dict) else None
-
+def _add_register(app: FastAPI, coord: RoundService, tokens: dict, fingerprint: str, max_body: int) -> None:
     @app.post("/v1/register")
     async def register(request: Request):
-        obj = await read_json(request)
+        obj = await _read_json(request, max_body)
         if obj is None or not isinstance(obj.get("client_id"), int) or isinstance(obj.get("client_id"), bool):
-            return deny(400, "body must be JSON with an integer client_id")
+            return _deny(400, "body must be JSON with an integer client_id")
         cid = obj["client_id"]
         if not authorized(tokens, request.headers.get("authorization"), cid):
-            return deny(401, "missing or wrong bearer token")
+            return _deny(401, "missing or wrong bearer token")
         if not 0 <= cid < coord.fed.clients:
-            return deny(400, f"client_id {cid} is outside 0..{coord.fed.clients - 1}")
+            return _deny(400, f"client_id {cid} is outside 0..{coord.fed.clients - 1}")
         if obj.get("fingerprint") != fingerprint:
-            return deny(409, "this client's config (model, data, partition, seed) differs from the server's; use the same file")
+            return _deny(409, "this client's config (model, data, partition, seed) differs from the server's; use the same file")
         raw_key = obj.get("public_key")
         if isinstance(raw_key, int) and not isinstance(raw_key, bool):
             raw_key = str(raw_key)
         if raw_key is not None and not (isinstance(raw_key, str) and raw_key.isascii() and raw_key.isdigit()
                                         and len(raw_key) <= 700):
-            return deny(400, "public_key must be a non-negative integer written as a decimal string")
+            return _deny(400, "public_key must be a non-negative integer written as a decimal string")
         try:
             coord.register(cid, int(raw_key) if raw_key is not None else None)
         except ValueError as e:
-            return deny(400, f"registration refused: {e}")
+            return _deny(400, f"registration refused: {e}")
         return {"accepted": True, "rounds": coord.fed.rounds}
+
+
+def _add_rounds(app: FastAPI, coord: RoundService, tokens: dict, max_body: int) -> None:
+    """A round's three calls: fetch the task, upload the update, send the seeds that unmask dropped peers."""
 
     @app.get("/v1/task")
     def task(request: Request):
-        cid = client_of(request)
+        cid = _client_of(request)
         if cid is None or not authorized(tokens, request.headers.get("authorization"), cid):
-            return deny(401, "missing or wrong bearer token (or no client_id)")
+            return _deny(401, "missing or wrong bearer token (or no client_id)")
         if cid not in coord.seen:
-            return deny(409, f"client {cid} has not registered")
+            return _deny(409, f"client {cid} has not registered")
         meta, weights = coord.task(cid)
         body = frame(meta, coord.weights_blob() if weights is not None else b"")
         return Response(body, media_type="application/octet-stream")
 
     @app.post("/v1/update")
     async def update(request: Request):
-        cid = client_of(request)
+        cid = _client_of(request)
         if cid is None or not authorized(tokens, request.headers.get("authorization"), cid):
-            return deny(401, "missing or wrong bearer token (or no client_id)")
+            return _deny(401, "missing or wrong bearer token (or no client_id)")
         try:
             rnd = int(request.query_params["round"])
         except (KeyError, ValueError):
-            return deny(400, "query parameter round must be an integer")
-        body = await read_body(request)
+            return _deny(400, "query parameter round must be an integer")
+        body = await _read_body(request, max_body)
         if body is None:
-            return deny(413, f"upload larger than {max_body} bytes")
+            return _deny(413, f"upload larger than {max_body} bytes")
         try:
             tensors, meta = decode(body)
         except ValueError as e:
-            return deny(400, f"body is not a tensor message: {e}")
+            return _deny(400, f"body is not a tensor message: {e}")
         ok, reason = await run_in_threadpool(coord.submit, cid, rnd, tensors, meta)
         return JSONResponse({"accepted": ok, "reason": reason}, status_code=200 if ok else 422)
 
     @app.post("/v1/unmask")
     async def unmask(request: Request):
-        obj = await read_json(request)
+        obj = await _read_json(request, max_body)
         cid = obj.get("client_id") if obj else None
         if not isinstance(cid, int) or not authorized(tokens, request.headers.get("authorization"), cid):
-            return deny(401, "missing or wrong bearer token (or no client_id)")
+            return _deny(401, "missing or wrong bearer token (or no client_id)")
         seeds = obj.get("seeds")
         if not isinstance(seeds, dict) or not isinstance(obj.get("round"), int) or isinstance(obj.get("round"), bool):
-            return deny(400, "body must hold round (integer) and seeds (object)")
+            return _deny(400, "body must hold round (integer) and seeds (object)")
         ok, reason = coord.submit_unmask(cid, obj["round"], seeds)
         return JSONResponse({"accepted": ok, "reason": reason}, status_code=200 if ok else 422)
 
+
+def _add_status(app: FastAPI, coord: RoundService, tokens: dict) -> None:
     @app.get("/v1/status")
     def status(request: Request):
         if not authorized(tokens, request.headers.get("authorization"), None):
-            return deny(401, "missing or wrong bearer token")
-        with coord.lock:
-            plan = coord.plan
-            return {"round": coord.round, "phase": coord.phase, "selected": plan.clients if plan else [],
-                    "received": sorted(coord.updates) if coord.masked is None else sorted(coord.masked.received),
-                    "alive": coord.alive(coord.fed.heartbeat_timeout_s)}
-
-    return app
+            return _deny(401, "missing or wrong bearer token")
+        return coord.status()
 
 
 class HTTPServerThread:
