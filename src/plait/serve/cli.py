@@ -31,9 +31,8 @@ def serve_token(a) -> str | None:
 
 
 def cmd_serve(a) -> int:
-    # lazily: plait --help must not import torch or FastAPI
-    from plait.serve.server import run
-    from plait.serve.service import ServeOptions
+    from plait.serve.server import run  # lazily: plait --help must not import torch or FastAPI
+    from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
 
     opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
                         max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
@@ -49,8 +48,8 @@ def cmd_serve(a) -> int:
 
 def cmd_bench_serve(a) -> int:
     if a.pattern == "burst":
-        from plait.serve.autoscale import AutoscaleConfig
-        from plait.serve.bench_burst import BurstOptions, run_burst  # lazily: as below
+        from plait.serve.autoscale import AutoscaleConfig  # lazily: plait --help must not import numpy (via protocol)
+        from plait.serve.bench_burst import BurstOptions, run_burst  # lazily: plait --help must not import torch
 
         lo, hi = AutoscaleConfig.parse(a.autoscale)
         AutoscaleConfig(lo, hi).validate()
