@@ -22,9 +22,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from plait.data.spec import DataSpec
 from plait.models import build_model
@@ -167,10 +169,6 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict, overhead: fl
       (asynchronous collectives on CPU, the optimizer stepped on the local shards), from a model of 3
       layers against one of 1. ZeRO-2 is one fully_shard group for the whole model: no per-layer cost.
     """
-    from dataclasses import replace
-
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -178,68 +176,86 @@ def _layer_overheads(model_cfg, vocab: int, micro: int, comm: dict, overhead: fl
     gen = torch.Generator().manual_seed(0)
     small = max(1, micro // 4)
     xs = {b: torch.randint(0, vocab, (b, model_cfg.context), generator=gen) for b in {small, micro}}
+    out = _tp_overheads(model_cfg, vocab, spec, xs, comm, overhead, tp_mesh)
+    out["fsdp"] = _fsdp_overhead(model_cfg, spec, xs[micro], comm, dp_mesh)
+    return out
 
-    def stepper(layers: int, b: int, wrap=None):
-        """One training step of a model of `layers` blocks as plait's trainer runs it (forward, backward, the
-        gradient alignment tensor parallel does, a no-op elsewhere, and the optimizer step), and its parameter
-        count. `wrap(model)` shards it and returns the ZeRO-3 reduce-scatter to wait for, if any."""
-        torch.manual_seed(0)
-        model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
-        n = sum(p.numel() for p in model.parameters())
-        pending = wrap(model) if wrap is not None else None
-        opt = torch.optim.AdamW(model.parameters())
 
-        def step(model=model, opt=opt, x=xs[b]):
-            lm_loss(model(x), x).backward()
-            if pending is not None:
-                pending.wait()
-            align_grads(model.parameters())
-            if pending is not None and opt.state:  # ZeRO-3 steps the DTensors' local shards (plait.parallel.fsdp)
-                with on_local_shards(opt):
-                    opt.step()
-            else:
+def _stepper(model_cfg, spec: DataSpec, x: torch.Tensor, layers: int, wrap=None):
+    """One training step on `x` of a model of `layers` blocks as plait's trainer runs it (forward, backward, the
+    gradient alignment tensor parallel does, a no-op elsewhere, and the optimizer step), and its parameter
+    count. `wrap(model)` shards it and returns the ZeRO-3 reduce-scatter to wait for, if any."""
+    torch.manual_seed(0)
+    model = build_model(replace(model_cfg, layers=layers, dropout=0.0), spec)
+    n = sum(p.numel() for p in model.parameters())
+    pending = wrap(model) if wrap is not None else None
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(model=model, opt=opt, x=x):
+        lm_loss(model(x), x).backward()
+        if pending is not None:
+            pending.wait()
+        align_grads(model.parameters())
+        if pending is not None and opt.state:  # ZeRO-3 steps the DTensors' local shards (plait.parallel.fsdp)
+            with on_local_shards(opt):
                 opt.step()
-            opt.zero_grad(set_to_none=True)
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        return step, n
+    return step, n
 
-    def zero3(model):
-        apply_fsdp(model, dp_mesh, 3)
-        return overlap_without_streams(model, dp_mesh, 3)
 
-    def cost(op: str, nbytes: float, n: int) -> float:  # from the collectives just measured on these n ranks
-        return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
+def _collective_s(comm: dict, op: str, nbytes: float, n: int) -> float:
+    """Seconds of one collective on n ranks, from the collectives just measured on them."""
+    return Hardware(comm=comm, devices_per_node=n).collective(op, nbytes, n, n)
 
-    # the whole model, plain and 2-way tensor parallel with and without sequence parallel, at two micro-batch
-    # sizes, timed round by round: what tensor parallel costs beyond what the cost model already counts (half
-    # the plain step's compute and optimizer, the whole fixed cost of a micro-batch, the collectives' bytes)
-    # is its per-layer cost. A whole model, not one layer more: the difference is `layers` times larger than
-    # the timing noise of a shared machine, and the embedding's and head's DTensor costs count too.
+
+def _tp_overheads(model_cfg, vocab: int, spec: DataSpec, xs: dict, comm: dict, overhead: float, tp_mesh) -> dict:
+    """The "tp" and "tp_sp" entries of _layer_overheads: [seconds, seconds per sample] per layer and micro-batch.
+
+    The whole model, plain and 2-way tensor parallel with and without sequence parallel, at two micro-batch
+    sizes, timed round by round: what tensor parallel costs beyond what the cost model already counts (half
+    the plain step's compute and optimizer, the whole fixed cost of a micro-batch, the collectives' bytes)
+    is its per-layer cost. A whole model, not one layer more: the difference is `layers` times larger than
+    the timing noise of a shared machine, and the embedding's and head's DTensor costs count too."""
     wraps = {"plain": None, "tp": lambda m: apply_tp(m, tp_mesh, False) and None,
              "tp_sp": lambda m: apply_tp(m, tp_mesh, True) and None}
-    fns = {(kind, b): stepper(model_cfg.layers, b, wrap)[0] for kind, wrap in wraps.items() for b in sorted(xs)}
+    fns = {(kind, b): _stepper(model_cfg, spec, xs[b], model_cfg.layers, wrap)[0]
+           for kind, wrap in wraps.items() for b in sorted(xs)}
     rounds = _interleaved(fns, calls=2, rounds=5)
     shape, two = Shape.from_config(model_cfg, vocab), Hardware(comm=comm, devices_per_node=2)
+    small, micro = min(xs), max(xs)
     out = {}
     for key in ("tp", "tp_sp"):
         def extra(r, b, key=key):
-            counted = 4 * model_cfg.layers * cost("all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2) + \
+            counted = 4 * model_cfg.layers * _collective_s(comm, "all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2) + \
                 tp_outside_comm(shape, Layout(tp=2, micro=b, sp=key == "tp_sp"), two)
             return (r[(key, b)] - (r[("plain", b)] - overhead) / 2 - overhead - counted) / model_cfg.layers
         at = {b: statistics.median(extra(r, b) for r in rounds) for b in xs}
         per_sample = max(0.0, (at[micro] - at[small]) / (micro - small)) if micro > small else 0.0
         out[key] = [max(0.0, at[micro] - per_sample * micro), per_sample]
-    # the per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1
+    return out
+
+
+def _fsdp_overhead(model_cfg, spec: DataSpec, x: torch.Tensor, comm: dict, dp_mesh) -> float:
+    """The "fsdp" entry of _layer_overheads: seconds per ZeRO-3 layer and step over all ranks, beyond its collectives.
+
+    The per-layer cost of fully_shard is small next to a layer's compute: 3 layers against 1, sharded and plain."""
+    def zero3(model):
+        apply_fsdp(model, dp_mesh, 3)
+        return overlap_without_streams(model, dp_mesh, 3)
+
+    world = dist.get_world_size()
     fns, params = {}, {}
     for kind, wrap in (("plain", None), ("fsdp", zero3)):
         for layers in (1, 3):
-            fns[(kind, layers)], params[layers] = stepper(layers, micro, wrap)
+            fns[(kind, layers)], params[layers] = _stepper(model_cfg, spec, x, layers, wrap)
     rounds = _interleaved(fns, calls=3, rounds=5)
     nbytes = 4 * (params[3] - params[1]) // 2
-    comm_s = 2 * cost("all_gather", nbytes, world) + cost("reduce_scatter", nbytes, world)
+    comm_s = 2 * _collective_s(comm, "all_gather", nbytes, world) + _collective_s(comm, "reduce_scatter", nbytes, world)
     sharded = statistics.median((r[("fsdp", 3)] - r[("fsdp", 1)] - r[("plain", 3)] + r[("plain", 1)]) / 2 for r in rounds)
-    out["fsdp"] = max(0.0, sharded - comm_s)
-    return out
+    return max(0.0, sharded - comm_s)
 
 
 def _median(values: list):
