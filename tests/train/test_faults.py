@@ -239,7 +239,23 @@ def test_async_checkpoints_publish_and_resume(job, uninterrupted, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     stalls = [x for x in rows if "checkpoint_stall_s" in x]
     assert stalls and all(x["checkpoint_async"] for x in stalls)
+    # the kill at step 8 finds step 3's checkpoint published, and step 6's unless its background write is still on:
+    # the restart resumed from the newer of them
+    resumed = re.findall(r"resuming from \S+/step_(\d{7}) at step (\d+)", r.stdout)
+    assert len(resumed) == 1 and resumed[0][0] in ("0000003", "0000006") and int(resumed[0][0]) == int(resumed[0][1]), \
+        r.stdout
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
-    for ckpt in (run / "checkpoints").glob("step_*"):
-        verify(ckpt)
-    assert torch.load  # the checkpoint format stays DCP (no pickles of ours)
+    ckpts = sorted((run / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_0000006", "step_0000009", "step_0000010"]  # every 3 and the end, keep 3
+    for ckpt in ckpts:
+        assert int(verify(ckpt)["step"]) == int(ckpt.name[5:])
+        # the checkpoint format stays DCP's (no pickles of ours): one shard file per rank beside the metadata
+        assert sorted(f.name for f in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
+                                                          "trainer_state.json"], ckpt
+    # and plain torch reads it: the last one holds the uninterrupted run's weights
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(ckpts[-1])).read_metadata().state_dict_metadata
+    model = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
+    dcp.load(model, checkpoint_id=str(ckpts[-1]))  # one process, no process group: DCP's single-process load
+    assert max_diff(uninterrupted, {k.removeprefix("model."): v for k, v in model.items()}) <= 1e-6
