@@ -27,6 +27,7 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -271,15 +272,18 @@ class ReplicaPool:
                 t = r.inflight.get(task_id)
                 if t is not None and t.on_event is not None:
                     t.on_event(row, pos, tok)
-            case Done(task_id=task_id) | Failed(task_id=task_id):
-                t = r.inflight.pop(task_id, None)
-                if t is not None and not t.future.done():
-                    if isinstance(msg, Done):
-                        t.future.set_result(msg.result)
-                    else:
-                        t.future.set_exception(RuntimeError(f"replica {r.index}: {msg.message}"))
-                if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
-                    self._dispatch(self._waiting.pop(0))
+            case Done(task_id=task_id, result=result):
+                self._settle(r, task_id, lambda f: f.set_result(result))
+            case Failed(task_id=task_id, message=message):
+                self._settle(r, task_id, lambda f: f.set_exception(RuntimeError(f"replica {r.index}: {message}")))
+
+    def _settle(self, r: _Replica, task_id: int, settle: Callable[[asyncio.Future], None]) -> None:
+        """A task `r` finished: answer its waiter (unless it gave up), then give `r` the next waiting batch."""
+        t = r.inflight.pop(task_id, None)
+        if t is not None and not t.future.done():
+            settle(t.future)
+        if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
+            self._dispatch(self._waiting.pop(0))
 
     def _on_ready(self, r: _Replica, pid: int, split: dict | None) -> None:
         r.live = r.was_live = True
