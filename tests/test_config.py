@@ -295,16 +295,6 @@ def test_bad_choices(override, message):
     bad([override], message)
 
 
-def test_tensor_and_pipeline_parallel_are_refused():
-    from plait.config import UNAVAILABLE
-
-    for key, default, what in UNAVAILABLE:  # each scheme removes its line when it lands
-        value = 2 if isinstance(default, int) else "'x'"
-        if key.endswith(("offload", "sync", "compression")):
-            value = {"offload": "optimizer", "sync": "gossip", "compression": "fp16"}[key.split(".")[1]]
-        bad([f"{key}={value}"], f"{what} is not available in this version of plait; set {key}={default!r}")
-
-
 @pytest.mark.parametrize("model, data", [("gpt", "text"), ("mlp", "tensors")])
 def test_file_sources_need_a_path(model, data):
     bad([f"model.name={model}", f"data.name={data}"],

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import ENV
 from plait.cli import build_parser
-from plait.config import Config
+from plait.config import SECTIONS, toml_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -65,8 +65,7 @@ def commands() -> list[tuple[str, list[str]]]:
 
 
 COMMANDS = commands()
-KEYS = {f"{s.name}.{k.name}" for s in dataclasses.fields(Config) for k in dataclasses.fields(s.type if isinstance(
-    s.type, type) else getattr(sys.modules["plait.config"], s.type))}
+KEYS = {f"{section}.{toml_key(k.name)}" for section, t in SECTIONS.items() for k in dataclasses.fields(t)}
 
 
 def test_the_docs_have_commands_to_check():

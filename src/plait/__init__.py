@@ -39,3 +39,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
+
+
+from plait import config as _config  # noqa: E402
+
+# The config's sections, in the order a config file lists them, and the torch-free modules that declare their keys
+# (each component declares its own: plait.config only loads and merges them).
+_config.order_sections("model", "data", "train", "optim", "parallel", "precision", "checkpoint", "launch", "log",
+                       "federated", "finetune", "distill")
+from plait.models import keys as _model_keys  # noqa: E402, F401, I001
+from plait.data import keys as _data_keys  # noqa: E402, F401, I001
+from plait.train import keys as _train_keys  # noqa: E402, F401, I001
+from plait.parallel import keys as _parallel_keys  # noqa: E402, F401, I001
+from plait.launch import keys as _launch_keys  # noqa: E402, F401, I001
+from plait.federated import keys as _federated_keys  # noqa: E402, F401, I001
+from plait.finetune import keys as _finetune_keys  # noqa: E402, F401, I001

@@ -22,6 +22,8 @@ import os
 import signal
 import time
 
+from plait.callback import Callback
+
 
 def parse(text: str) -> list[dict]:
     faults = []
@@ -79,3 +81,13 @@ def slow_compute(rank: int, seconds: float) -> float:
             time.sleep(pause)
             slept += pause
     return slept
+
+
+class SlowDevice(Callback):
+    """The `slow:...:factor=F` fault in the training loop: this rank's forward/backward lasts F times as long."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def after_compute(self, step: int, seconds: float, samples: int) -> float:
+        return slow_compute(self.rank, seconds)

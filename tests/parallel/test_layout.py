@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from plait.config import Config, load_config
+from plait.config import Config, dump_config, format_config, keys, load_config, opt, unregister
 from plait.errors import ConfigError
 from plait.parallel import SCHEMES, Scheme, check_config, step_owner
 from plait.parallel.layout import Layout
@@ -111,17 +111,42 @@ def test_the_step_owner_is_the_first_scheme_that_applies():
     assert owner("parallel.embedding_sharding=row") == "embedding_sharding"
 
 
-def test_a_new_scheme_is_one_object_and_one_line():
-    calls = []
+def test_a_new_scheme_is_one_object_with_keys_of_its_own():
+    """A toy scheme declares a key and the scheme; plait.config does not change, and the key is a key like any other:
+    loaded, checked by its declared rule and by the scheme, listed by `plait config show`, written and read back."""
 
-    def check(cfg):
-        if cfg.parallel.dp == 3:
-            raise ConfigError("parallel.dp = 3 is refused by the toy scheme")
+    @keys("parallel")
+    class ToyKeys:
+        toy_degree: int = opt(1, "toy: how many toys per rank", minimum=1)
 
-    toy = Scheme("toy", applies=lambda cfg: cfg.parallel.dp == 2, check=check,
-                 strategy=lambda b: calls.append(b) or "toy-strategy")
-    schemes = [toy, *SCHEMES]
-    cfg = load_config(None, [])
-    assert step_owner(cfg, schemes) is toy
-    with pytest.raises(ConfigError, match=re.escape("parallel.dp = 3 is refused by the toy scheme")):
-        check_config(load_config(None, ["parallel.dp=3", "train.global_batch_size=48"]), schemes)
+    def check(layout, k):
+        if k.toy_degree == 3:
+            raise ConfigError("parallel.toy_degree = 3 is refused by the toy scheme")
+
+    try:
+        toy = Scheme("toy", keys=ToyKeys, applies=lambda layout, k: k.toy_degree == 2 and layout.dp == 2, check=check,
+                     strategy=lambda b: "toy-strategy")
+        schemes = [toy, *SCHEMES]
+        cfg = load_config(None, ["parallel.toy_degree=2"])
+        assert cfg.parallel.toy_degree == 2 and cfg.keys(ToyKeys) == ToyKeys(toy_degree=2)
+        assert step_owner(cfg, schemes) is toy
+        assert step_owner(load_config(None, []), schemes).name == "ddp"
+        with pytest.raises(ConfigError, match=re.escape("parallel.toy_degree = 3 is refused by the toy scheme")):
+            check_config(load_config(None, ["parallel.toy_degree=3"]), schemes)
+        with pytest.raises(ConfigError, match=re.escape("parallel.toy_degree = 0 must be >= 1; set --set "
+                                                        "parallel.toy_degree=<value >= 1>")):
+            load_config(None, ["parallel.toy_degree=0"])
+        assert re.search(r"^toy_degree = 1 +# toy: how many toys per rank$", format_config(Config()), re.M)
+        assert load_config_text(dump_config(cfg)).parallel.toy_degree == 2
+    finally:
+        unregister(ToyKeys)
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'parallel.toy_degree'")):
+        load_config(None, ["parallel.toy_degree=2"])
+
+
+def load_config_text(text: str) -> Config:
+    import tomllib
+
+    from plait.config import config_from_dict
+
+    return config_from_dict(tomllib.loads(text))

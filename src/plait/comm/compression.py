@@ -44,8 +44,9 @@ class Compression:
     topk_ratio: float = 0.01
 
     @classmethod
-    def from_config(cls, parallel_cfg) -> Compression:
-        return cls(parallel_cfg.compression, parallel_cfg.powersgd_rank, parallel_cfg.topk_ratio)
+    def from_keys(cls, keys) -> Compression:
+        """From [parallel]'s compression keys (plait.parallel.keys.DDPKeys, or the section itself)."""
+        return cls(keys.compression, keys.powersgd_rank, keys.topk_ratio)
 
 
 class CompressionState:

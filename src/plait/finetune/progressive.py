@@ -39,23 +39,9 @@ def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check(cfg, model: nn.Module | None = None) -> None:
-    """finetune.progressive_freeze's values, its layouts, and (given the model) that the model has blocks."""
-    f, p = cfg.finetune, cfg.parallel
-    if not 0.0 <= f.progressive_freeze_start < 1.0:
-        raise ConfigError(f"finetune.progressive_freeze_start = {f.progressive_freeze_start} must be in [0, 1) (the "
-                          "share of train.steps before block 0 freezes), e.g. 0.5")
-    if not f.progressive_freeze:
-        return
-    if p.zero:
-        raise ConfigError(
-            f"finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = {p.zero} "
-            "lays its buffers out once: ZeRO-1's flat gradient buffer would still be reduce-scattered and stepped, and "
-            "FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen blocks would "
-            "still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed finetune.freeze")
-    if cfg.train.compile:
-        raise ConfigError("finetune.progressive_freeze moves a hook between blocks during training, which recompiles "
-                          "the model each time; set train.compile=false")
-    if model is not None and not blocks_of(model):
+    """finetune.progressive_freeze against the model: it freezes model.blocks (the keys' own rules are
+    plait.finetune.keys', the layouts plait.finetune.check_layout's)."""
+    if cfg.finetune.progressive_freeze and model is not None and not blocks_of(model):
         raise ConfigError(f"finetune.progressive_freeze freezes model.blocks front to back, and model "
                           f"{cfg.model.factory or cfg.model.name!r} has no `blocks` (a ModuleList or ModuleDict); use "
                           "finetune.freeze patterns instead")

@@ -86,6 +86,8 @@ class Strategy:
     name = "single"
     sharded = False  # gradients differ between ranks that must agree on an fp16 overflow
     tensor_parallel = False  # DTensor gradients get their parameters' placements after backward
+    evaluates = True  # this rank evaluates, checkpoints and writes the run's files (a parameter server's other
+    # workers do not)
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable, precision: Precision, local_batch: int):
@@ -98,6 +100,7 @@ class Strategy:
         self.activation_meter = None  # set by the trainer on the steps where it measures memory
         self.eval_metrics: dict[str, Callable] | None = None  # train.eval_metrics: name -> fn(outputs, targets)
         self.last_metrics: torch.Tensor | None = None  # their values on the last eval_batch, float64
+        self.labels: list[str] = []  # words the run's header adds to the strategy's name (e.g. "fp16 compression")
 
     def no_sync(self):
         """Context in which backward does not synchronise gradients (all but the last micro-batch)."""
@@ -164,6 +167,16 @@ class Strategy:
     def optimizer_step(self) -> None:
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def stop_training(self, params: list) -> None:
+        """These parameters train no more (progressive freezing): out of the optimizer, their state and gradients
+        dropped. Layouts that lay gradient synchronisation out once from what trains rebuild it (DDP)."""
+        ids = {id(p) for p in params}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in ids]
+        for p in params:
+            self.optimizer.state.pop(p, None)
+            p.grad = None
 
     def step_metrics(self, record: dict) -> dict:
         """Scheme-specific figures for a metrics.jsonl record (compression ratio, staleness, ...)."""

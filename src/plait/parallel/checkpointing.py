@@ -16,5 +16,5 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-SCHEME = Scheme("activation_checkpointing", applies=lambda cfg: cfg.train.activation_checkpointing,
+SCHEME = Scheme("activation_checkpointing", applies=lambda layout, keys: layout.activation_checkpointing,
                 transform=lambda model, b: apply_activation_checkpointing(model))

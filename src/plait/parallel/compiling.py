@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from plait.parallel.base import model_blocks
+from plait.parallel.keys import CompileKeys
 from plait.parallel.scheme import Scheme
 
 
@@ -15,4 +16,5 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-SCHEME = Scheme("compile", applies=lambda cfg: cfg.train.compile, transform=lambda model, b: apply_compile(model))
+SCHEME = Scheme("compile", applies=lambda layout, keys: keys.compile, keys=CompileKeys,
+                transform=lambda model, b: apply_compile(model))

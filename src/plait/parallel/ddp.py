@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from plait.comm.accounting import AlgorithmHookState, algorithm_hook, ddp_allreduce_hook
 from plait.comm.compression import Compression, register_compression
 from plait.errors import ConfigError
-from plait.parallel import hetero
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import allreduce_grads
+from plait.parallel.keys import DDPKeys
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
 
@@ -59,6 +60,7 @@ class DDPStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.by_hand = not isinstance(self.model, DDP)  # a tensor-parallel model: averaged after backward
         self.dp_group, self.dp = dp_group, dp
+        self.rewrap = None  # module -> a new DDP wrapper like this one (stop_training)
         self.sharded = self.by_hand
         if self.by_hand:
             self.name = "tp+dp"
@@ -71,6 +73,17 @@ class DDPStrategy(Strategy):
         if self.by_hand:
             allreduce_grads(self.module.parameters(), self.dp_group, self.dp)
 
+    def stop_training(self, params: list) -> None:
+        """As the base, then DDP rebuilt over the parameters that still train (it lays its buckets out once, from the
+        parameters that require a gradient, so the rebuilt one sends only what trains). A collective: every rank
+        freezes at the same step. A compression hook's state starts afresh."""
+        super().stop_training(params)
+        if isinstance(self.model, DDP) and self.rewrap is not None:
+            old = self.model
+            old._remove_autograd_hooks()
+            self.model = self.rewrap(self.module)
+            del old
+
     def step_metrics(self, record: dict) -> dict:
         """With compression: the uncompressed all-reduce bytes per step and their ratio to the bytes sent."""
         state = getattr(self.model, "plait_compression", None)
@@ -82,54 +95,43 @@ class DDPStrategy(Strategy):
         return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
 
 
-def applies(cfg) -> bool:
-    p = cfg.parallel
-    return p.dp > 1 and p.zero == 0 and p.sync == "allreduce" and p.embedding_sharding == "none" and p.pp == 1
+def applies(layout: Layout, keys: DDPKeys) -> bool:
+    """Whole replicas (tensor parallel ones included) averaged by DDP's all-reduce or by hand."""
+    return (layout.dp > 1 and layout.zero == 0 and layout.sync == "allreduce" and layout.embedding_sharding == "none"
+            and layout.pp == 1)
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    hetero.check(cfg)
-    if p.powersgd_rank < 1:
-        raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1 (the rank of PowerSGD's "
-                          "approximation, e.g. 2); set --set parallel.powersgd_rank=2")
-    if not (0.0 < p.topk_ratio <= 1.0):
-        raise ConfigError(f"parallel.topk_ratio = {p.topk_ratio} must be in (0, 1] (the share of gradient entries sent, "
-                          "e.g. 0.01); set --set parallel.topk_ratio=0.01")
-    layout = f"dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}"
-    if p.allreduce_local_size < 0:
-        raise ConfigError(f"parallel.allreduce_local_size = {p.allreduce_local_size} must be >= 0 (ranks per node for "
-                          "allreduce = 'hierarchical'; 0: LOCAL_WORLD_SIZE); set --set parallel.allreduce_local_size=0")
-    if p.allreduce != "native":
-        if p.sync != "allreduce" or p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+def check(layout: Layout, keys: DDPKeys) -> None:
+    if keys.allreduce != "native":
+        if not (layout.plain_data_parallel and layout.dp >= 2):
             raise ConfigError(
-                f"parallel.allreduce = {p.allreduce!r} runs DDP's gradient all-reduce as a comm hook: it needs "
-                f"parallel.sync = 'allreduce' and dp >= 2 with tp = pp = 1, zero = 0 and no embedding_sharding (here "
-                f"sync = {p.sync!r}, {layout}); set parallel.allreduce='native' or change the layout")
-        if p.compression != "none":
+                f"parallel.allreduce = {keys.allreduce!r} runs DDP's gradient all-reduce as a comm hook: it needs "
+                f"parallel.sync = 'allreduce' and dp >= 2 with tp = pp = ep = 1, zero = 0 and no embedding_sharding "
+                f"(here {layout.describe()}); set parallel.allreduce='native' or change the layout")
+        if keys.compression != "none":
             raise ConfigError(
-                f"parallel.allreduce = {p.allreduce!r} and parallel.compression = {p.compression!r} are both DDP comm "
-                "hooks and a model takes one; set parallel.allreduce='native' (compression makes its own collectives) "
-                "or parallel.compression='none'")
-    if p.compression == "none":
+                f"parallel.allreduce = {keys.allreduce!r} and parallel.compression = {keys.compression!r} are both DDP "
+                "comm hooks and a model takes one; set parallel.allreduce='native' (compression makes its own "
+                "collectives) or parallel.compression='none'")
+    if keys.compression == "none":
         return
-    if p.sync != "allreduce":
+    if layout.sync != "allreduce":
         raise ConfigError(
-            f"parallel.compression = {p.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
-            f"{p.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
-    if p.dp < 2 or p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+            f"parallel.compression = {keys.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
+            f"{layout.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
+    if not (layout.plain_data_parallel and layout.dp >= 2):
         raise ConfigError(
-            f"parallel.compression = {p.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
-            f"with tp = pp = 1, zero = 0 and no embedding_sharding (here {layout}); set parallel.compression='none' "
-            "or change the layout")
+            f"parallel.compression = {keys.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
+            f"with tp = pp = ep = 1, zero = 0 and no embedding_sharding (here {layout.describe()}); set "
+            "parallel.compression='none' or change the layout")
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
     if b.rt.axis_size("tp") > 1:
         return model  # DTensors: averaged by hand in DDPStrategy.after_backward
-    p = b.cfg.parallel
-    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_config(p), allreduce=p.allreduce,
-                     local_size=p.allreduce_local_size)
+    keys = b.keys(DDPKeys)
+    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_keys(keys), allreduce=keys.allreduce,
+                     local_size=keys.allreduce_local_size)
 
 
 def build(b: Build) -> Strategy:
@@ -137,7 +139,11 @@ def build(b: Build) -> Strategy:
     strategy = DDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
                            dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
+    strategy.rewrap = lambda module: transform(module, b)
+    compression = b.keys(DDPKeys).compression
+    if compression != "none":
+        strategy.labels.append(f"{compression} compression")
     return strategy
 
 
-SCHEME = Scheme("ddp", applies=applies, check=check, transform=transform, strategy=build)
+SCHEME = Scheme("ddp", applies=applies, keys=DDPKeys, check=check, transform=transform, strategy=build)

@@ -34,10 +34,8 @@ recomputed forward repeats its all-to-alls, every rank recomputing the same bloc
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,6 +45,7 @@ from plait.models.moe import EXPERT_PARAMS, MoE, moe_layers
 from plait.parallel.base import Strategy
 from plait.parallel.fsdp import apply_fsdp
 from plait.parallel.gradsync import allreduce_grads
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
 
@@ -95,75 +94,79 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def applies(cfg) -> bool:
-    return cfg.parallel.ep > 1
+def applies(layout: Layout, keys) -> bool:
+    return layout.ep > 1
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    if p.ep < 1:
-        raise ConfigError(f"parallel.ep = {p.ep} must be >= 1 (1: experts replicated on every rank); set parallel.ep=1")
-    if p.ep == 1 and p.pp == 1 and p.tp == 1:
+def check(layout: Layout, keys) -> None:
+    if layout.ep == 1:
         return
-    experts = expert_counts(cfg.model)
-    if experts and p.pp > 1:
+    if layout.dp % layout.ep:
         raise ConfigError(
-            f"model.moe_experts ({experts[0]}) with parallel.pp = {p.pp}: mixture-of-experts blocks do not run in "
-            "pipeline stages in this version of plait (the load-balancing loss of earlier stages would not reach the "
-            "loss); set parallel.pp=1 (parallel.ep spreads the experts instead) or model.moe_experts=0")
-    if experts and p.tp > 1:
+            f"parallel.ep = {layout.ep} must divide parallel.dp = {layout.dp}: expert-parallel groups are made of "
+            f"data-parallel ranks; set parallel.ep to a divisor of {layout.dp} or change parallel.dp")
+    if layout.zero == 1:
         raise ConfigError(
-            f"model.moe_experts ({experts[0]}) with parallel.tp = {p.tp}: tensor parallel splits dense blocks, not "
-            "experts; set parallel.tp=1 and spread the experts with parallel.ep")
-    if p.ep == 1:
-        return
-    if not experts:
-        raise ConfigError(
-            f"parallel.ep = {p.ep} spreads mixture-of-experts layers over ranks, but the model has none; set "
-            f"model.moe_experts (a multiple of {p.ep}) or parallel.ep=1")
-    if p.dp % p.ep:
-        raise ConfigError(
-            f"parallel.ep = {p.ep} must divide parallel.dp = {p.dp}: expert-parallel groups are made of data-parallel "
-            f"ranks; set parallel.ep to a divisor of {p.dp} or change parallel.dp")
-    for e in sorted(set(experts)):
-        if e % p.ep:
-            raise ConfigError(
-                f"parallel.ep = {p.ep} must divide model.moe_experts = {e}: each rank holds moe_experts / ep experts; "
-                f"set model.moe_experts to a multiple of {p.ep} or parallel.ep to a divisor of {e}")
-    if p.zero == 1:
-        raise ConfigError(
-            f"parallel.zero = 1 with parallel.ep = {p.ep}: ZeRO-1's flat buffers would take the experts in; use "
+            f"parallel.zero = 1 with parallel.ep = {layout.ep}: ZeRO-1's flat buffers would take the experts in; use "
             "parallel.zero=2 or 3 (FSDP2 shards the dense part) or zero=0")
-    if p.sync != "allreduce":
+    if layout.sync != "allreduce":
         raise ConfigError(
-            f"parallel.ep = {p.ep} averages the experts over their replicas by all-reduce; parallel.sync = {p.sync!r} "
-            "replaces the all-reduce: set parallel.sync='allreduce' or parallel.ep=1")
-    if cfg.precision.dtype == "fp16":
+            f"parallel.ep = {layout.ep} averages the experts over their replicas by all-reduce; parallel.sync = "
+            f"{layout.sync!r} replaces the all-reduce: set parallel.sync='allreduce' or parallel.ep=1")
+    if layout.loss_scaling:
         raise ConfigError(
-            f"precision.dtype = 'fp16' with parallel.ep = {p.ep}: fp16 loss scaling does not unscale the experts' "
+            f"precision.dtype = 'fp16' with parallel.ep = {layout.ep}: fp16 loss scaling does not unscale the experts' "
             "DTensor gradients together with the dense ones; set precision.dtype='bf16' (no loss scaling) or 'fp32'")
 
 
+def check_model(layout: Layout, keys, model_cfg, model) -> None:
+    """The model has mixture-of-experts layers whose expert counts ep divides."""
+    experts = expert_counts(model_cfg)
+    if not experts:
+        raise ConfigError(
+            f"parallel.ep = {layout.ep} spreads mixture-of-experts layers over ranks, but the model has none; set "
+            f"model.moe_experts (a multiple of {layout.ep}) or parallel.ep=1")
+    for e in sorted(set(experts)):
+        if e % layout.ep:
+            raise ConfigError(
+                f"parallel.ep = {layout.ep} must divide model.moe_experts = {e}: each rank holds moe_experts / ep "
+                f"experts; set model.moe_experts to a multiple of {layout.ep} or parallel.ep to a divisor of {e}")
+
+
+def refuse_experts(model_cfg, axis: str, degree: int) -> None:
+    """Mixture-of-experts blocks do not run in pipeline stages or tensor-parallel blocks in this version."""
+    experts = expert_counts(model_cfg)
+    if not experts:
+        return
+    if axis == "pp":
+        raise ConfigError(
+            f"model.moe_experts ({experts[0]}) with parallel.pp = {degree}: mixture-of-experts blocks do not run in "
+            "pipeline stages in this version of plait (the load-balancing loss of earlier stages would not reach the "
+            "loss); set parallel.pp=1 (parallel.ep spreads the experts instead) or model.moe_experts=0")
+    raise ConfigError(
+        f"model.moe_experts ({experts[0]}) with parallel.tp = {degree}: tensor parallel splits dense blocks, not "
+        "experts; set parallel.tp=1 and spread the experts with parallel.ep")
+
+
 def transform(model: nn.Module, b: Build) -> nn.Module:
-    p = b.cfg.parallel
-    mesh = init_device_mesh(b.rt.device.type, (p.dp // p.ep, p.ep), mesh_dim_names=("ep_replica", "ep"))
-    names = shard_experts(model, mesh)
+    names = shard_experts(model, b.rt.expert_mesh)
     # DDP (zero = 0, applied after this transform) then averages the dense part alone.
     DDP._set_params_and_buffers_to_ignore_for_model(model, names)
     return model
 
 
 def build(b: Build) -> Strategy:
-    p = b.cfg.parallel
+    layout = b.layout
     # This transform, activation checkpointing, compile and DDP in SCHEMES order; FSDP2 below, told about the experts.
-    model = replace(b, schemes=[s for s in b.schemes if s.name != "fsdp"]).parallelize(b.module)
+    model = b.parallelize(b.module, skip=("fsdp",))
     experts = [getattr(layer, name) for layer in moe_layers(b.module) for name in EXPERT_PARAMS]
-    if p.zero >= 2:
-        offload = p.offload != "none" and b.rt.device.type != "cpu"
-        model = apply_fsdp(model, b.rt.mesh["dp"], p.zero, b.cfg.precision.dtype, offload, ignored_params=set(experts))
+    if layout.shards_gradients:
+        offload = layout.offload != "none" and b.rt.device.type != "cpu"
+        model = apply_fsdp(model, b.rt.mesh["dp"], layout.zero, b.cfg.precision.dtype, offload,
+                           ignored_params=set(experts))
     return ExpertParallelStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
                                   experts=experts, replica_group=experts[0].device_mesh["ep_replica"].get_group(),
-                                  dp=p.dp, ep=p.ep, zero=p.zero)
+                                  dp=layout.dp, ep=layout.ep, zero=layout.zero)
 
 
-SCHEME = Scheme("expert", applies=applies, check=check, transform=transform, strategy=build)
+SCHEME = Scheme("expert", applies=applies, check=check, check_model=check_model, transform=transform, strategy=build)

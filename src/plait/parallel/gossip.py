@@ -33,6 +33,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from plait.comm.algorithms import _exchange, group_ranks
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.keys import GossipKeys
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 
 
@@ -174,35 +176,20 @@ class GossipStrategy(Strategy):
         return {k: v.cpu() for k, v in self.average_state().items()}
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    if p.gossip_async and p.sync != "gossip":
-        raise ConfigError(f"parallel.gossip_async = true is asynchronous gossip and needs parallel.sync = 'gossip' "
-                          f"(here {p.sync!r}); set parallel.sync='gossip' or parallel.gossip_async=false")
-    if p.sync != "gossip":
+def check(layout: Layout, keys: GossipKeys) -> None:
+    if layout.sync != "gossip":
         return
-    require_plain_data_parallel(cfg)
-    if p.dp < 2:
-        raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {p.dp}; "
+    require_plain_data_parallel(layout)
+    if layout.dp < 2:
+        raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {layout.dp}; "
                           "set parallel.dp >= 2")
-    if p.gossip_every < 1:
-        raise ConfigError(f"parallel.gossip_every = {p.gossip_every} must be >= 1 (steps between neighbour "
-                          "averages); set --set parallel.gossip_every=1")
-    if p.gossip_async and p.dp % 2:
-        raise ConfigError(f"parallel.gossip_async pairs each active (even) rank with passive (odd) ones and needs an "
-                          f"even parallel.dp: dp = {p.dp}; set parallel.dp={p.dp + 1}")
 
 
 def build(b: Build) -> Strategy:
-    p = b.cfg.parallel
-    if p.gossip_async:
-        from plait.parallel.gossip_async import AsyncGossipStrategy
-
-        return AsyncGossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn,
-                                   b.precision, b.local_batch, b.rt.axis_group("dp"), p.gossip_every,
-                                   p.gossip_topology, b.cfg.train.seed, b.cfg.launch.timeout_s)
+    keys = b.keys(GossipKeys)
     return GossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
-                          b.local_batch, b.rt.axis_group("dp"), p.gossip_every, p.gossip_topology)
+                          b.local_batch, b.rt.axis_group("dp"), keys.gossip_every, keys.gossip_topology)
 
 
-SCHEME = Scheme("gossip", applies=lambda cfg: cfg.parallel.sync == "gossip", check=check, strategy=build)
+SCHEME = Scheme("gossip", applies=lambda layout, keys: layout.sync == "gossip", keys=GossipKeys, check=check,
+                strategy=build)

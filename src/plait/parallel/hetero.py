@@ -17,7 +17,11 @@ import threading
 
 import torch
 
+from plait.callback import Callback
 from plait.errors import ConfigError
+from plait.parallel.keys import HeteroKeys
+from plait.parallel.layout import Layout
+from plait.parallel.scheme import Build, Scheme
 
 
 def parse(spec: str, dp: int) -> list[float] | None:
@@ -109,20 +113,51 @@ class HeteroShares:
         return [event]
 
 
-def check(cfg) -> None:
-    """parallel.hetero: data parallel with all-reduce only, and re-splits far enough apart for the loader."""
-    p = cfg.parallel
-    if not p.hetero:
+def check(layout: Layout, keys: HeteroKeys) -> None:
+    """parallel.hetero: data parallel with all-reduce only."""
+    if not keys.hetero:
         return
-    dp = p.dp if isinstance(p.dp, int) else 0
-    if dp:
-        parse(p.hetero, dp)
-    if (isinstance(p.dp, int) and p.dp < 2) or p.tp > 1 or p.pp > 1 or p.zero or p.sync != "allreduce" \
-            or p.embedding_sharding != "none" or p.ep > 1:
-        raise ConfigError(f"parallel.hetero = {p.hetero!r} splits the batch of data-parallel ranks that all-reduce "
+    parse(keys.hetero, layout.dp)
+    if layout.dp < 2 or not layout.plain_data_parallel:
+        raise ConfigError(f"parallel.hetero = {keys.hetero!r} splits the batch of data-parallel ranks that all-reduce "
                           f"their gradients: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0, "
-                          f"sync = 'allreduce' (here dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, zero = {p.zero}, "
-                          f"sync = {p.sync!r}); set parallel.hetero='' or change the layout")
-    if p.hetero == "auto" and p.hetero_every < cfg.data.prefetch + 2:
-        raise ConfigError(f"parallel.hetero_every = {p.hetero_every} must be >= data.prefetch + 2 = "
-                          f"{cfg.data.prefetch + 2}: batches are sliced that far ahead of compute")
+                          f"sync = 'allreduce' (here dp = {layout.dp}, tp = {layout.tp}, pp = {layout.pp}, zero = "
+                          f"{layout.zero}, sync = {layout.sync!r}); set parallel.hetero='' or change the layout")
+
+
+class HeteroCallback(Callback):
+    """The shares in the training loop: each rank's compute measured, re-split on schedule, saved in checkpoints."""
+
+    name = "hetero"
+
+    def __init__(self, shares: HeteroShares, device):
+        self.shares, self.device = shares, device
+        self.batch_slices = shares.offsets  # the loader slices each step's global batch by the shares
+
+    def after_compute(self, step: int, seconds: float, samples: int) -> None:
+        self.shares.add(seconds, samples)
+
+    def on_step_end(self, step: int) -> list[dict]:
+        return self.shares.after_step(step, self.device)  # auto: re-measured, re-split every hetero_every steps
+
+    def fields(self) -> dict:
+        return self.shares.fields()
+
+    def state_dict(self) -> dict:
+        return {"schedule": [[s, c] for s, c in self.shares._schedule], "history": self.shares.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.shares._lock:
+            self.shares._schedule = [(int(s), list(c)) for s, c in state["schedule"]]
+        self.shares.history = list(state["history"])
+
+
+def callbacks(b: Build, strategy) -> list:
+    keys = b.keys(HeteroKeys)
+    shares = HeteroShares(parse(keys.hetero, b.layout.dp), b.layout.dp, b.layout.global_batch, keys.hetero_every,
+                          b.rt.axis_group("dp"))
+    return [HeteroCallback(shares, b.rt.device)]
+
+
+SCHEME = Scheme("hetero", applies=lambda layout, keys: bool(keys.hetero), keys=HeteroKeys, check=check,
+                callbacks=callbacks)

@@ -1,14 +1,17 @@
-"""The one source of truth for a job's parallel degrees, its ranks' roles and its device mesh.
+"""The one owner of a job's parallel degrees, its ranks' roles, its meshes and what the layout can do.
 
     layout = Layout.from_config(cfg)                  # checks the arithmetic, numbers in the message
     layout.world_size                                 # dp * tp * pp (+ the parameter servers)
     layout.role(rank)                                 # "trainer", or a parameter server's "worker" / "server"
     layout.coords(rank)                               # {"pp": .., "dp": .., "tp": ..} of a training rank
-    rt = layout.init_runtime(cfg.launch)              # process group (or RPC) and the named mesh
+    layout.plain_data_parallel, layout.shards_gradients, layout.outputs_on_one_rank, ...   # named predicates
+    rt = layout.init_runtime(cfg.launch)              # process group (or RPC), the mesh and the expert mesh
 
-Config validation, the runtime, the planner and the launcher all ask this object; nothing else
-multiplies degrees. The mesh is (pp, dp, tp), tp innermost: a tensor-parallel group is made of
-consecutive ranks (one machine, the fastest links), pipeline stages are the outermost split.
+Config checks, the schemes, the runtime, the planner (which enumerates Layouts) and the launcher all
+ask this object; nothing else multiplies degrees or decides what kind of layout a job has. The mesh
+is (pp, dp, tp), tp innermost: a tensor-parallel group is made of consecutive ranks (one machine, the
+fastest links), pipeline stages are the outermost split. Expert parallelism cuts each dp group into
+(ep_replica, ep): ep consecutive dp ranks share out the experts, ep_replica holds the same ones.
 
 With a parameter server (parallel.sync = 'ps') ranks [0, dp) are workers and [dp, dp + ps_servers)
 servers (none with parallel.ps_placement = 'colocated': each worker serves a shard). Workers join
@@ -22,13 +25,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
 from plait.errors import ConfigError
-from plait.ps.rpc import join
-from plait.runtime import Runtime, init_process_group, pick_device
 
 AXES = ("pp", "dp", "tp")
+EXPERT_AXES = ("pp", "ep_replica", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -36,25 +36,42 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    zero: int = 0  # ZeRO stage on the dp axis
+    micro_batch: int = 0  # samples per forward/backward (0: unknown, e.g. for a layout alone)
+    schedule: str = "1f1b"  # the pipeline schedule (pp > 1)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b)
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp ranks
+    sync: str = "allreduce"  # how dp replicas agree: allreduce, ps or gossip
     ps_servers: int = 0  # parameter-server processes beside the dp workers (0: none)
-    global_batch: int = 0  # samples per optimizer step (0: unknown, e.g. for a layout alone)
-    micro_batch: int = 0  # samples per forward/backward
     ps_colocated: bool = False  # a parameter server whose shards live in the dp workers (no server processes)
+    embedding_sharding: str = "none"
+    offload: str = "none"  # where optimizer state lives: none, disk, optimizer (host), params (FSDP2's CPU offload)
+    loss_scaling: bool = False  # fp16: dynamic loss scaling, every rank agreeing on an overflow
+    global_batch: int = 0  # samples per optimizer step (0: unknown)
+    microbatches: int = 0  # pipeline micro-batches per step (0: the accumulation count)
+    nodes: tuple[int, int] = (1, 1)  # (min, max) machines: an elastic range when they differ
+    nproc_per_node: int = 0  # launch.nproc_per_node (0: the layout spread evenly over the machines)
 
     @classmethod
     def from_config(cls, cfg) -> Layout:
         """The layout of a Config; raises ConfigError when the degrees and batch sizes do not fit together."""
         p, t = cfg.parallel, cfg.train
         colocated = p.sync == "ps" and p.ps_placement == "colocated"
-        layout = cls(p.dp, p.tp, p.pp, p.ps_servers if p.sync == "ps" and not colocated else 0, t.global_batch_size,
-                     t.micro_batch_size, colocated)
+        nproc = cfg.launch.nproc_per_node
+        layout = cls(p.dp, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
+                     t.activation_checkpointing, p.sequence_parallel, p.ep, p.sync,
+                     p.ps_servers if p.sync == "ps" and not colocated else 0, colocated, p.embedding_sharding,
+                     p.offload, cfg.precision.dtype == "fp16", t.global_batch_size, p.microbatches, cfg.node_range,
+                     nproc if isinstance(nproc, int) else 0)
         layout.check()
         return layout
 
     # ---- arithmetic
     def check(self) -> None:
-        for axis in ("dp", "tp", "pp"):
-            if getattr(self, axis) < 1:
+        for axis in ("dp", "tp", "pp", "ep"):
+            if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1; set --set parallel.{axis}=1")
         if self.global_batch and self.micro_batch:
             per_step = self.micro_batch * self.dp
@@ -65,14 +82,11 @@ class Layout:
                     f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size")
 
     @property
-    def ps(self) -> bool:
-        """Whether the ranks are a parameter server's workers (and servers) rather than a mesh."""
-        return bool(self.ps_servers) or self.ps_colocated
-
-    @property
     def trainers(self) -> int:
         """Processes on the (pp, dp, tp) mesh: dp * tp * pp."""
         return self.dp * self.tp * self.pp
+
+    devices = trainers  # the planner's word for it
 
     @property
     def world_size(self) -> int:
@@ -89,10 +103,91 @@ class Layout:
         """Samples per step on one data-parallel rank."""
         return self.global_batch // self.dp
 
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Pipeline micro-batches per step: parallel.microbatches, else the accumulation count."""
+        return self.microbatches or self.grad_accum
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the model is cut into: pp * virtual_stages."""
+        return self.pp * self.virtual_stages
+
+    # ---- what the layout is: the predicates every check and scheme asks (never the degrees by hand)
+    @property
+    def ps(self) -> bool:
+        """Whether the ranks are a parameter server's workers (and servers) rather than a mesh."""
+        return self.sync == "ps" and (bool(self.ps_servers) or self.ps_colocated)
+
+    @property
+    def data_parallel_only(self) -> bool:
+        """No axis but dp cuts the model (ZeRO may shard it over dp): tp = pp = ep = 1, no sharded embeddings, and
+        the replicas average by all-reduce."""
+        return (self.tp == 1 and self.pp == 1 and self.ep == 1 and self.embedding_sharding == "none"
+                and self.sync == "allreduce")
+
+    @property
+    def plain_data_parallel(self) -> bool:
+        """Whole replicas averaging by all-reduce, nothing sharded: data_parallel_only with zero = 0."""
+        return self.data_parallel_only and self.zero == 0
+
+    @property
+    def replicas_without_a_mesh_axis(self) -> bool:
+        """Whole replicas on the dp axis alone, however they agree (all-reduce, parameter server, gossip): what a
+        parameter server or gossip replaces DDP on. tp = pp = ep = 1, zero = 0, no sharded embeddings."""
+        return self.tp == 1 and self.pp == 1 and self.ep == 1 and self.zero == 0 and self.embedding_sharding == "none"
+
+    @property
+    def splits_model(self) -> bool:
+        """A rank holds part of each step's model compute: tensor or pipeline parallel."""
+        return self.tp > 1 or self.pp > 1
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """ZeRO >= 1 over dp ranks: each holds 1/dp of the optimizer state."""
+        return self.zero >= 1 and self.dp > 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO >= 2 over dp ranks: gradients reduce-scattered, and (FSDP2) parameters sharded at rest."""
+        return self.zero >= 2 and self.dp > 1
+
+    @property
+    def elementwise_optimizer_only(self) -> bool:
+        """The optimizer steps on pieces of tensors (ZeRO's shards, offload's chunks), so its update must be
+        elementwise."""
+        return self.zero >= 1 or self.offload in ("disk", "optimizer")
+
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        """Every parameter the optimizer steps is a whole tensor on one rank (no tensor parallel, no server shards)."""
+        return self.tp == 1 and not self.ps and self.sync != "ps"
+
+    @property
+    def outputs_on_one_rank(self) -> bool:
+        """A rank computes the whole model's outputs for its samples (no pipeline stages, no parameter server)."""
+        return self.pp == 1 and self.sync != "ps"
+
+    @property
+    def every_rank_evaluates(self) -> bool:
+        """Every rank takes part in evaluation (a parameter server's workers do not)."""
+        return self.sync != "ps"
+
+    @property
+    def elastic(self) -> bool:
+        """The number of machines may change while the job runs."""
+        return self.nodes[0] < self.nodes[1]
+
+    def describe(self) -> str:
+        """The degrees for an error message: "dp = 2, tp = 1, pp = 1, ep = 1, zero = 0, sync = 'allreduce'"."""
+        return (f"dp = {self.dp}, tp = {self.tp}, pp = {self.pp}, ep = {self.ep}, zero = {self.zero}, "
+                f"sync = {self.sync!r}")
+
     def formula(self) -> str:
         text = f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})"
         return text + (f" + ps_servers({self.ps_servers})" if self.ps_servers else "")
 
+    # ---- the launch
     def check_world(self, world: int, where: str = "this job has WORLD_SIZE") -> None:
         """Raise, showing the arithmetic, unless `world` processes are what the layout needs."""
         if world != self.world_size:
@@ -137,22 +232,55 @@ class Layout:
         dp, tp = divmod(rest, self.tp)
         return {"pp": pp, "dp": dp, "tp": tp}
 
+    # ---- the planner's view
+    def sets(self) -> str:
+        """The layout as ready --set arguments."""
+        parts = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                 f"parallel.zero={self.zero}", f"train.micro_batch_size={self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(f"parallel.pp_schedule='{self.schedule}'")
+            if self.virtual_stages > 1:
+                parts.append(f"parallel.virtual_stages={self.virtual_stages}")
+        if self.sequence_parallel:
+            parts.append("parallel.sequence_parallel=true")
+        if self.ep > 1:
+            parts.append(f"parallel.ep={self.ep}")
+        if self.activation_checkpointing:
+            parts.append("train.activation_checkpointing=true")
+        return " ".join(f"--set {p}" for p in parts)
+
+    def label(self) -> str:
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro_batch}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (s + (" sp" if self.sequence_parallel else "") + (" ac" if self.activation_checkpointing else "")
+                + (f" ep{self.ep}" if self.ep > 1 else ""))
+
     # ---- the runtime
-    def init_runtime(self, launch_cfg) -> Runtime:
-        """Join the job as this layout says: a process group and the named mesh, or (parameter server) RPC."""
+    def init_runtime(self, launch_cfg):
+        """Join the job as this layout says: a process group, the named mesh (and the expert mesh), or RPC."""
+        from plait.runtime import Runtime, init_process_group  # lazily: the layout's arithmetic needs no torch
+
         if self.ps:
             return self._init_ps(launch_cfg)
         rank, world, local_rank, device, backend = init_process_group(launch_cfg)
         self.check_world(world)
-        mesh = None
+        mesh = experts = None
         if world > 1:
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import init_device_mesh  # lazily: as the runtime above
 
             mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=AXES)
+            if self.ep > 1:  # the dp axis cut into (ep_replica, ep): groups for the two new axes only
+                experts = mesh._unflatten("dp", (self.dp // self.ep, self.ep), EXPERT_AXES[1:3])["ep_replica", "ep"]
         return Runtime(rank, world, local_rank, device, backend, mesh, "trainer", self.coords(rank),
-                       {"pp": self.pp, "dp": self.dp, "tp": self.tp})
+                       {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}, expert_mesh=experts)
 
-    def _init_ps(self, launch_cfg) -> Runtime:
+    def _init_ps(self, launch_cfg):
+        import torch  # lazily: as in init_runtime
+
+        from plait.ps.rpc import join  # lazily: as torch above
+        from plait.runtime import Runtime, pick_device  # lazily: as torch above
+
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.check_world(world)
         role = self.role(rank)

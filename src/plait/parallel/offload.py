@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
+from plait.parallel.scheme import Build, Scheme
 
 CHUNK_NUMEL = 1 << 20  # elements per chunk: 4 MiB of fp32 per state tensor
 
@@ -258,21 +260,24 @@ def offload_dir(run_dir: Path | None, rank: int) -> Path | None:
     return None if run_dir is None else Path(run_dir) / "offload" / f"rank-{rank}"
 
 
-def check(cfg) -> None:
-    """parallel.offload = "disk" / "optimizer": which layouts and optimizers they compose with."""
-    from plait.parallel.fsdp import SHARDABLE_OPTIMIZERS
-
-    p = cfg.parallel
-    if p.offload not in ("disk", "optimizer"):
+def check(layout: Layout, keys) -> None:
+    """parallel.offload = "disk" / "optimizer": the layouts they compose with (the optimizer's rule is the optimizer's:
+    layout.elementwise_optimizer_only)."""
+    if layout.offload not in ("disk", "optimizer"):
         return
-    if cfg.optim.name not in SHARDABLE_OPTIMIZERS:
-        raise ConfigError(f"parallel.offload = {p.offload!r} updates the optimizer state chunk by chunk, which needs an "
-                          f"elementwise optimizer; optim.name = {cfg.optim.name!r} is not one: use one of "
-                          f"{', '.join(SHARDABLE_OPTIMIZERS)} or set parallel.offload='none'")
-    if p.zero >= 2 or p.tp > 1 or p.pp > 1 or p.sync != "allreduce" or p.embedding_sharding != "none" or p.ep > 1:
+    if layout.shards_gradients or not layout.data_parallel_only:
         raise ConfigError(
-            f"parallel.offload = {p.offload!r} works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where "
-            f"parameters are plain tensors; this layout has zero = {p.zero}, tp = {p.tp}, pp = {p.pp}, "
-            f"sync = {p.sync!r}, ep = {p.ep}, embedding_sharding = {p.embedding_sharding!r}: "
+            f"parallel.offload = {layout.offload!r} works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where "
+            f"parameters are plain tensors; this layout has zero = {layout.zero}, tp = {layout.tp}, pp = {layout.pp}, "
+            f"sync = {layout.sync!r}, ep = {layout.ep}, embedding_sharding = {layout.embedding_sharding!r}: "
             + ("use parallel.offload='params' (FSDP2's CPU offload) with zero 2/3, or parallel.zero=1"
-               if p.zero >= 2 else "set parallel.offload='none'"))
+               if layout.zero >= 2 else "set parallel.offload='none'"))
+
+
+def wrap(optimizer: torch.optim.Optimizer, b: Build) -> torch.optim.Optimizer:
+    """The step owner's optimizer with its state where parallel.offload puts it (RUN_DIR/offload/rank-R for disk)."""
+    return offload_optimizer(optimizer, b.layout.offload, b.rt.device, offload_dir(b.run_dir, b.rt.rank), log=b.rt.print)
+
+
+SCHEME = Scheme("offload", applies=lambda layout, keys: layout.offload in ("disk", "optimizer"), check=check,
+                wrap_optimizer=wrap)

@@ -29,7 +29,10 @@ from plait.errors import ConfigError
 from plait.models import capabilities
 from plait.models.protocols import pipeline_blocks, pipeline_parts
 from plait.parallel.base import Strategy
+from plait.parallel.expert import refuse_experts
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
+from plait.parallel.keys import PipelineKeys
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 from plait.parallel.split import pipeline_stage, stage_bounds
 
@@ -364,121 +367,96 @@ def pipeline_summary(per_rank: list[dict], schedule: str, p: int, m: int, v: int
     }
 
 
-def microbatches(cfg) -> int:
-    """Pipeline micro-batches per step: parallel.microbatches, else the accumulation count."""
-    t = cfg.train
-    return cfg.parallel.microbatches or t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp)
-
-
-def check(cfg) -> None:
-    p, t = cfg.parallel, cfg.train
-    if p.virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} must be >= 1")
-    if p.virtual_stages > 1 and p.pp_schedule != "interleaved-1f1b":
-        raise ConfigError(
-            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp_schedule = 'interleaved-1f1b' "
-            f"(it is {p.pp_schedule!r})")
-    if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and p.virtual_stages < 2:
+def check(layout: Layout, keys: PipelineKeys) -> None:
+    """What the layout asks of the pipeline's keys (the keys' own rules are PipelineKeys.check)."""
+    p = layout.pp
+    if keys.pp_schedule == "interleaved-1f1b" and p > 1 and keys.virtual_stages < 2:
         raise ConfigError("parallel.pp_schedule = 'interleaved-1f1b' needs parallel.virtual_stages >= 2 model "
                           "chunks per pipeline rank; set --set parallel.virtual_stages=2")
-    if p.pp_schedule == "pipedream" and p.pp > 1:
-        refused = [f"{k} = {v!r}" for k, v, bad in (
-            ("parallel.tp", p.tp, p.tp > 1), ("parallel.zero", p.zero, p.zero > 0),
-            ("parallel.virtual_stages", p.virtual_stages, p.virtual_stages > 1),
-            ("precision.dtype", cfg.precision.dtype, cfg.precision.dtype == "fp16"),
-            ("parallel.compression", p.compression, p.compression not in ("", "none", None))) if bad]
-        if refused:
-            raise ConfigError(f"parallel.pp_schedule = 'pipedream' runs plain pipeline stages (dp x pp, fp32 or bf16); "
-                              f"it does not combine with {', '.join(refused)}: set pp_schedule = '1f1b' or drop them")
-    if p.microbatches < 0:
-        raise ConfigError(f"parallel.microbatches = {p.microbatches} must be >= 0 (0: derived)")
-    if isinstance(p.pp_split, str) and p.pp_split != "auto":
-        raise ConfigError(f"parallel.pp_split = {p.pp_split!r}: give block indices (e.g. [2]), [] (balanced by "
-                          "parameters) or 'auto' (balanced by measured block times)")
-    if p.pp_split == "auto" and p.virtual_stages > 1:
-        raise ConfigError("parallel.pp_split = 'auto' places one stage per pipeline rank; with "
-                          f"parallel.virtual_stages = {p.virtual_stages} give the cut points")
-    if isinstance(p.pp_split, list) and p.pp_split and p.pp > 1 and len(p.pp_split) != p.pp * p.virtual_stages - 1:
+    if isinstance(keys.pp_split, list) and keys.pp_split and p > 1 and len(keys.pp_split) != layout.stages - 1:
         raise ConfigError(
-            f"parallel.pp_split = {p.pp_split} gives {len(p.pp_split) + 1} stages but the layout has "
-            f"{p.pp * p.virtual_stages}; give {p.pp * p.virtual_stages - 1} block indices")
-    if p.pp == 1:
+            f"parallel.pp_split = {keys.pp_split} gives {len(keys.pp_split) + 1} stages but the layout has "
+            f"{layout.stages}; give {layout.stages - 1} block indices")
+    if p == 1:
         return
-    if p.microbatches and t.global_batch_size % (p.dp * p.microbatches):
+    if keys.microbatches and layout.global_batch % (layout.dp * keys.microbatches):
         raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be divisible by parallel.dp ({p.dp}) * "
-            f"parallel.microbatches ({p.microbatches}) = {p.dp * p.microbatches}")
-    m = microbatches(cfg)
-    if p.pp_schedule == "pipedream" and m < p.pp:
-        raise ConfigError(f"parallel.pp_schedule = 'pipedream' needs at least parallel.pp ({p.pp}) micro-batches per step "
-                          f"(it has {m}); set parallel.microbatches={p.pp}")
-    if p.pp_schedule == "interleaved-1f1b" and m % p.pp:
+            f"train.global_batch_size ({layout.global_batch}) must be divisible by parallel.dp ({layout.dp}) * "
+            f"parallel.microbatches ({keys.microbatches}) = {layout.dp * keys.microbatches}")
+    m = layout.pipeline_microbatches
+    if keys.pp_schedule == "interleaved-1f1b" and m % p:
         raise ConfigError(
             f"parallel.pp_schedule = 'interleaved-1f1b' needs the micro-batches per step ({m}) to be a multiple "
-            f"of parallel.pp ({p.pp}); set parallel.microbatches={p.pp * max(1, m // p.pp)}")
+            f"of parallel.pp ({p}); set parallel.microbatches={p * max(1, m // p)}")
 
 
-def check_model(cfg, model: nn.Module | None) -> None:
-    """The model can be cut into pp * virtual_stages stages (model None: the registered model cfg.model names)."""
-    p = cfg.parallel
-    stages = p.pp * p.virtual_stages
+def check_model(layout: Layout, keys: PipelineKeys, model_cfg, model: nn.Module | None) -> None:
+    """The model can be cut into pp * virtual_stages stages (model None: the registered model model_cfg names)."""
+    refuse_experts(model_cfg, "pp", layout.pp)
+    stages = layout.stages
     if model is None:
-        if "pipeline" not in capabilities(cfg.model):
+        if "pipeline" not in capabilities(model_cfg):
             raise ConfigError(
-                f"parallel.pp = {p.pp} cuts the model into stages, but model.name = {cfg.model.name!r} has no pipeline "
-                "cut points (an nn.Sequential, or a `pipeline_parts()` method naming its blocks, see docs/models.md); "
-                "set parallel.pp=1")
-        if cfg.model.name == "gpt" and stages > cfg.model.layers:
+                f"parallel.pp = {layout.pp} cuts the model into stages, but model.name = {model_cfg.name!r} has no "
+                "pipeline cut points (an nn.Sequential, or a `pipeline_parts()` method naming its blocks, see "
+                "docs/models.md); set parallel.pp=1")
+        if model_cfg.name == "gpt" and stages > model_cfg.layers:
             raise ConfigError(
-                f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} "
-                f"stages but model.layers = {cfg.model.layers}: every stage needs a block; lower pp or raise layers")
+                f"parallel.pp ({layout.pp}) * parallel.virtual_stages ({layout.virtual_stages}) = {stages} "
+                f"stages but model.layers = {model_cfg.layers}: every stage needs a block; lower pp or raise layers")
         return
-    what = cfg.model.factory or type(model).__name__
+    what = model_cfg.factory or type(model).__name__
     blocks = pipeline_blocks(model)
     if blocks is None:
         raise ConfigError(
-            f"parallel.pp = {p.pp} cuts the model into stages, but {what}"
-            f"{f' ({type(model).__name__})' if cfg.model.factory else ''} is no nn.Sequential and has no "
+            f"parallel.pp = {layout.pp} cuts the model into stages, but {what}"
+            f"{f' ({type(model).__name__})' if model_cfg.factory else ''} is no nn.Sequential and has no "
             "`pipeline_parts()` naming its blocks (docs/models.md); set parallel.pp=1")
     if stages > len(blocks):
         raise ConfigError(
-            f"parallel.pp ({p.pp}) * parallel.virtual_stages ({p.virtual_stages}) = {stages} stages but {what} has "
-            f"{len(blocks)} block(s) to cut between: every stage needs one; set parallel.pp={max(1, len(blocks))} or lower")
-    if p.pp_split == "auto" and cfg.model.factory:
+            f"parallel.pp ({layout.pp}) * parallel.virtual_stages ({layout.virtual_stages}) = {stages} stages but {what} "
+            f"has {len(blocks)} block(s) to cut between: every stage needs one; set parallel.pp={max(1, len(blocks))} "
+            "or lower")
+    if keys.pp_split == "auto" and model_cfg.factory:
         raise ConfigError("parallel.pp_split = 'auto' times plait's GPT blocks; for your own model give the cut "
                           "points (parallel.pp_split = [i, ...]) or leave it empty (balanced by parameters)")
-    if isinstance(p.pp_split, list) and p.pp_split and not all(0 < i < len(blocks) for i in p.pp_split):
-        raise ConfigError(f"parallel.pp_split = {p.pp_split}: {what} has {len(blocks)} blocks; give block indices "
+    if isinstance(keys.pp_split, list) and keys.pp_split and not all(0 < i < len(blocks) for i in keys.pp_split):
+        raise ConfigError(f"parallel.pp_split = {keys.pp_split}: {what} has {len(blocks)} blocks; give block indices "
                           f"strictly between 0 and {len(blocks)}")
 
 
-def build(b: Build) -> PipelineStrategy:
-    """Cut the plain model into pp * virtual_stages stages; this rank holds stages r, r + pp, ...; each is parallelized."""
-    p, rt, module = b.cfg.parallel, b.rt, b.module
-    pp, v = rt.axis_size("pp"), p.virtual_stages
-    if p.pp_split == "auto":
-        from plait.parallel.stagetime import auto_bounds
+def stages_of(b: Build) -> tuple[list, list[int], list[nn.Module]]:
+    """(bounds, this rank's stage indices, its parallelized stages): pp * virtual_stages stages of the plain model;
+    this rank holds stages r, r + pp, ..."""
+    keys, rt, module = b.keys(PipelineKeys), b.rt, b.module
+    pp, v = rt.axis_size("pp"), keys.virtual_stages
+    if keys.pp_split == "auto":
+        from plait.parallel.stagetime import auto_bounds  # lazily: it imports the trainer's timing helpers
 
         bounds, times = auto_bounds(module, pp * v, b.cfg, rt)
         ms = "; ".join(f"pp rank {r}: " + " ".join(f"{t * 1000:.1f}" for t in row) for r, row in enumerate(times))
         rt.print(f"pp_split = auto: blocks {[f'{a}-{z - 1}' for a, z in bounds]} per stage, from each block's "
                  f"forward+backward ms on each pipeline rank ({ms})")
     else:
-        bounds = stage_bounds(module, pp * v, p.pp_split or None)
+        bounds = stage_bounds(module, pp * v, keys.pp_split or None)
     mine = [rt.axis_rank("pp") + k * pp for k in range(v)]
     parts = [b.parallelize(pipeline_stage(module, bounds, s)) for s in mine]
     for part in parts:  # shard-only initialisation: each stage fills its own parameters (tp has, if it split them)
         b.materialize(part)
+    return bounds, mine, parts
+
+
+def build(b: Build, cls: type | None = None) -> PipelineStrategy:
+    """The pipeline strategy (cls: PipelineStrategy, or a subclass such as PipeDream's) over this rank's stages."""
+    bounds, mine, parts = stages_of(b)
+    module, rt = b.module, b.rt
     tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
-    cls = PipelineStrategy
-    if p.pp_schedule == "pipedream":
-        from plait.parallel.pipedream import PipeDreamStrategy as cls
-    strategy = cls(parts, mine, pp * v, rt, b.make_optimizer, b.loss_fn, b.precision, b.local_batch,
-                                microbatches(b.cfg), p.pp_schedule, pipeline_parts(module)["blocks"], tied,
-                                dp_sync=rt.axis_size("dp") > 1)
+    strategy = (cls or PipelineStrategy)(parts, mine, b.layout.stages, rt, b.make_optimizer, b.loss_fn, b.precision,
+                                         b.local_batch, b.layout.pipeline_microbatches, b.layout.schedule,
+                                         pipeline_parts(module)["blocks"], tied, dp_sync=rt.axis_size("dp") > 1)
     strategy.bounds = bounds
     return strategy
 
 
-SCHEME = Scheme("pipeline", applies=lambda cfg: cfg.parallel.pp > 1, check=check, check_model=check_model,
-                strategy=build)
+SCHEME = Scheme("pipeline", applies=lambda layout, keys: layout.pp > 1, keys=PipelineKeys, check=check,
+                check_model=check_model, strategy=build)

@@ -27,6 +27,8 @@ import torch
 
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.keys import ParameterServerKeys
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
 from plait.ps import server as srv
 from plait.ps.client import PSClient
@@ -120,19 +122,21 @@ def shards(module, servers: int, rows: bool = False) -> list[list[Piece]]:
 
 def build(b: Build) -> PSStrategy:
     """A worker's strategy: a local optimizer only for the learning rate; the servers hold the real one."""
-    p = b.cfg.parallel
+    p = b.keys(ParameterServerKeys)
     colocated = p.ps_placement == "colocated"
     client = (colocated_client(b) if colocated else
               PSClient(b.module, b.rt.rank, shards(b.module, p.ps_servers), b.cfg.launch.timeout_s))
-    return PSStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
-                      b.local_batch, client, p.ps_mode, b.rt.rank, p.dp, p.ps_servers, colocated)
+    strategy = PSStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
+                          b.local_batch, client, p.ps_mode, b.rt.rank, b.layout.dp, p.ps_servers, colocated)
+    strategy.evaluates = b.layout.role(b.rt.rank) == "trainer"  # the chief; the other workers evaluate nothing
+    return strategy
 
 
 def colocated_client(b: Build) -> PSClient:
     """Worker k's client, with server k (shard k of dp) running in this process: it answers the other workers from
     a thread while this one trains, and the worker leaves only once every worker is done with its shard."""
-    p, rank = b.cfg.parallel, b.rt.rank
-    cut = shards(b.module, p.dp, rows=True)
+    dp, rank = b.layout.dp, b.rt.rank
+    cut = shards(b.module, dp, rows=True)
     # The server's own copy of the (identically initialised) model, on CPU like a dedicated server's.
     server = srv.ParameterServer(rank, copy.deepcopy(b.module).cpu(), cut[rank], b.cfg, b.make_optimizer, host=rank)
     srv.start(server)
@@ -143,7 +147,7 @@ def colocated_client(b: Build) -> PSClient:
         loop.join()  # until every worker is done with this shard (or found dead)
         return bool(server.dead or server.failure)
 
-    return PSClient(b.module, rank, cut, b.cfg.launch.timeout_s, servers=[worker_name(k) for k in range(p.dp)],
+    return PSClient(b.module, rank, cut, b.cfg.launch.timeout_s, servers=[worker_name(k) for k in range(dp)],
                     local={rank: server}, before_leave=before_leave)
 
 
@@ -151,8 +155,8 @@ def serve(b: Build, run_dir) -> dict:
     """A server rank: hold this server's shard until every worker is done or gone; returns its summary."""
     cfg = b.cfg
     module = b.module.cpu()
-    index = b.rt.rank - cfg.parallel.dp
-    server = srv.ParameterServer(index, module, shards(module, cfg.parallel.ps_servers)[index], cfg, b.make_optimizer)
+    index = b.rt.rank - b.layout.dp
+    server = srv.ParameterServer(index, module, shards(module, b.layout.ps_servers)[index], cfg, b.make_optimizer)
     srv.start(server)
     t0 = time.perf_counter()
     server.serve()
@@ -166,28 +170,24 @@ def serve(b: Build, run_dir) -> dict:
     return summary
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    if p.staleness < 0:
-        raise ConfigError(f"parallel.staleness = {p.staleness} must be >= 0 (how many steps a worker may run ahead of "
-                          "the slowest one; 0 = lockstep); set --set parallel.staleness=2")
-    if p.sync != "ps":
+def check(layout: Layout, keys: ParameterServerKeys) -> None:
+    if layout.sync != "ps":
         return
-    require_plain_data_parallel(cfg)
-    check_elastic(cfg)
-    if p.ps_placement == "colocated":
+    require_plain_data_parallel(layout)
+    check_elastic(layout, keys)
+    if keys.ps_placement == "colocated":
         return  # dp processes, each a worker and a server: parallel.ps_servers is not used
-    if p.ps_servers < 1:
-        raise ConfigError(f"parallel.ps_servers = {p.ps_servers} must be >= 1 (parameter-server processes); "
+    if keys.ps_servers < 1:
+        raise ConfigError(f"parallel.ps_servers = {keys.ps_servers} must be >= 1 (parameter-server processes); "
                           "set --set parallel.ps_servers=1")
-    if p.dp < p.ps_servers:
+    if layout.dp < keys.ps_servers:
         raise ConfigError(
-            f"parallel.sync = 'ps' with parallel.ps_servers = {p.ps_servers} servers but only parallel.dp = {p.dp} "
-            f"workers: a server without a worker of its own is wasted; set parallel.ps_servers <= {p.dp} or "
-            f"parallel.dp >= {p.ps_servers}")
+            f"parallel.sync = 'ps' with parallel.ps_servers = {keys.ps_servers} servers but only parallel.dp = "
+            f"{layout.dp} workers: a server without a worker of its own is wasted; set parallel.ps_servers <= "
+            f"{layout.dp} or parallel.dp >= {keys.ps_servers}")
 
 
-def check_elastic(cfg) -> None:
+def check_elastic(layout: Layout, keys: ParameterServerKeys) -> None:
     """launch.nnodes = MIN:MAX for a parameter server: what stays sound when machines leave or join.
 
     Workers hold no state, so an async or SSP job goes on without those of a machine that left (the servers count
@@ -196,34 +196,33 @@ def check_elastic(cfg) -> None:
     worker), colocated servers (a leaving worker takes its shard with it), and a machine count at which the
     servers leave no worker or the global batch does not split over the workers.
     """
-    p, t = cfg.parallel, cfg.train
-    lo, hi = cfg.node_range
+    lo, hi = layout.nodes
     if lo == hi:
         return
-    what = f"parallel.sync = 'ps' with launch.nnodes = {cfg.launch.nnodes}"
-    if p.ps_mode == "sync":
+    what = f"parallel.sync = 'ps' with launch.nnodes = {lo}:{hi}"
+    if keys.ps_mode == "sync":
         raise ConfigError(f"{what}: parallel.ps_mode = 'sync' needs every worker at every step, and an elastic job goes "
                           "on without some; set parallel.ps_mode = 'async' or 'ssp', or launch.nnodes to a fixed number "
                           "of machines")
-    if p.ps_placement == "colocated":
+    if keys.ps_placement == "colocated":
         raise ConfigError(f"{what}: with parallel.ps_placement = 'colocated' a worker that leaves takes its shard of the "
                           "parameters with it; set parallel.ps_placement = 'dedicated', or launch.nnodes to a fixed "
                           "number of machines")
-    if not isinstance(p.dp, int):
-        return  # dp = auto: resolved before the check runs again
-    per_node = cfg.launch.nproc_per_node or max(1, (p.dp + p.ps_servers) // hi)
+    servers, micro, global_batch = keys.ps_servers, layout.micro_batch, layout.global_batch
+    per_node = layout.nproc_per_node or max(1, (layout.dp + servers) // hi)
     for nodes in range(lo, hi + 1):
-        workers = nodes * per_node - p.ps_servers
+        workers = nodes * per_node - servers
         if workers < 1:
             raise ConfigError(
-                f"{what}: at {nodes} machine(s) x {per_node} processes the {p.ps_servers} parameter server(s) leave no "
-                f"worker; set launch.nnodes to at least {-(-(p.ps_servers + 1) // per_node)}:{hi}, or more processes "
+                f"{what}: at {nodes} machine(s) x {per_node} processes the {servers} parameter server(s) leave no "
+                f"worker; set launch.nnodes to at least {-(-(servers + 1) // per_node)}:{hi}, or more processes "
                 "per machine")
-        if t.global_batch_size % (t.micro_batch_size * workers):
+        if global_batch % (micro * workers):
             raise ConfigError(
                 f"{what}: at {nodes} machine(s) the job has {workers} workers, and train.global_batch_size "
-                f"({t.global_batch_size}) is not divisible by train.micro_batch_size ({t.micro_batch_size}) * "
+                f"({global_batch}) is not divisible by train.micro_batch_size ({micro}) * "
                 f"{workers}; choose a micro batch size that divides the global batch at every size")
 
 
-SCHEME = Scheme("parameter_server", applies=lambda cfg: cfg.parallel.sync == "ps", check=check, strategy=build, serve=serve)
+SCHEME = Scheme("parameter_server", applies=lambda layout, keys: layout.sync == "ps", keys=ParameterServerKeys,
+                check=check, strategy=build, serve=serve)

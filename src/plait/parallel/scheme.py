@@ -2,16 +2,17 @@
 
     SCHEME = Scheme(
         "zero1",
-        applies=lambda cfg: cfg.parallel.dp > 1 and cfg.parallel.zero == 1,
-        check=check,                 # raises ConfigError for this scheme's keys, before any worker starts
+        applies=lambda layout, keys: layout.shards_optimizer and layout.zero == 1,
+        keys=None,                   # or its key group (plait.parallel.keys): check and applies get cfg.keys(it)
+        check=check,                 # (layout, keys) -> None, or ConfigError naming the key, before any worker starts
         strategy=build,              # Build -> Strategy: owns the step when it is the first that applies
     )
 
-`plait.parallel.SCHEMES` orders every scheme once. That one order decides both things that
+`plait.parallel.schemes.SCHEMES` orders every scheme once. That one order decides both things that
 depend on order: module transforms (`transform`) run in list order on every scheme that applies
 (tensor parallel before activation checkpointing before compile before FSDP/DDP, as torchtitan's
 parallelize does), and the step belongs to the first applicable scheme that builds a strategy.
-Adding a scheme is its file and one line in that list.
+Adding a scheme is its file, its keys (if it has any) and one line in that list.
 """
 
 from __future__ import annotations
@@ -23,14 +24,41 @@ from typing import Any
 import torch.nn as nn
 
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
 
 
-def _never(cfg) -> bool:
+def _never(layout: Layout, keys: Any) -> bool:
     return False
 
 
-def _no_check(cfg) -> None:
+def _no_check(layout: Layout, keys: Any) -> None:
     return None
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    applies: Callable[[Layout, Any], bool] = _never  # (layout, its keys) -> whether the job uses this scheme
+    keys: type | None = None  # its key group (plait.parallel.keys), given to applies and check
+    check: Callable[[Layout, Any], None] = _no_check  # (layout, keys) -> None, or raise ConfigError naming the fix
+    # (layout, keys, model cfg, model) -> None, or ConfigError: what the layout asks of the model (model None: the
+    # registered one the model cfg names)
+    check_model: Callable[[Layout, Any, Any, nn.Module | None], None] | None = None
+    transform: Callable[[nn.Module, Build], nn.Module] | None = None  # a module transform, in SCHEMES order
+    strategy: Callable[[Build], Any] | None = None  # Build -> Strategy (the step owner)
+    serve: Callable[[Build, Any], dict] | None = None  # (Build, run_dir) -> summary, for ranks whose role is "server"
+    # (optimizer, Build) -> the optimizer the step uses (offload moves its state out of device memory)
+    wrap_optimizer: Callable[[Any, Build], Any] | None = None
+    # (Build, strategy) -> callbacks for the training loop (plait.train.callbacks.Callback's members), e.g. hetero's shares
+    callbacks: Callable[[Build, Any], list] | None = None
+
+    def keys_of(self, cfg) -> Any:
+        """This scheme's view of its keys in cfg (None when it declares none)."""
+        return cfg.keys(self.keys) if self.keys is not None else None
+
+    def used(self, layout: Layout, cfg) -> bool:
+        """Whether the job `cfg` with this `layout` uses the scheme."""
+        return self.applies(layout, self.keys_of(cfg))
 
 
 @dataclass
@@ -39,20 +67,40 @@ class Build:
 
     cfg: Any  # plait.config.Config
     rt: Any  # plait.runtime.Runtime
-    layout: Any  # plait.parallel.layout.Layout
+    layout: Layout
     module: nn.Module  # the plain model, on the device, initialised the same on every rank
-    make_optimizer: Callable  # make_optimizer(module, only=None): the optimizer over module (or the ids in `only`)
+    new_optimizer: Callable  # new_optimizer(module, only=None): the configured optimizer over module (or the ids in `only`)
     loss_fn: Callable
     precision: Any  # plait.parallel.base.Precision
-    schemes: list = field(default_factory=list)  # plait.parallel.SCHEMES: the order of the transforms
+    schemes: list = field(default_factory=list)  # plait.parallel.schemes.SCHEMES: the order of the transforms
     # plait.models.meta.InitRecord when `module` is on the meta device (ZeRO-3's shard-only initialisation):
     # the scheme that shards it materialises its shards from the record
     meta_init: Any = None
+    run_dir: Any = None  # the run directory (None: a run that writes nothing), for schemes that keep files there
 
     @property
     def local_batch(self) -> int:
         """Samples per step on this data-parallel rank."""
         return self.layout.local_batch
+
+    def keys(self, group: type) -> Any:
+        """A key group's view of the job's config (a scheme's own, or another's it builds with)."""
+        return self.cfg.keys(group)
+
+    def uses(self, scheme: Scheme) -> bool:
+        return scheme.used(self.layout, self.cfg)
+
+    def make_optimizer(self, module: nn.Module, only: set[int] | None = None):
+        """The optimizer over module (or the parameter ids in `only`), wrapped by every scheme that wraps one."""
+        optimizer = self.new_optimizer(module, only)
+        for scheme in self.schemes:
+            if scheme.wrap_optimizer is not None and self.uses(scheme):
+                optimizer = scheme.wrap_optimizer(optimizer, self)
+        return optimizer
+
+    def callbacks(self, strategy: Any) -> list:
+        """The loop callbacks every scheme that applies brings, in SCHEMES order."""
+        return [c for s in self.schemes if s.callbacks is not None and self.uses(s) for c in s.callbacks(self, strategy)]
 
     def materialize(self, model: nn.Module) -> dict | None:
         """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init; its figures.
@@ -63,7 +111,7 @@ class Build:
         """
         if self.meta_init is None or not any(p.is_meta for p in model.parameters()):
             return None
-        from plait.models.meta import materialize
+        from plait.models.meta import materialize  # lazily: only shard-only initialisation needs it
 
         init = materialize(model, self.meta_init, self.rt.device)
         mb = 1 / 2**20
@@ -72,35 +120,25 @@ class Build:
                       f"{init['full_bytes'] * mb:.1f} MiB)")
         return init
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply the transform of every scheme that applies, in SCHEMES order, to a plain model (or pipeline stage)."""
+    def parallelize(self, model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+        """Apply the transform of every scheme that applies, in SCHEMES order, to a plain model (or pipeline stage).
+
+        skip: schemes whose transform the caller applies itself (expert parallel applies FSDP2 with its experts left out)."""
         for scheme in self.schemes:
-            if scheme.transform is not None and scheme.applies(self.cfg):
+            if scheme.transform is not None and scheme.name not in skip and self.uses(scheme):
                 model = scheme.transform(model, self)
         return model
 
 
-@dataclass(frozen=True)
-class Scheme:
-    name: str
-    applies: Callable[[Any], bool] = _never  # cfg -> whether the layout uses this scheme
-    check: Callable[[Any], None] = _no_check  # cfg -> None, or raise ConfigError naming the key and the fix
-    # (cfg, model) -> None, or ConfigError: what the layout asks of the model (model None: the registered one cfg names)
-    check_model: Callable[[Any, nn.Module | None], None] | None = None
-    transform: Callable[[nn.Module, Build], nn.Module] | None = None  # a module transform, in SCHEMES order
-    strategy: Callable[[Build], Any] | None = None  # Build -> Strategy (the step owner)
-    serve: Callable[[Build, Any], dict] | None = None  # (Build, run_dir) -> summary, for ranks whose role is "server"
-
-
-def require_plain_data_parallel(cfg) -> None:
-    """parallel.sync other than 'allreduce' replaces DDP on plain data parallelism, in fp32 or bf16."""
-    p = cfg.parallel
-    if p.sync == "allreduce":
+def require_plain_data_parallel(layout: Layout) -> None:
+    """parallel.sync other than 'allreduce' replaces DDP on whole replicas, in fp32 or bf16."""
+    if layout.sync == "allreduce":
         return
-    if p.tp > 1 or p.pp > 1 or p.zero or p.embedding_sharding != "none":
+    if not layout.replicas_without_a_mesh_axis:
         raise ConfigError(
-            f"parallel.sync = {p.sync!r} replaces DDP's all-reduce and works on plain data parallelism: it needs "
-            f"tp = pp = 1, zero = 0 and no embedding_sharding (here dp = {p.dp}, tp = {p.tp}, pp = {p.pp}, "
-            f"zero = {p.zero}); set parallel.sync='allreduce' or change the layout")
-    if cfg.precision.dtype == "fp16":
-        raise ConfigError(f"parallel.sync = {p.sync!r} does not take fp16 loss scaling; set precision.dtype='bf16' or 'fp32'")
+            f"parallel.sync = {layout.sync!r} replaces DDP's all-reduce and works on plain data parallelism: it needs "
+            f"tp = pp = ep = 1, zero = 0 and no embedding_sharding (here dp = {layout.dp}, tp = {layout.tp}, pp = "
+            f"{layout.pp}, ep = {layout.ep}, zero = {layout.zero}); set parallel.sync='allreduce' or change the layout")
+    if layout.loss_scaling:
+        raise ConfigError(f"parallel.sync = {layout.sync!r} does not take fp16 loss scaling; set precision.dtype='bf16' "
+                          "or 'fp32'")

@@ -13,4 +13,4 @@ def build(b: Build) -> Strategy:
     return strategy
 
 
-SCHEME = Scheme("single", applies=lambda cfg: True, strategy=build)
+SCHEME = Scheme("single", applies=lambda layout, keys: True, strategy=build)

@@ -13,6 +13,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from plait.errors import ConfigError
 from plait.models import capabilities
 from plait.models.protocols import check_tp_plan
+from plait.parallel.keys import TensorParallelKeys
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
 
@@ -44,38 +46,37 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
     return (mod, leaf) if getattr(mod, leaf, None) is not None else None
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    if p.sequence_parallel and p.tp == 1:
+def check(layout: Layout, keys: TensorParallelKeys) -> None:
+    if keys.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1; set parallel.tp=2 or turn it off")
 
 
-def check_model(cfg, model: nn.Module | None) -> None:
-    """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one)."""
-    p, m = cfg.parallel, cfg.model
+def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | None) -> None:
+    """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one m names)."""
+    tp_degree = layout.tp
     what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
     has_plan = callable(getattr(model, "tp_plan", None)) if model is not None else "tensor_parallel" in capabilities(m)
     if not has_plan:
         raise ConfigError(
-            f"parallel.tp = {p.tp} splits the model's matrices, but {what} declares no tensor-parallel plan "
+            f"parallel.tp = {tp_degree} splits the model's matrices, but {what} declares no tensor-parallel plan "
             "(a `tp_plan(sequence_parallel)` method; `tp_plan = megatron_plan` for the common patterns, see "
             "docs/models.md); set parallel.tp=1")
     if model is None:
-        if m.name == "gpt" and m.heads % p.tp:
-            raise ConfigError(f"model.heads ({m.heads}) is not divisible by parallel.tp = {p.tp}; "
-                              f"set model.heads to a multiple of {p.tp}")
+        if m.name == "gpt" and m.heads % tp_degree:
+            raise ConfigError(f"model.heads ({m.heads}) is not divisible by parallel.tp = {tp_degree}; "
+                              f"set model.heads to a multiple of {tp_degree}")
         return
     if callable(getattr(model, "tp_check", None)):
-        model.tp_check(p.tp)
-    check_tp_plan(model, model.tp_plan(p.sequence_parallel), p.tp)
+        model.tp_check(tp_degree)
+    check_tp_plan(model, model.tp_plan(keys.sequence_parallel), tp_degree)
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
-    model = apply_tp(model, b.rt.mesh["tp"], b.cfg.parallel.sequence_parallel)
-    if b.cfg.parallel.zero < 2:  # shard-only initialisation: this rank's pieces now (with FSDP: once it has sharded)
+    model = apply_tp(model, b.rt.mesh["tp"], b.layout.sequence_parallel)
+    if not b.layout.shards_gradients:  # shard-only initialisation: this rank's pieces now (with FSDP: once it has sharded)
         b.materialize(model)
     return model
 
 
-SCHEME = Scheme("tensor_parallel", applies=lambda cfg: cfg.parallel.tp > 1, check=check, check_model=check_model,
-                transform=transform)
+SCHEME = Scheme("tensor_parallel", applies=lambda layout, keys: layout.tp > 1, keys=TensorParallelKeys, check=check,
+                check_model=check_model, transform=transform)

@@ -30,6 +30,7 @@ from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.fsdp import check_zero
 from plait.parallel.gradsync import clip_grads
+from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
 
@@ -111,12 +112,11 @@ class ZeroOneStrategy(Strategy):
         self.flat_grads.zero_()  # gradients are views into this buffer: zero it, never drop them
 
 
-def check(cfg) -> None:
-    p = cfg.parallel
-    check_zero(cfg, (1,))
-    if p.zero == 1 and (p.tp > 1 or p.pp > 1):
+def check(layout: Layout, keys) -> None:
+    check_zero(layout, (1,))
+    if layout.zero == 1 and layout.splits_model:
         raise ConfigError(
-            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {p.tp}, pp = {p.pp}); "
+            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {layout.tp}, pp = {layout.pp}); "
             "use parallel.zero=2 or 3 with tp, or zero=0")
 
 
@@ -126,4 +126,5 @@ def build(b: Build) -> Strategy:
     return strategy
 
 
-SCHEME = Scheme("zero1", applies=lambda cfg: cfg.parallel.dp > 1 and cfg.parallel.zero == 1, check=check, strategy=build)
+SCHEME = Scheme("zero1", applies=lambda layout, keys: layout.shards_optimizer and layout.zero == 1, check=check,
+                strategy=build)

@@ -72,12 +72,14 @@ class WandbTracker:
         self._run.finish()
 
 
-TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker}
+# log.trackers: name -> (the package it needs, its writer); the config's check and docs read the names from here.
+TRACKERS = {"tensorboard": ("tensorboard", TensorBoardTracker), "mlflow": ("mlflow", MLflowTracker),
+            "wandb": ("wandb", WandbTracker)}
 
 
 def open_trackers(run_dir: Path, names, keep_through: int | None = None) -> list:
     """One tracker per name in log.trackers, in that order (names already checked by the config)."""
-    return [TRACKER_CLASSES[name](run_dir, keep_through) for name in names]
+    return [TRACKERS[name][1](run_dir, keep_through) for name in names]
 
 
 def scalars(record: dict, prefix: str = ""):

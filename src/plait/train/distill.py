@@ -65,21 +65,3 @@ class Distiller:
             return self.alpha * soft_loss(outputs, teacher, self.temperature) + (1 - self.alpha) * value
 
         return loss
-
-
-def check(cfg) -> None:
-    d = cfg.distill
-    if not d.teacher:
-        return
-    if not 0.0 <= d.alpha <= 1.0:
-        raise ConfigError(f"distill.alpha = {d.alpha} must be in [0, 1] (the weight of the soft-target term), e.g. 0.5")
-    if not 0.0 < d.temperature < float("inf"):
-        raise ConfigError(f"distill.temperature = {d.temperature} must be > 0, e.g. 2.0")
-    if not (Path(d.teacher) / "config.toml").is_file():
-        raise ConfigError(f"distill.teacher = {d.teacher!r} is not a plait run directory (no config.toml); "
-                          "give the --out of a trained run")
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1 or p.sync != "allreduce" or cfg.train.objective != "supervised":
-        raise ConfigError(f"distill.teacher runs the whole teacher next to the whole student on each rank: it needs "
-                          f"tp = pp = 1, sync = 'allreduce' and train.objective = 'supervised' (here tp = {p.tp}, "
-                          f"pp = {p.pp}, sync = {p.sync!r}); change the layout or set distill.teacher=''")

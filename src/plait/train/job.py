@@ -10,7 +10,6 @@ registry and of each scheme here, so the CLI, the launcher, the planner and trai
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -22,15 +21,13 @@ from plait.data.packed import source_name
 from plait.data.user import import_object
 from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
-from plait.finetune import apply_finetune, check_progressive
-from plait.finetune import check as check_finetune
+from plait.finetune import apply_finetune, check_layout, check_progressive
 from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
 from plait.models.hf import apply_hf_config, is_hf_dir
-from plait.parallel import check_config as check_layout
+from plait.parallel import check_config as check_layout_config
 from plait.parallel.layout import Layout
-from plait.train.callbacks import check as check_callbacks
-from plait.train.distill import check as check_distill
+from plait.train.keys import ELEMENTWISE_OPTIMIZERS
 
 
 def check_job(cfg: Config, user_data: bool = True) -> Layout:
@@ -41,17 +38,16 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
     check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     if cfg.model.factory:
         load_factory(cfg.model.factory)  # one that does not import fails here, once, not in every worker
-    layout = check_layout(cfg)
+    layout = check_layout_config(cfg)
     check_objective(cfg, layout)
-    check_finetune(cfg)
+    check_layout(cfg, layout)
     if finetune_active(cfg):  # patterns against the model's names (on the meta device) before any worker starts
         spec = build_data(cfg.data, cfg.model).spec
         with torch.device("meta"):
             check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
-    check_distill(cfg)
-    check_callbacks(cfg)
-    check_user_code(cfg, user_data)
-    check_optimizer(cfg)
+    check_composition(cfg, layout)
+    check_user_code(cfg, layout, user_data)
+    check_optimizer(cfg, layout)
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer = {cfg.data.tokenizer!r} does not exist; give a Hugging Face tokenizer.json")
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
@@ -60,7 +56,18 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
     return layout
 
 
-def check_user_code(cfg: Config, user_data: bool = True) -> None:
+def check_composition(cfg: Config, layout: Layout) -> None:
+    """What distillation and the evaluation callbacks ask of the layout."""
+    if cfg.distill.teacher and (layout.splits_model or layout.sync != "allreduce" or cfg.train.objective != "supervised"):
+        raise ConfigError(f"distill.teacher runs the whole teacher next to the whole student on each rank: it needs "
+                          f"tp = pp = 1, sync = 'allreduce' and train.objective = 'supervised' (here tp = {layout.tp}, "
+                          f"pp = {layout.pp}, sync = {layout.sync!r}); change the layout or set distill.teacher=''")
+    if (cfg.train.early_stop or cfg.checkpoint.keep_best) and not layout.every_rank_evaluates:
+        raise ConfigError("train.early_stop and checkpoint.keep_best need every rank to evaluate; the parameter "
+                          "server's workers do not (parallel.sync = 'ps'): use allreduce or gossip")
+
+
+def check_user_code(cfg: Config, layout: Layout, user_data: bool = True) -> None:
     """A user's data (data.factory, or a table), loss and metrics, imported and tried before any worker starts.
 
     user_data=False leaves the data to the caller, which builds it next anyway (the trainer: once per worker, not twice).
@@ -73,9 +80,9 @@ def check_user_code(cfg: Config, user_data: bool = True) -> None:
         if not isinstance(ref, str):
             raise ConfigError(f"train.eval_metrics = {cfg.train.eval_metrics}: each entry is 'package.module:function'")
         import_object("train.eval_metrics", ref)
-    if cfg.train.eval_metrics and (cfg.parallel.pp > 1 or cfg.parallel.sync == "ps"):
+    if cfg.train.eval_metrics and not layout.outputs_on_one_rank:
         raise ConfigError("train.eval_metrics are computed on the whole model's outputs: pipeline stages "
-                          f"(parallel.pp = {cfg.parallel.pp}) and the parameter server do not have them on one rank; "
+                          f"(parallel.pp = {layout.pp}) and the parameter server do not have them on one rank; "
                           "use pp = 1 and allreduce, or leave train.eval_metrics empty")
 
 
@@ -84,22 +91,19 @@ def metric_name(ref: str) -> str:
     return "val_" + ref.rpartition(":")[2].rpartition(".")[2]
 
 
-def check_optimizer(cfg: Config) -> None:
-    """Optimizers whose update needs whole tensors, or an optional dependency, against the layout."""
-    o, p = cfg.optim, cfg.parallel
-    if o.base_batch_size < 1:
-        raise ConfigError(f"optim.base_batch_size = {o.base_batch_size} must be >= 1 (the batch size optim.lr was tuned at)")
-    if not 0 < o.trust_coefficient < math.inf:
-        raise ConfigError(f"optim.trust_coefficient = {o.trust_coefficient} must be > 0, e.g. 0.001")
-    if o.name == "adamw8bit":  # ZeRO is refused by the ZeRO schemes' own check (a blockwise state is not elementwise)
-        try:
-            import torchao.optim  # noqa: F401
-        except ImportError:
-            raise ConfigError("optim.name = 'adamw8bit' uses torchao's AdamW8bit: pip install 'plait[lowbit]' "
-                              "(torchao), or set optim.name='adamw'") from None
-        if p.sync == "ps" or p.tp > 1:
-            raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per whole tensor: the parameter "
-                              "server and tensor parallel are not supported; use data parallel or optim.name='adamw'")
+def check_optimizer(cfg: Config, layout: Layout) -> None:
+    """Optimizers whose update needs whole tensors, against the layout."""
+    name = cfg.optim.name
+    if layout.elementwise_optimizer_only and name not in ELEMENTWISE_OPTIMIZERS:
+        if layout.zero:
+            raise ConfigError(f"optim.name = {name!r} cannot be sharded by ZeRO (its update is not elementwise); use "
+                              f"one of {', '.join(ELEMENTWISE_OPTIMIZERS)} or set parallel.zero=0")
+        raise ConfigError(f"parallel.offload = {layout.offload!r} updates the optimizer state chunk by chunk, which needs "
+                          f"an elementwise optimizer; optim.name = {name!r} is not one: use one of "
+                          f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or set parallel.offload='none'")
+    if name == "adamw8bit" and not layout.optimizer_sees_whole_tensors:
+        raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per whole tensor: the parameter "
+                          "server and tensor parallel are not supported; use data parallel or optim.name='adamw'")
 
 
 def check_objective(cfg: Config, layout: Layout) -> None:
@@ -110,11 +114,10 @@ def check_objective(cfg: Config, layout: Layout) -> None:
         raise ConfigError(f"train.objective = 'contrastive' makes two augmented views of image or vector inputs; "
                           f"data.name = {cfg.data.name!r} has none: use digits, synthetic or tensors, or "
                           "train.objective='supervised'")
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1 or p.sync != "allreduce" or p.embedding_sharding != "none":
+    if not layout.data_parallel_only:
         raise ConfigError(f"train.objective = 'contrastive' gathers every rank's embeddings over the dp axis: it needs "
-                          f"tp = pp = 1, sync = 'allreduce' and no embedding_sharding (here tp = {p.tp}, pp = {p.pp}, "
-                          f"sync = {p.sync!r}); change the layout or train.objective")
+                          f"tp = pp = 1, sync = 'allreduce' and no embedding_sharding (here tp = {layout.tp}, pp = "
+                          f"{layout.pp}, sync = {layout.sync!r}); change the layout or train.objective")
     if cfg.model.factory:  # a user's model must output one embedding per sample: ask it on the meta device
         spec = two_views(build_data(cfg.data, cfg.model), cfg.data, cfg.train.seed).spec
         with torch.device("meta"):
@@ -122,9 +125,9 @@ def check_objective(cfg: Config, layout: Layout) -> None:
     if layout.grad_accum != 1:
         raise ConfigError(
             f"train.objective = 'contrastive' takes its negatives from the whole global batch, which must be one "
-            f"micro-batch per rank: train.micro_batch_size ({cfg.train.micro_batch_size}) * parallel.dp ({p.dp}) must "
-            f"equal train.global_batch_size ({cfg.train.global_batch_size}); set "
-            f"train.micro_batch_size={cfg.train.global_batch_size // p.dp}")
+            f"micro-batch per rank: train.micro_batch_size ({cfg.train.micro_batch_size}) * parallel.dp ({layout.dp}) "
+            f"must equal train.global_batch_size ({cfg.train.global_batch_size}); set "
+            f"train.micro_batch_size={cfg.train.global_batch_size // layout.dp}")
 
 
 def load_job(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -71,7 +71,7 @@ class Telemetry:
         self._window_reset()
         self.loop_t0 = time.perf_counter()
         self._counting = counting(self.comm)
-        self.fields: list = []  # callables returning more fields for every step record (e.g. frozen_blocks)
+        self.fields = None  # a callable returning more fields for every step record (the callbacks', e.g. frozen_blocks)
 
     def _window_reset(self, t0: float | None = None) -> None:
         """A new metrics window starts: its clock and the bytes and wait counted from here."""
@@ -111,7 +111,7 @@ class Telemetry:
         n_params = sum(p.numel() for p in self.strategy.module.parameters())
         rt.print(
             f"plait: {cfg.model.factory or cfg.model.name} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
-            f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(cfg, layout, self.strategy.name)}) · "
+            f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(layout, self.strategy)}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
             + (f" · run dir {self.run_dir}" if self.run_dir is not None else ""))
@@ -134,13 +134,14 @@ class Telemetry:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        """Time one phase of the step; yields a Compute clock (what forward/backward computed, waits left out)."""
         self.watchdog.at(self.step, name)
         measuring = name == "forward_backward" and self.step in self.measure_at
         self.strategy.activation_meter = self.meter if measuring else None
         with self.timer.phase(name):
             if name == "data":
                 faults.maybe_fire("data", self.rt.rank, self.step)
-            yield
+            yield Compute(self.rt.device, self.comm)
         if measuring:
             self.grads_seen = max(self.grads_seen, grads_bytes(self.strategy.module))
 
@@ -183,8 +184,8 @@ class Telemetry:
             record["grad_norm"] = float(grad_norm)
         record.update(self.strategy.step_metrics(record))
         record.update(self._model_metrics(n))
-        for f in self.fields:
-            record.update(f())
+        if self.fields is not None:
+            record.update(self.fields())
         self.writer.write(record)
         self.progress.update(step, mean_loss, record[self.rate_key], force_line=True)
         self._window_reset(now)
@@ -220,11 +221,13 @@ class Telemetry:
         # tp and pp ranks hold their dp rank's loss: the mean over all ranks is the mean over dp.
         return float(rows[:, 0].mean()), bool(rows[:, 1].max() > 0), rows[:, 2].tolist()
 
-    def checkpoint(self, step: int, checkpointer) -> None:
-        """Save step `step` outside the step-time window; log how long training stalled for it."""
+    def checkpoint(self, step: int, checkpointer, state: dict | None = None) -> None:
+        """Save step `step` (with `state` in its trainer state) outside the step-time window; log how long training
+        stalled for it."""
         self.at(step, "checkpoint")
         with self._aside():
-            stall = checkpointer.save(self.strategy, step, {"precision": self.strategy.precision.state_dict()})
+            stall = checkpointer.save(self.strategy, step, {"precision": self.strategy.precision.state_dict(),
+                                                            **(state or {})})
         self.writer.write({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": self.cfg.checkpoint.async_})
 
     def evaluate(self, step: int) -> dict:
@@ -246,24 +249,17 @@ class Telemetry:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
-    def early_stopped(self, step: int, early) -> None:
-        b = early.best
-        self.early_stop = {"step": step, "metric": b.metric, "best_step": b.step, "best_value": b.value,
-                           "patience": early.patience}
-        self.writer.write({"step": step, "event": "early_stop", **self.early_stop})
-        self.rt.print(f"early stop at step {step}: {b.metric} has not improved on {b.value:.4g} (step {b.step}) for "
-                      f"{early.patience} evaluations")
-
-    def finish(self, step: int, best=None) -> dict:
+    def finish(self, step: int, callbacks=None) -> dict:
         """Final evaluation, memory and traffic per rank, the strategy's figures; summary.json, the report, a printout."""
         loop_time = time.perf_counter() - self.loop_t0
         strategy, rt, cfg = self.strategy, self.rt, self.cfg
         strategy.activation_meter = None
         memory = snapshot(strategy.module, strategy.optimizer, self.grads_seen, self.meter.peak, rt.device)
         per_rank = _gather([memory, self.comm.bytes_sent / self.loop_steps if self.loop_steps else 0.0], rt)
-        final_eval = self.evaluate(step) if rt.role != "worker" else {}
-        sample = generate_sample(strategy, self.bundle, cfg, rt) if rt.role != "worker" else None
-        probe = linear_probe(strategy, self.bundle, cfg, rt) if rt.role != "worker" else None
+        evaluates = strategy.evaluates
+        final_eval = self.evaluate(step) if evaluates else {}
+        sample = generate_sample(strategy, self.bundle, cfg, rt) if evaluates else None
+        probe = linear_probe(strategy, self.bundle, cfg, rt) if evaluates else None
         reports = _gather(strategy.report(), rt)
         layout = self.layout
         summary = {
@@ -287,11 +283,8 @@ class Telemetry:
             summary["unigram_val_loss"] = self.bundle.unigram_val_loss
         if self.bundle.ground_truth_val_loss is not None:
             summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
-        if getattr(self, "early_stop", None):
-            summary["early_stop"] = self.early_stop
-        if best is not None:
-            best.update(step, final_eval)
-            summary["best"] = {"metric": best.metric, "step": best.step, "value": best.value}
+        if callbacks is not None:
+            summary.update(callbacks.summary(step, final_eval))  # early stop, the best checkpoint
         if sample is not None:
             summary["sample"] = sample
         if self.bundle.spec.task == "contrastive":
@@ -363,10 +356,23 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def layout_text(cfg, layout, strategy: str) -> str:
-    """The layout as the header shows it: every axis larger than 1 (dp always), the strategy, ZeRO, compression."""
-    p = cfg.parallel
-    axes = [f"dp={layout.dp}"] + [f"{n}={v}" for n, v in (("tp", layout.tp), ("pp", layout.pp), ("ep", p.ep)) if v > 1]
-    extra = [strategy] + ([f"ZeRO-{p.zero}"] if p.zero else []) + (
-        [f"{p.compression} compression"] if p.compression != "none" else [])
+def layout_text(layout, strategy) -> str:
+    """The layout as the header shows it: every axis larger than 1 (dp always), the strategy, ZeRO, its labels."""
+    axes = [f"dp={layout.dp}"] + [f"{n}={v}" for n, v in (("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)) if v > 1]
+    extra = [strategy.name] + ([f"ZeRO-{layout.zero}"] if layout.zero else []) + list(strategy.labels)
     return f"{' '.join(axes)}, {', '.join(extra)}"
+
+
+class Compute:
+    """This rank's compute time since it was made: on CPU the thread's CPU time (waiting for a collective takes
+    none; the wall time less the collectives' issue-to-completion times would also take out backward compute that
+    overlapped them); on an accelerator the wall time less those waits."""
+
+    def __init__(self, device, comm: CommCounter):
+        self.cpu, self.comm = device.type == "cpu", comm
+        self.t0, self.cpu0, self.waited = time.perf_counter(), time.thread_time(), comm.wait_s
+
+    def seconds(self) -> float:
+        if self.cpu:
+            return time.thread_time() - self.cpu0
+        return time.perf_counter() - self.t0 - (self.comm.wait_s - self.waited)

@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.config import SECTIONS
 from plait.errors import ConfigError
 
 KINDS = ("log_uniform", "uniform", "int", "log_int", "choice")
@@ -49,8 +50,6 @@ def _flatten(d: dict, path: Path) -> dict:
 
 def read_space(path: Path) -> list[Dim]:
     """The dimensions of a space file; every key must be a config key and every range well formed."""
-    from plait.config import Config
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--space {path} does not exist")
@@ -60,7 +59,7 @@ def read_space(path: Path) -> list[Dim]:
         raise ConfigError(f"--space {path}: {e}") from None
     if not flat:
         raise ConfigError(f"--space {path} names no keys; write e.g. optim.lr = {{log_uniform = [1e-4, 1e-2]}}")
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    sections = dict(SECTIONS)
     dims = []
     for key, spec in flat.items():
         section, _, name = key.partition(".")
@@ -90,12 +89,8 @@ def read_space(path: Path) -> list[Dim]:
 
 
 def _fields(section_type) -> set[str]:
-    import sys
-
     if section_type is None:
         return set()
-    if isinstance(section_type, str):
-        section_type = getattr(sys.modules["plait.config"], section_type)
     return {f.name for f in dataclasses.fields(section_type)}
 
 

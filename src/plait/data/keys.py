@@ -1,0 +1,80 @@
+"""The [data] section: the data sources' names and their keys. Torch-free.
+
+SOURCE_NAMES is the registry's list of sources (plait.data.sources builds each by its name); data.name's
+choices and description come from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from plait.config import keys, opt
+from plait.errors import ConfigError
+
+SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table")
+# Sources that read the user's files: data.path names them (unless data.factory replaces the source).
+FILE_SOURCES = ("text", "tensors", "images", "packed", "table")
+AUGMENTATIONS = ("random_crop", "hflip", "noise")
+
+
+@keys("data")
+class DataKeys:
+    name: str = opt(
+        "stdlib-text",
+        "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
+        "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
+        "Parquet file; ignored when factory is set)",
+        SOURCE_NAMES,
+    )
+    factory: str = opt("", "'package.module:function' returning your own map-style dataset (__len__, __getitem__ giving "
+                           "(input, target); optional collate) or a (train, val) pair; called with **data.options")
+    options: dict = opt({}, "keyword arguments passed to data.factory")
+    features: list = opt([], "table: the feature columns (empty: every column but data.target)")
+    target: str = opt("", "table: the column to predict")
+    task: str = opt("auto", "table and data.factory: classification or regression (mse loss); auto: regression when the "
+                            "targets are non-integer numbers", ("auto", "classification", "regression"))
+    path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
+                        "class folders; packed: the folder `plait data pack` wrote")
+    val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
+    min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
+    tokenizer: str = opt("", "text: a Hugging Face tokenizer.json to encode with (the tokenizers library) instead of "
+                             "characters; set from train.init_from when it is a Hugging Face directory with one")
+    synthetic_samples: int = opt(4096, "synthetic and clicks: number of samples generated", minimum=1)
+    synthetic_features: int = opt(64, "synthetic: features per sample", minimum=1)
+    synthetic_classes: int = opt(10, "synthetic: number of classes", minimum=1)
+    clicks_cardinalities: list = opt([8, 64, 512, 4096, 32768], "clicks: categories per categorical field")
+    clicks_dense: int = opt(4, "clicks: real-valued features per sample", minimum=1)
+    prefetch: int = opt(2, "batches prepared ahead of compute by a background thread (0: none)", minimum=0)
+    augment_shift: int = opt(1, "contrastive views of images: random shift of up to this many pixels (0: none)")
+    augment_noise: float = opt(0.1, "contrastive views: std of the Gaussian noise added to every input")
+    augment: list = opt([], "training-time augmentations of images, in order: random_crop, hflip, noise (std "
+                            "data.augment_noise), each seeded per (seed, sample index, epoch)")
+    workers: int = opt(0, "processes that fetch and decode batches (images, packed shards) in parallel; the order "
+                          "stays the sampler's (0: the background thread only)")
+    image_size: int = opt(32, "images: every image is resized to image_size x image_size pixels (RGB)")
+    on_bad_sample: str = opt("error", "images and packed data: a sample that cannot be decoded is an error naming "
+                                      "the file, or is skipped (replaced by the next good one) and counted",
+                             ("error", "skip"))
+    exclude: str = opt("", "an audit.json from `plait data audit`: train without the samples it flags")
+    sampler: str = opt("shuffle", "training order: shuffle (a permutation per epoch) or balanced (each batch drawn with "
+                                  "replacement, every class equally likely; seeded per step)", ("shuffle", "balanced"))
+    class_weights: str = opt("none", "classification loss weights: none, or balanced (n / (classes * class count) on the "
+                                     "training split)", ("none", "balanced"))
+
+    def check(self, cfg) -> None:
+        if self.augment_shift < 0 or not 0.0 <= self.augment_noise < math.inf:
+            raise ConfigError(f"data.augment_shift = {self.augment_shift} and data.augment_noise = {self.augment_noise} "
+                              "must be >= 0 (and finite)")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction = {self.val_fraction} must be between 0 and 1 (exclusive)")
+        cards = self.clicks_cardinalities
+        if not cards or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in cards):
+            raise ConfigError(f"data.clicks_cardinalities = {cards} must be a non-empty list of integers >= 2, e.g. "
+                              "[8, 64, 512]")
+        bad = [a for a in self.augment if a not in AUGMENTATIONS]
+        if bad:
+            raise ConfigError(f"data.augment = {self.augment}: {bad} unknown; use any of {', '.join(AUGMENTATIONS)}")
+        if self.image_size < 4 or self.workers < 0:
+            raise ConfigError(f"data.image_size = {self.image_size} must be >= 4 and data.workers = {self.workers} >= 0")
+        if self.name in FILE_SOURCES and not self.path and not self.factory:
+            raise ConfigError(f"data.name = {self.name!r} needs data.path (a file or folder); set --set data.path=...")

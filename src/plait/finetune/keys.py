@@ -1,0 +1,64 @@
+"""The [finetune] section: freezing, LoRA/QLoRA, progressive freezing. Torch-free.
+
+The rules here need no layout; which layouts each composes with is plait.finetune.check_layout's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from plait.config import keys, opt
+from plait.errors import ConfigError
+
+
+@keys("finetune")
+class FinetuneKeys:
+    freeze: list = opt([], "glob patterns over parameter names to freeze (no gradient, optimizer state or traffic), "
+                           "e.g. ['tok_emb*', 'blocks.0.*']")
+    lora_rank: int = opt(0, "LoRA: rank of the adapters on the target Linear layers (0: off); the base stays frozen")
+    lora_alpha: float = opt(16.0, "LoRA: the adapter output is scaled by lora_alpha / lora_rank")
+    lora_targets: list = opt(["*attn.q", "*attn.v"], "LoRA: glob patterns over the names of the Linear layers to adapt")
+    quantize_base: str = opt("none", "QLoRA: store the adapted layers' frozen base weights in 4-bit NormalFloat (nf4, "
+                                     "bitsandbytes: plait[qlora]) or not (none)", ("none", "nf4"))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.freeze) or self.lora_rank > 0
+
+    def check(self, cfg) -> None:
+        if not isinstance(self.freeze, list) or not all(isinstance(p, str) and p for p in self.freeze):
+            raise ConfigError(f"finetune.freeze = {self.freeze!r} must be a list of glob patterns, e.g. "
+                              "['tok_emb*', 'blocks.0.*']")
+        if self.lora_rank < 0:
+            raise ConfigError(f"finetune.lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), e.g. 8")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigError(f"finetune.lora_alpha = {self.lora_alpha} must be > 0, e.g. 16")
+        if self.lora_rank and (not isinstance(self.lora_targets, list) or not self.lora_targets
+                               or not all(isinstance(p, str) and p for p in self.lora_targets)):
+            raise ConfigError(f"finetune.lora_targets = {self.lora_targets!r} must be a non-empty list of glob patterns "
+                              "over Linear layer names, e.g. ['*attn.q', '*attn.v']")
+        if self.quantize_base != "none":
+            if not self.lora_rank:
+                raise ConfigError(f"finetune.quantize_base = {self.quantize_base!r} quantizes the base under LoRA "
+                                  "adapters: set finetune.lora_rank (e.g. 8) or finetune.quantize_base='none'")
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ConfigError("finetune.quantize_base = 'nf4' uses bitsandbytes: pip install 'plait[qlora]', or set "
+                                  "finetune.quantize_base='none'")
+        if self.lora_rank and cfg.train.compile:
+            raise ConfigError("finetune.lora_rank with train.compile = true is not supported yet; set train.compile=false")
+
+
+@keys("finetune")
+class ProgressiveFreezeKeys:
+    progressive_freeze: bool = opt(False, "freeze model.blocks front to back during training (FreezeOut): block i of L "
+                                          "after floor(t0 + i (T - t0) / L) steps, t0 = progressive_freeze_start * T")
+    progressive_freeze_start: float = opt(0.5, "progressive_freeze: the share of train.steps before block 0 freezes")
+
+    def check(self, cfg) -> None:
+        if not 0.0 <= self.progressive_freeze_start < 1.0:
+            raise ConfigError(f"finetune.progressive_freeze_start = {self.progressive_freeze_start} must be in [0, 1) "
+                              "(the share of train.steps before block 0 freezes), e.g. 0.5")
+        if self.progressive_freeze and cfg.train.compile:
+            raise ConfigError("finetune.progressive_freeze moves a hook between blocks during training, which "
+                              "recompiles the model each time; set train.compile=false")

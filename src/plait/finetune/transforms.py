@@ -1,0 +1,57 @@
+"""Fine-tuning transforms on the plain model, applied before any parallel scheme wraps it (docs/finetune.md;
+plait.finetune re-exports them).
+
+    apply_finetune(model, cfg.finetune)   # [finetune] freeze patterns, then LoRA adapters
+    check(cfg)                            # the section's rules and the layouts it is tested with
+
+Both act on the plain model's names and on `requires_grad`, so every scheme that builds its gradient
+synchronisation and optimizer from the parameters that require a gradient (DDP, ZeRO-1, FSDP2 for
+ZeRO-2/3) sends, stores and updates only what trains.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from plait.errors import ConfigError
+from plait.finetune.freeze import freeze, trainable_params
+from plait.finetune.lora import LoRALinear, adapter_state_dict, apply_lora, lora_layers, merge_lora
+from plait.finetune.progressive import ProgressiveFreeze, freeze_steps
+
+
+def active(cfg) -> bool:
+    return bool(cfg.finetune.freeze) or cfg.finetune.lora_rank > 0 or cfg.finetune.progressive_freeze
+
+
+def check_layout(cfg, layout) -> None:
+    """The layouts freezing, LoRA and progressive freezing are tested with: data parallel and ZeRO 1-3 (the keys'
+    own rules are plait.finetune.keys')."""
+    f = cfg.finetune
+    if f.quantize_base != "none" and layout.zero:
+        raise ConfigError("finetune.quantize_base = 'nf4' is supported with data parallel (parallel.zero = 0): ZeRO "
+                          "would not shard its 4-bit buffers; set parallel.zero=0")
+    if f.progressive_freeze and layout.zero:
+        raise ConfigError(
+            f"finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = "
+            f"{layout.zero} lays its buffers out once: ZeRO-1's flat gradient buffer would still be reduce-scattered and "
+            "stepped, and FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen "
+            "blocks would still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed "
+            "finetune.freeze")
+    if active(cfg) and not layout.data_parallel_only:
+        raise ConfigError(f"finetune.freeze / lora_rank / progressive_freeze are supported with data parallel and ZeRO "
+                          f"1-3 (tp = pp = ep = 1, sync = 'allreduce', no embedding_sharding); here tp = {layout.tp}, "
+                          f"pp = {layout.pp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
+                          "[finetune] keys")
+
+
+def apply_finetune(model: nn.Module, ft) -> nn.Module:
+    """Freeze the configured parameters, then add LoRA adapters (which freeze everything but themselves)."""
+    if ft.freeze:
+        freeze(model, ft.freeze)
+    if ft.lora_rank > 0:
+        apply_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets, quantize=ft.quantize_base)
+    return model
+
+
+__all__ = ["LoRALinear", "ProgressiveFreeze", "active", "adapter_state_dict", "apply_finetune", "apply_lora",
+           "check_layout", "freeze", "freeze_steps", "lora_layers", "merge_lora", "trainable_params"]

@@ -1,0 +1,100 @@
+"""The [launch] section: how many processes on how many machines, and the "auto" values the machine decides.
+
+Torch-free; `LaunchKeys.resolve` replaces launch.nproc_per_node = "auto" and parallel.dp = "auto" by
+numbers when the config loads (load_config calls it), before anything launches.
+"""
+
+from __future__ import annotations
+
+from plait.config import keys, note_auto, opt
+from plait.errors import ConfigError
+
+
+@keys("launch")
+class LaunchKeys:
+    nproc_per_node: int | str = opt(0, "worker processes on this machine; 0 = what the layout needs; \"auto\": every "
+                                       "local GPU (on CPU: what the layout needs)", minimum=0)
+    nnodes: str = opt("1", "machines in the job: N, or MIN:MAX for an elastic job that goes on with MIN to MAX",
+                      accepts=(int,))
+    node_rank: int = opt(0, "this machine's index in the job (0 hosts the rendezvous)", minimum=0)
+    rdzv_endpoint: str = opt("", "host:port of the rendezvous (node 0); empty for a single machine")
+    local_addr: str = opt("", "this machine's address as the others reach it (default: node 0 takes the host of "
+                              "rdzv_endpoint, other nodes their hostname)")
+    rdzv_backend: str = opt("c10d", "torchrun rendezvous backend: c10d or static", ("c10d", "static"))
+    max_restarts: int = opt(0, "times torchrun's agent restarts failed workers", minimum=0)
+    on_resize: str = opt("dp", "an elastic job whose world size changed: dp (keep tp and pp, adapt data parallelism) "
+                               "or replan (when tp x pp or the batch no longer divides, the fastest fitting layout "
+                               "plait plan finds for the new size)", ("dp", "replan"))
+    heartbeat_s: int = opt(5, "elastic jobs (c10d rendezvous): seconds between a node's heartbeats; a node silent for "
+                              "3 of them is dropped and the others re-form without it", minimum=1)
+    launcher: str = opt("torchrun", "what starts the workers: torchrun (its elastic agent) or ray (a Ray Train TorchTrainer "
+                                    "on RAY_ADDRESS or a local Ray cluster; pip install 'plait[ray]')", ("torchrun", "ray"))
+    backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
+    device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
+    timeout_s: int = opt(300, "seconds a collective may wait before it is an error naming the ranks that did not join",
+                         minimum=1)
+    check_collectives: bool = opt(False, "fingerprint every collective and compare across ranks (slower; finds the "
+                                         "mismatch behind a hang)")
+
+    def check(self, cfg) -> None:
+        if cfg.max_nodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"launch.nnodes = {self.nnodes} needs launch.rdzv_endpoint = 'host:port' of node 0 "
+                              "(e.g. --set launch.rdzv_endpoint=10.0.0.1:29500)")
+        if self.node_rank >= cfg.max_nodes:
+            raise ConfigError(f"launch.node_rank = {self.node_rank} must be < launch.nnodes = {self.nnodes}")
+        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
+            raise ConfigError(f"launch.rdzv_endpoint = {self.rdzv_endpoint!r} must be host:port, e.g. 10.0.0.1:29500")
+
+    @staticmethod
+    def resolve(cfg, gpus: int | None = None) -> list[str]:
+        """launch.nproc_per_node = "auto" and parallel.dp = "auto" as numbers; what was decided, in words.
+
+        nproc_per_node: every local GPU, or on CPU 0 (the layout's need). dp: the processes of the job (nproc_per_node,
+        else the GPUs, times the machines; minus parameter servers) divided by tp x pp; on CPU without
+        nproc_per_node, 1. gpus: the local GPU count (default: local_gpus()).
+        """
+        lc, p = cfg.launch, cfg.parallel
+        if not (isinstance(p.dp, str) or isinstance(lc.nproc_per_node, str)):
+            return []
+        for key, value in (("launch.nproc_per_node", lc.nproc_per_node), ("parallel.dp", p.dp)):
+            if isinstance(value, bool) or not isinstance(value, int) and value != "auto":
+                raise ConfigError(f"{key} = {value!r} must be a whole number or \"auto\"; e.g. --set {key}=auto")
+        gpus = local_gpus(lc.device) if gpus is None else gpus
+        notes = []
+        if lc.nproc_per_node == "auto":
+            lc.nproc_per_node = gpus
+            notes.append(f"launch.nproc_per_node = auto -> {gpus} (every local GPU)" if gpus else
+                         "launch.nproc_per_node = auto -> 0: no GPU here, the layout's processes")
+        if p.dp == "auto":
+            notes.append(_auto_dp(cfg, lc.nproc_per_node or gpus))
+        note_auto(cfg, notes)
+        return notes
+
+
+def _auto_dp(cfg, per_node: int) -> str:
+    """Set parallel.dp from the processes there are; the note saying how."""
+    p, nodes = cfg.parallel, cfg.max_nodes
+    servers = p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
+    model = p.tp * p.pp
+    if not per_node:
+        p.dp = 1
+        return ("parallel.dp = auto -> 1: no GPU here and launch.nproc_per_node is not set (set it to the processes to "
+                "fill)")
+    workers = per_node * nodes - servers
+    what = (f"{per_node} process{'es' * (per_node > 1)} per machine" + (f" x {nodes} machines" if nodes > 1 else "")
+            + (f" - {servers} parameter servers" if servers else ""))
+    if workers < model or workers % model:
+        raise ConfigError(
+            f"parallel.dp = auto: {what} = {workers} is not a multiple of parallel.tp ({p.tp}) x parallel.pp "
+            f"({p.pp}) = {model}; set parallel.dp to a number, or launch.nproc_per_node to a multiple of {model}")
+    p.dp = workers // model
+    return f"parallel.dp = auto -> {p.dp} ({what}" + (f" / tp {p.tp} x pp {p.pp}" if model > 1 else "") + ")"
+
+
+def local_gpus(device: str = "auto") -> int:
+    """GPUs on this machine that launch.device lets plait use (0 on CPU or with launch.device = 'cpu')."""
+    if device == "cpu":
+        return 0
+    import torch  # lazily: only an "auto" asks, and plait --help must not import torch
+
+    return torch.cuda.device_count()

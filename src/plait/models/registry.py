@@ -1,0 +1,191 @@
+"""Reference models and the registry: `build_model(cfg.model, spec)` returns a plain nn.Module.
+
+Every model maps the data's inputs to logits; the loss comes from the data's task
+(see plait.train.loss). Models that have repeated blocks expose them as
+`model.blocks` (an nn.ModuleList or nn.ModuleDict) so that activation checkpointing, compile and
+later sharding can work per block without knowing the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from plait.data.spec import DataSpec
+from plait.errors import ConfigError
+from plait.models.contrastive import Contrastive
+from plait.models.keys import MODELS as BUILDERS
+from plait.models.moe import moe_layers
+from plait.models.protocols import megatron_plan as megatron_plan  # re-exported: `from plait.models import megatron_plan`
+from plait.models.protocols import pipeline_parts
+
+
+def _builder(ref: str) -> Callable:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# model.name -> its builder, for every name plait.models.keys publishes
+MODELS: dict[str, Callable] = {name: _builder(ref) for name, ref in BUILDERS.items()}
+
+
+def load_factory(path: str) -> Callable:
+    """Import 'package.module:function'."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = _import_here(module_name)
+    except ImportError as e:
+        raise ConfigError(f"model.factory = {path!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"model.factory = {path!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def _import_here(module_name: str):
+    """Import a module, also from the working directory (as `python -m` would; the `plait` script's path lacks it)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module_name.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # after everything installed: a local file never shadows a package
+        return importlib.import_module(module_name)
+
+
+def build_model(model_cfg, spec: DataSpec) -> nn.Module:
+    """Build the configured model on the current default device, parameters initialised from torch's RNG.
+
+    For a contrastive task (spec.task == "contrastive") the configured model is the encoder (registered
+    models output model.width features instead of classes) under a projection head (models.contrastive).
+    """
+    if spec.task == "contrastive":
+        return _contrastive(model_cfg, spec)
+    if model_cfg.factory:
+        model = load_factory(model_cfg.factory)(**model_cfg.options)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model.factory = {model_cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+        return model
+    if model_cfg.name not in MODELS:
+        raise ConfigError(f"model.name = {model_cfg.name!r} is not one of: {', '.join(sorted(MODELS))}")
+    return MODELS[model_cfg.name](model_cfg, spec)
+
+
+def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
+    import dataclasses
+
+    import torch
+
+    inner = dataclasses.replace(spec, task="classification", num_classes=model_cfg.width)
+    encoder = build_model(model_cfg, inner)
+    with torch.no_grad():  # the encoder's output width, from one sample
+        out = encoder(torch.zeros(1, *spec.input_shape))
+    if out.dim() != 2:
+        what = model_cfg.factory or f"model.name = {model_cfg.name!r}"
+        raise ConfigError(f"train.objective = 'contrastive' needs a model that outputs one embedding per sample "
+                          f"(batch, features), but {what} outputs shape {tuple(out.shape)}; use an encoder model or "
+                          "set train.objective='supervised'")
+    return Contrastive(encoder, out.shape[1], model_cfg.projection_dim)
+
+
+# What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).
+CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"})}
+# The data each registered model trains on.
+DATA_FOR = {"gpt": ("stdlib-text", "text"), "deepfm": ("clicks",)}
+
+
+def capabilities(model_cfg) -> frozenset[str]:
+    """"pipeline" (it has pipeline cut points) and "tensor_parallel" (a TP plan), where the model has them.
+
+    A user's factory is called on the meta device (no memory, no initialisation cost) and its
+    model asked for `pipeline_parts` (an nn.Sequential has them) and `tp_plan`.
+    """
+    if not model_cfg.factory:
+        return CAPABILITIES.get(model_cfg.name, frozenset())
+    import torch
+
+    with torch.device("meta"):
+        model = load_factory(model_cfg.factory)(**model_cfg.options)
+    found = {"pipeline"} if pipeline_parts(model) is not None else set()
+    if callable(getattr(model, "tp_plan", None)):
+        found.add("tensor_parallel")
+    return frozenset(found)
+
+
+def check_config(model_cfg, data_name: str) -> None:
+    """The [model] section against the registry and the data it would train on; ConfigError naming the fix."""
+    if model_cfg.factory:
+        if ":" not in model_cfg.factory:
+            raise ConfigError(f"model.factory = {model_cfg.factory!r} must be 'package.module:function'")
+        return
+    if model_cfg.name not in MODELS:
+        raise ConfigError(
+            f"model.name = {model_cfg.name!r} is not a registered model; choose one of: {', '.join(sorted(MODELS))}, "
+            "or set model.factory = 'package.module:function'")
+    if model_cfg.name == "gpt":
+        for key in ("layers", "heads", "width", "context"):
+            if getattr(model_cfg, key) < 1:
+                raise ConfigError(f"model.{key} = {getattr(model_cfg, key)} must be >= 1; set --set model.{key}=<value >= 1>")
+        if model_cfg.width % model_cfg.heads:
+            raise ConfigError(
+                f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
+                f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
+        check_moe(model_cfg)
+    elif model_cfg.moe_experts:
+        raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
+                          f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
+                          "use plait.models.moe.MoE through model.factory)")
+    token_data = data_name in ("stdlib-text", "text")
+    wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
+        model_cfg.name, "digits, synthetic or tensors")
+    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"
+    if not fits:
+        raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
+                          "change model.name or data.name")
+
+
+def check_moe(model_cfg) -> None:
+    """The gpt's mixture-of-experts keys (model.moe_*)."""
+    m = model_cfg
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts = {m.moe_experts} must be >= 0 (0: dense blocks)")
+    for key in ("moe_capacity_factor", "moe_aux_weight"):
+        value = getattr(m, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"model.{key} = {value} must be a finite number >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = {m.moe_experts}; "
+                          f"set --set model.moe_top_k={min(max(1, m.moe_top_k), m.moe_experts)}")
+    if not 1 <= m.moe_every <= m.layers:
+        raise ConfigError(f"model.moe_every = {m.moe_every} must be between 1 and model.layers = {m.layers} (every "
+                          "k-th block is a mixture of experts); set --set model.moe_every=1")
+
+
+def expert_counts(model_cfg) -> list[int]:
+    """Experts of each mixture-of-experts layer the configured model has (empty: none).
+
+    A user's factory is called on the meta device and its plait.models.moe.MoE layers counted.
+    """
+    if model_cfg.factory:
+        with torch.device("meta"):
+            model = load_factory(model_cfg.factory)(**model_cfg.options)
+        return [m.experts for m in moe_layers(model)]
+    if model_cfg.name != "gpt" or model_cfg.moe_experts <= 0 or model_cfg.moe_every < 1:
+        return []
+    return [model_cfg.moe_experts] * (model_cfg.layers // model_cfg.moe_every)
+
+
+def model_metadata(model_cfg, spec: DataSpec) -> dict:
+    """What it takes to rebuild the model: stored in exports and used by serving."""
+    import dataclasses
+
+    return {"model": dataclasses.asdict(model_cfg), "spec": dataclasses.asdict(spec)}

@@ -1,0 +1,121 @@
+"""The one ordered list of parallel schemes, and what is asked of it.
+
+    layout = check_config(cfg)    # the layout's arithmetic and every scheme's own rules; ConfigError before launch
+    strategy = build_strategy(b)  # b: a plait.parallel.scheme.Build; the Strategy that owns the step
+
+SCHEMES fixes the order once (see plait.parallel.scheme): module transforms run in this order
+(tensor parallel -> sharded embeddings -> activation checkpointing -> compile -> FSDP -> DDP), and
+the step belongs to the first scheme in it that applies and builds a strategy (PipeDream, then the
+pipeline, then the parameter server and (asynchronous) gossip, which replace the all-reduce, then
+sharded embeddings, expert parallel, ZeRO-1, FSDP, DDP, and a single replica last). Offload wraps
+the optimizer of whichever owns the step. Adding a scheme is its file and one line here.
+"""
+
+from __future__ import annotations
+
+from plait.parallel import (
+    checkpointing,
+    compiling,
+    ddp,
+    embedding,
+    expert,
+    fsdp,
+    gossip,
+    gossip_async,
+    hetero,
+    offload,
+    pipedream,
+    pipeline,
+    ps,
+    single,
+    tp,
+    zero,
+)
+from plait.parallel.keys import ShardInitKeys
+from plait.parallel.layout import Layout
+from plait.parallel.scheme import Build, Scheme
+
+SCHEMES: list[Scheme] = [
+    pipedream.SCHEME,
+    pipeline.SCHEME,
+    ps.SCHEME,
+    gossip_async.SCHEME,
+    gossip.SCHEME,
+    tp.SCHEME,
+    embedding.SCHEME,
+    expert.SCHEME,
+    zero.SCHEME,
+    checkpointing.SCHEME,
+    compiling.SCHEME,
+    fsdp.SCHEME,
+    ddp.SCHEME,
+    hetero.SCHEME,
+    offload.SCHEME,
+    single.SCHEME,
+]
+
+
+def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_known: bool = True) -> Layout:
+    """Check the layout against the config before any worker starts; returns the Layout.
+
+    What the layout asks of the model (pipeline cut points, a TP plan) is checked on `model` when given, else on
+    the model cfg names (a factory's is built on the meta device); model_known=False (`plait launch` of a user's
+    script, whose model is built inside it) leaves that to plait.parallelize.
+    """
+    layout = Layout.from_config(cfg)
+    layout.check_launch(cfg.max_nodes, cfg.launch.nnodes, cfg.launch.nproc_per_node)
+    schemes = SCHEMES if schemes is None else schemes
+    for scheme in schemes:
+        scheme.check(layout, scheme.keys_of(cfg))
+    asks = [s for s in schemes if s.check_model is not None and s.used(layout, cfg)]
+    if asks and model_known:
+        if model is None and cfg.model.factory:
+            import torch  # lazily: only a factory's model is built here, on the meta device
+
+            from plait.models import load_factory  # lazily: as torch above
+
+            with torch.device("meta"):  # no memory, no initialisation cost
+                model = load_factory(cfg.model.factory)(**cfg.model.options)
+        for scheme in asks:
+            scheme.check_model(layout, scheme.keys_of(cfg), cfg.model, model)
+    return layout
+
+
+def step_owner(cfg, schemes: list[Scheme] | None = None, layout: Layout | None = None) -> Scheme:
+    """The first scheme in order that applies and builds a strategy."""
+    layout = Layout.from_config(cfg) if layout is None else layout
+    return next(s for s in (SCHEMES if schemes is None else schemes) if s.strategy is not None and s.used(layout, cfg))
+
+
+def build_module(layout: Layout, cfg, reads_whole_model: bool, make, device, log=print, reseed=lambda: None):
+    """The plain model for this layout: (model, None) built on the device, or (model, InitRecord) on the meta device
+    when the layout shards it and parallel.shard_init is on (the scheme that cuts it materialises this rank's shards
+    from the record). A model whose initialisation the record cannot replay is built whole, with a note."""
+    from plait.models.meta import build_on_meta  # lazily: only this builder needs the meta-device recorder
+
+    if fsdp.shard_init(layout, cfg.keys(ShardInitKeys).shard_init, reads_whole_model):
+        model, record = build_on_meta(make)
+        if record.supported:
+            return model, record
+        log(f"note: parallel.shard_init: {record.unsupported}; every rank builds the whole model")
+        reseed()  # the recording drew from the generator: start again from the seed
+    return make().to(device), None
+
+
+def serve_rank(b: Build) -> dict | None:
+    """A rank whose role is to hold state for the others (a parameter server) serves here and returns its summary;
+    None for a rank that trains."""
+    if b.rt.role != "server":
+        return None
+    return step_owner(b.cfg, b.schemes or SCHEMES, b.layout).serve(b, b.run_dir)
+
+
+def build_strategy(b: Build):
+    """Parallelize b.module as the layout says and build the optimizer and the Strategy that owns the step."""
+    if not b.schemes:
+        b.schemes = SCHEMES
+    return step_owner(b.cfg, b.schemes, b.layout).strategy(b)
+
+
+__all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config", "serve_rank",
+           "step_owner"]

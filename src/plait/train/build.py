@@ -1,0 +1,183 @@
+"""Building a training job, in order: runtime -> data -> model -> weights -> fine-tuning -> distillation -> strategy
+-> the loop's parts (callbacks, resume, checkpointer, loader, telemetry).
+
+    job = build_job(cfg, run_dir, resume)     # a Job for plait.train.loop.run, or a Served summary (a server rank)
+
+Each step is a function of what the steps before it made; every scheme matter (how the model is built for
+shard-only initialisation, what wraps the optimizer, which callbacks a scheme brings, what a parameter
+server's ranks do) is asked of plait.parallel, so nothing here reads a scheme's keys or a rank's role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from plait.callback import Callbacks
+from plait.config import Config
+from plait.data import build_data
+from plait.data.augment import augmented, two_views
+from plait.data.loader import StepLoader
+from plait.data.sampler import make_sampler
+from plait.data.user import import_object
+from plait.faults import SlowDevice
+from plait.finetune import ProgressiveFreeze, apply_finetune
+from plait.models import build_model
+from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_strategy
+from plait.parallel.schemes import build_module, serve_rank
+from plait.runtime import Runtime, seed_all
+from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate
+from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
+from plait.train.distill import Distiller
+from plait.train.job import check_job, metric_name
+from plait.train.loss import loss_for, with_extra_loss
+from plait.train.optim import build_optimizer
+from plait.train.progressive import Freezer
+from plait.train.telemetry import Telemetry
+from plait.train.weights import init_from
+
+
+@dataclass
+class Job:
+    """What the loop runs: the strategy, its callbacks, the checkpointer and telemetry, and the steps to take."""
+
+    cfg: Config
+    rt: Runtime
+    layout: Layout
+    strategy: Strategy
+    callbacks: Callbacks
+    telemetry: Telemetry
+    checkpointer: Checkpointer | None  # None: this rank writes no checkpoints (no run dir, a parameter server's worker)
+    loader: StepLoader
+    start: int  # steps done before this session
+    stop: int  # the step this session ends after
+
+    def to_device(self, micro: list) -> list:
+        device = self.rt.device
+        return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return step == self.stop or bool(every and step % every == 0)
+
+    def evaluation_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every and step % every == 0 and step != self.stop and self.strategy.evaluates)
+
+    def save(self, step: int) -> None:
+        if self.checkpointer is not None:
+            self.telemetry.checkpoint(step, self.checkpointer, {"callbacks": self.callbacks.state_dict()})
+
+
+@dataclass
+class Served:
+    """A rank that holds state for the others and does not train (a parameter server): its summary."""
+
+    summary: dict
+    runtime: Runtime
+
+
+def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> Job | Served:
+    """Every part of a training session on this rank, in order; every rank calls this."""
+    layout = check_job(cfg, user_data=False)  # build_data below reads (and checks) a user's data once
+    rt = layout.init_runtime(cfg.launch)
+    run_dir = Path(run_dir) if run_dir is not None else None
+    bundle = data_bundle(cfg)
+    model, meta_init = model_for(cfg, layout, rt, bundle.spec)
+    loss_fn = loss_of(cfg, model, bundle.spec, rt)
+    b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
+              with_extra_loss(loss_fn, model), Precision(cfg.precision.dtype, rt.device), SCHEMES, meta_init, run_dir)
+    served = serve_rank(b)
+    if served is not None:
+        return Served(served, rt)
+    strategy = build_strategy(b)
+    strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
+    callbacks = Callbacks(callbacks_for(cfg, b, strategy))
+    start = resume_from(strategy, run_dir, rt, callbacks) if resume and run_dir is not None else 0
+    t = cfg.train
+    stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
+    files = run_dir is not None and strategy.evaluates
+    ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files else None
+    slices = next((c.batch_slices for c in callbacks.items if c.batch_slices is not None), None)
+    loader = StepLoader(bundle.train, make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler), start,
+                        stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
+                        pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices)
+    tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
+    tel.fields = callbacks.fields
+    return Job(cfg, rt, layout, strategy, callbacks, tel, ckpt, loader, start, stop)
+
+
+def data_bundle(cfg: Config):
+    """The configured data (two augmented views of each sample for a contrastive objective; data.augment applied)."""
+    bundle = build_data(cfg.data, cfg.model)
+    if cfg.train.objective == "contrastive":
+        bundle = two_views(bundle, cfg.data, cfg.train.seed)
+    return augmented(bundle, cfg.data, cfg.train.seed)  # images, seeded per (seed, index, epoch)
+
+
+def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module, object]:
+    """The plain model with the same initial weights on every rank, its starting weights and fine-tuning applied;
+    with its shard-only initialisation record when the layout builds it on the meta device."""
+    ft = cfg.finetune
+    reads_whole = bool(cfg.train.init_from or cfg.distill.teacher or ft.lora_rank or cfg.train.objective == "contrastive")
+    seed_all(cfg.train.seed)
+    model, meta_init = build_module(layout, cfg, reads_whole, lambda: build_model(cfg.model, spec),
+                                    rt.device, log=rt.print, reseed=lambda: seed_all(cfg.train.seed))
+    if cfg.train.init_from:  # before any scheme wraps the model: every layout starts from the same weights
+        init_from(model, cfg.train.init_from)
+    apply_finetune(model, ft)  # freezing and LoRA adapters, on the plain model's names
+    return model, meta_init
+
+
+def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
+    """train.loss, or the data's task loss; under distillation, its mix with the teacher's soft targets."""
+    loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
+               else loss_for(spec, cfg.train.temperature, rt.axis_group("dp")))
+    if cfg.distill.teacher:
+        distiller = Distiller.from_run(cfg.distill, spec, rt.device)
+        distiller.attach(model)
+        loss_fn = distiller.loss(loss_fn)
+    return loss_fn
+
+
+def callbacks_for(cfg: Config, b: Build, strategy: Strategy) -> list:
+    """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
+    t, rt = cfg.train, b.rt
+    found = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
+    if cfg.model.dropout > 0:
+        found.append(DropoutSeed(t.seed, rt.rank))
+    if cfg.finetune.progressive_freeze:
+        found.append(Freezer(ProgressiveFreeze(strategy.module, t.steps, cfg.finetune.progressive_freeze_start),
+                             strategy))
+    found.append(SlowDevice(rt.rank))  # before the schemes' callbacks: hetero measures the slowed compute
+    found += b.callbacks(strategy)
+    if cfg.checkpoint.keep_best:
+        found.append(KeepBest(cfg.checkpoint.keep_best))
+    if t.early_stop:
+        found.append(EarlyStopping(t.early_stop, log=rt.print))
+    return found
+
+
+def resume_from(strategy: Strategy, run_dir: Path, rt: Runtime, callbacks: Callbacks) -> int:
+    """Rank 0 picks the newest checkpoint that verifies (falling back past damaged ones); every rank loads it, the
+    callbacks' state with it. Returns its step (0: none to resume)."""
+    choice = [None]
+    if rt.is_main or not rt.distributed:
+        found = find_resumable(run_dir, log=print if rt.is_main else (lambda *_: None))
+        choice = [str(found) if found is not None else None]
+    if rt.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    callbacks.on_resume(int(read_trainer_state(Path(choice[0]))["step"]))
+    state = load_checkpoint(strategy, Path(choice[0]))
+    strategy.precision.load_state_dict(state.get("precision", {}))
+    callbacks.load_state_dict(state.get("callbacks", {}))
+    rt.print(f"resuming from {choice[0]} at step {int(state['step'])}")
+    return int(state["step"])
+
+
+__all__ = ["Job", "Served", "build_job"]

@@ -1,0 +1,171 @@
+"""The training loop's keys: [train], [optim], [checkpoint], [log], [distill], and its callbacks' keys.
+
+Torch-free: `plait config show` lists them without importing torch. The optimizers' names are
+published here (plait.train.optim builds them by these names); the trackers' come from
+plait.report.trackers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from plait.config import keys, opt
+from plait.errors import ConfigError
+from plait.report.trackers import TRACKERS
+
+# optim.name: every optimizer plait builds (plait.train.optim), and those whose update is elementwise, so that a step
+# on a shard of a tensor is that shard of the whole step (what ZeRO and chunked offload need).
+OPTIMIZERS = ("adamw", "sgd", "lamb", "lars", "adamw8bit")
+ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")
+
+
+@keys("train")
+class TrainKeys:
+    steps: int = opt(400, "optimizer steps of the whole run (resumed steps included); the LR schedule spans them",
+                     minimum=1)
+    stop_after: int = opt(0, "end this session after this step and checkpoint it (0: run to train.steps)", minimum=0)
+    global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks", minimum=1)
+    micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)", minimum=1)
+    seed: int = opt(1234, "seed for model init and the data order")
+    eval_every: int = opt(100, "evaluate on validation data every N steps and at the end (0: only at the end)",
+                          minimum=0)
+    eval_samples: int = opt(256, "validation samples per evaluation", minimum=0)
+    eval_batch_size: int = opt(16, "samples per validation batch (fixed, so the figure is layout-independent)",
+                               minimum=1)
+    sample_tokens: int = opt(200, "gpt: characters to generate as a sample at the end (0: none)", minimum=0)
+    sample_prompt: str = opt("def ", "gpt: prompt for the generated sample")
+    objective: str = opt("supervised", "supervised (the data's labels) or contrastive (two augmented views per sample, "
+                                       "NT-Xent against the whole global batch, a linear probe at the end)",
+                         ("supervised", "contrastive"))
+    temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
+    loss: str = opt("", "'package.module:function' (outputs, targets) -> the micro-batch's mean loss, instead of the "
+                        "data's task loss (cross-entropy, mse, ...); validation reports it as val_loss")
+    eval_metrics: list = opt([], "'package.module:function' (outputs, targets) -> a batch mean, each reported as "
+                                 "val_<function> at every evaluation")
+    init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint), a model.safetensors or "
+                             "a Hugging Face GPT-2 directory (config.json sets [model]); names and shapes must match; "
+                             "step, optimizer and schedule start fresh")
+
+    def check(self, cfg) -> None:
+        if not 0.0 < self.temperature < math.inf:
+            raise ConfigError(f"train.temperature = {self.temperature} must be > 0, e.g. 0.5")
+
+
+EARLY_STOP_METRICS = {"val_loss": "min", "val_accuracy": "max"}  # what early stopping and keep_best can follow
+EARLY_STOP_KEYS = {"metric", "patience", "min_delta"}
+
+
+@keys("train")
+class EarlyStopKeys:
+    early_stop: dict = opt({}, "stop when a validation metric has not improved for `patience` evaluations: "
+                               "{metric = 'val_loss', patience = 3, min_delta = 0.0}; {} off")
+
+    def check(self, cfg) -> None:
+        spec = self.early_stop
+        if not spec:
+            return
+        unknown = sorted(set(spec) - EARLY_STOP_KEYS)
+        if unknown:
+            raise ConfigError(f"train.early_stop has unknown keys {unknown}; it takes metric, patience and min_delta, "
+                              "e.g. {metric = 'val_loss', patience = 3, min_delta = 0.0}")
+        if spec.get("metric", "val_loss") not in EARLY_STOP_METRICS:
+            raise ConfigError(f"train.early_stop.metric = {spec['metric']!r}: choose one of {sorted(EARLY_STOP_METRICS)}")
+        p = spec.get("patience", 3)
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ConfigError(f"train.early_stop.patience = {p!r} must be an integer >= 1 (evaluations without improvement)")
+        d = spec.get("min_delta", 0.0)
+        if not isinstance(d, (int, float)) or isinstance(d, bool) or d < 0:
+            raise ConfigError(f"train.early_stop.min_delta = {d!r} must be a number >= 0")
+
+
+@keys("optim")
+class OptimKeys:
+    name: str = opt("adamw", "optimizer: adamw, sgd, lamb or lars (layer-wise trust ratios, You et al.), adamw8bit "
+                             "(torchao's 8-bit AdamW states)", OPTIMIZERS)
+    lr: float = opt(6e-3, "peak learning rate", finite=True, above=0)
+    weight_decay: float = opt(0.01, "decoupled weight decay (adamw) or L2 (sgd)", minimum=0, finite=True)
+    betas: list = opt([0.9, 0.95], "adamw: (beta1, beta2)")
+    eps: float = opt(1e-8, "adamw: epsilon", finite=True)
+    momentum: float = opt(0.9, "sgd: momentum", finite=True)
+    warmup_steps: int = opt(30, "linear warmup steps from 0 to lr", minimum=0)
+    schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio * lr, or constant", ("cosine", "constant"))
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine)", finite=True)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: off)", minimum=0, finite=True)
+    lr_scaling: str = opt("none", "scale lr by train.global_batch_size / base_batch_size: none, linear (Goyal et al. "
+                                  "2017) or sqrt (Krizhevsky 2014)", ("none", "linear", "sqrt"))
+    base_batch_size: int = opt(32, "lr_scaling: the global batch size at which optim.lr was tuned")
+    trust_coefficient: float = opt(0.001, "lars: eta in the layer-wise rate eta * |w| / (|g| + weight_decay * |w|)")
+
+    def check(self, cfg) -> None:
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas = {self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.base_batch_size < 1:
+            raise ConfigError(f"optim.base_batch_size = {self.base_batch_size} must be >= 1 (the batch size optim.lr "
+                              "was tuned at)")
+        if not 0 < self.trust_coefficient < math.inf:
+            raise ConfigError(f"optim.trust_coefficient = {self.trust_coefficient} must be > 0, e.g. 0.001")
+        if self.name == "adamw8bit" and importlib.util.find_spec("torchao") is None:
+            raise ConfigError("optim.name = 'adamw8bit' uses torchao's AdamW8bit: pip install 'plait[lowbit]' "
+                              "(torchao), or set optim.name='adamw'")
+
+
+@keys("checkpoint")
+class CheckpointKeys:
+    every: int = opt(100, "write a checkpoint every N steps (0: only the final one)", minimum=0)
+    keep: int = opt(2, "checkpoints to keep (the newest); at least 1", minimum=1)
+    keep_best: str = opt("", "also keep the checkpoint with the best validation metric (val_loss or val_accuracy) as "
+                             "checkpoints/best; '' off")
+    async_: bool = opt(False, "write checkpoints in the background (DCP async_save); training waits only for "
+                              "the copy to memory")
+
+    def check(self, cfg) -> None:
+        if self.keep_best and self.keep_best not in EARLY_STOP_METRICS:
+            raise ConfigError(f"checkpoint.keep_best = {self.keep_best!r}: choose one of {sorted(EARLY_STOP_METRICS)} "
+                              "(or '' for off)")
+        if (self.keep_best or cfg.train.early_stop) and not cfg.train.eval_every:
+            what = "train.early_stop" if cfg.train.early_stop else "checkpoint.keep_best"
+            raise ConfigError(f"{what} decides at evaluations: set train.eval_every (e.g. --set train.eval_every=50)")
+
+
+@keys("log")
+class LogKeys:
+    every: int = opt(10, "write a metrics.jsonl line (and refresh the progress bar text) every N steps", minimum=1)
+    progress: bool = opt(True, "show a live progress bar on rank 0")
+    report: bool = opt(True, "write report.html with plots at the end")
+    profile_steps: list = opt([], "torch.profiler Chrome traces of steps [first, last] to RUN_DIR/traces/rank<r>.json")
+    trackers: list = opt([], "live views of the metrics besides metrics.jsonl (rank 0): \"tensorboard\" (event files in "
+                             "RUN_DIR/tensorboard), \"mlflow\" (a file store in RUN_DIR/mlruns), \"wandb\" (an offline run "
+                             "in RUN_DIR/wandb); each its extra: pip install 'plait[NAME]'")
+
+    def check(self, cfg) -> None:
+        ps = self.profile_steps
+        if ps and (len(ps) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in ps)
+                   or not 1 <= ps[0] <= ps[1]):
+            raise ConfigError(f"log.profile_steps = {ps} must be [first, last] with 1 <= first <= last, e.g. [10, 12]")
+        for tracker in self.trackers:
+            if not isinstance(tracker, str) or tracker not in TRACKERS:
+                raise ConfigError(f"log.trackers: {tracker!r} is not a tracker plait writes; choose from {sorted(TRACKERS)}")
+            package = TRACKERS[tracker][0]
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"log.trackers = [{tracker!r}] needs the {package} package: pip install 'plait[{tracker}]'")
+
+
+@keys("distill")
+class DistillKeys:
+    teacher: str = opt("", "knowledge distillation from this run directory's model (eval mode, no gradient); '' off")
+    temperature: float = opt(2.0, "distillation: softmax temperature of teacher and student logits")
+    alpha: float = opt(0.5, "distillation: weight of the soft-target KL term (x temperature^2); 1 - alpha: the hard labels")
+
+    def check(self, cfg) -> None:
+        if not self.teacher:
+            return
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"distill.alpha = {self.alpha} must be in [0, 1] (the weight of the soft-target term), "
+                              "e.g. 0.5")
+        if not 0.0 < self.temperature < float("inf"):
+            raise ConfigError(f"distill.temperature = {self.temperature} must be > 0, e.g. 2.0")
+        if not (Path(self.teacher) / "config.toml").is_file():
+            raise ConfigError(f"distill.teacher = {self.teacher!r} is not a plait run directory (no config.toml); "
+                              "give the --out of a trained run")
