@@ -23,7 +23,6 @@ import copy
 import importlib.util
 import json
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 from plait.config import Config as _Config
 from plait.config import apply_overrides, dump_config, format_config, load_config, validate_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
+from plait.rundir import new_run_dir
 
 if TYPE_CHECKING:  # `plait.Config` must not import torch
     import torch.nn as nn
 
-__all__ = ["Config", "Result", "Server", "TrainingFailed", "export", "load", "reference", "serve", "train"]
+__all__ = ["Config", "Result", "Server", "TrainingFailed", "export", "load", "reference", "run_train", "serve", "train"]
 
 Ref = str | Callable
 
@@ -210,24 +210,14 @@ def _worker_env(refs: list[str]) -> Iterator[None]:
         os.environ.update(before)
 
 
-def _new_run_dir(out: str | Path | None) -> Path:
-    if out is None:
-        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        return path
-    run_dir = Path(out)
-    if (run_dir / "checkpoints").exists():
-        raise ConfigError(f"out={str(run_dir)!r} already holds a run; choose another out (the CLI continues one with "
-                          f"plait train --resume {run_dir})")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"out={str(run_dir)!r} is a file, not a folder; choose another out")
-    if run_dir.is_dir() and not (run_dir / "config.toml").is_file() and any(run_dir.iterdir()):
-        raise ConfigError(f"out={str(run_dir)!r} is a folder that holds other files and is not a plait run; training "
-                          "would overwrite them: choose a new or empty folder")
-    return run_dir
+def run_train(config: str | Path | None = None, overrides: Sequence[str] = (), *, out: str | Path | None = None,
+              resume: str | Path | None = None, dry_run: bool = False, trust_checkpoint: bool = False) -> int:
+    """`plait train` as a function: a new run (CONFIG, --set, --out) or a resumed one (--resume, --out to fork); the
+    job checked once, its run directory written, its workers started (or this process one of them). Exit code."""
+    from plait.launch.start import start_run  # lazily: starting a run imports the trainer's checks (torch)
+
+    return start_run(config, list(overrides), out=out, resume=resume, dry_run=dry_run,
+                     trust_checkpoint=trust_checkpoint)
 
 
 def train(config: Config | str | Path | None = None, *, model: Ref | None = None, dataset: Ref | None = None,
@@ -239,9 +229,8 @@ def train(config: Config | str | Path | None = None, *, model: Ref | None = None
     `reference`). out: the run directory (default runs/<time>). Raises ConfigError before any worker starts,
     TrainingFailed when the workers fail.
     """
-    from plait.launch import launch  # lazily: launching imports torch.distributed
-    from plait.launch.resume import absolute_paths
-    from plait.train.job import check_job
+    from plait.launch.resume import absolute_paths  # lazily: plait.Config must not import torch
+    from plait.launch.start import launch_checked  # lazily: as above
 
     cfg = _as_config(config)
     if model is not None:
@@ -256,12 +245,9 @@ def train(config: Config | str | Path | None = None, *, model: Ref | None = None
         cfg.train.eval_metrics = [reference("eval_metrics", m) for m in eval_metrics]
     absolute_paths(cfg)
     refs = [r for r in (cfg.model.factory, cfg.data.factory, cfg.train.loss, *cfg.train.eval_metrics) if r]
-    run_dir = _new_run_dir(out)
+    run_dir = new_run_dir(out, "out =")
     with _worker_env(refs):
-        check_job(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_config(cfg))
-        code = launch(cfg, run_dir)
+        code = launch_checked(cfg, run_dir)
     if code != 0:
         raise TrainingFailed(f"training {run_dir} failed (exit code {code}); the workers' errors are above and in "
                              f"{run_dir / 'logs'}", code)

@@ -12,102 +12,19 @@ Errors a user can fix print as one or two lines and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
-from plait.config import auto_notes, dump_config, format_config, load_config
+from plait.config import format_config, load_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
-
-
-def _default_run_dir(role=None) -> Path:
-    if role is not None and role.worker:  # every rank must agree on the name: the manager's job id
-        return Path("runs") / f"{role.env.manager}-{role.env.job_id or 'none'}"
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+from plait.rundir import timestamped
 
 
 def cmd_train(a) -> int:
-    # lazily: plait --help must not import torch
-    from plait.launch.role import job_role
-    from plait.parallel.layout import Layout
-    from plait.train.checkpoint import TRUST_ENV
-    from plait.train.job import load_job
+    from plait.api import run_train  # lazily: plait --help must not import torch
 
-    if a.trust_checkpoint:  # the environment carries it to every worker (the trainer's checkpoint checks read it)
-        os.environ[TRUST_ENV] = "1"
-    if a.resume:
-        if a.config:
-            raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
-        from plait.launch.resume import check_resume_overrides, fork_run
-
-        run_dir = Path(a.resume)
-        if not (run_dir / "config.toml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
-        saved = load_config(run_dir / "config.toml")
-        cfg = load_job(run_dir / "config.toml", a.set)
-        check_resume_overrides(saved, cfg, run_dir)
-        role = job_role(cfg)  # a rank of a job torchrun, Slurm, MPI, Kubeflow or Ray started, or plait's launcher
-        if a.out and Path(a.out).resolve() != run_dir.resolve():
-            if role.worker or role.cfg.launch.node_rank != 0:
-                raise ConfigError(f"--resume {run_dir} --out {a.out} forks the run: do that once with plait train, "
-                                  f"then start the job with --resume {a.out}")
-            run_dir = fork_run(run_dir, Path(a.out))
-    else:
-        from plait.launch.resume import absolute_paths
-
-        cfg = load_job(a.config, a.set)
-        absolute_paths(cfg)
-        role = job_role(cfg)
-        run_dir = Path(a.out) if a.out else _default_run_dir(role)
-        first_node = role.cfg.launch.node_rank == 0  # on a shared filesystem the other nodes see node 0's run
-        if (run_dir / "checkpoints").exists() and first_node and not role.worker:
-            raise ConfigError(
-                f"--out {run_dir} already holds a run; continue it with --resume {run_dir} or choose another --out"
-            )
-        if first_node and not role.worker:
-            _check_new_run_dir(run_dir)
-    cfg = role.cfg
-    if cfg.launch.backend == "nccl" and not a.dry_run:
-        import torch  # lazily: plait --help must not import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("launch.backend = 'nccl' needs CUDA GPUs and this machine has none; set "
-                              "launch.backend = 'gloo' (or 'auto': nccl on CUDA, else gloo)")
-    if role.worker:
-        from plait.launch.job import run_worker  # lazily: only a worker trains; the launcher needs no trainer
-
-        run_worker(cfg, run_dir, resume=bool(a.resume), env=role.env)
-        return 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".config.toml.{os.getpid()}"  # nodes sharing the run dir rewrite it: never leave it half-written
-    tmp.write_text(dump_config(cfg))
-    os.replace(tmp, run_dir / "config.toml")
-    for note in auto_notes(cfg):  # what "auto" became on this machine, before anything starts
-        print(f"auto: {note}")
-    if a.dry_run:
-        layout = Layout.from_config(cfg)
-        print(f"config valid; {layout.world_size} process(es); wrote {run_dir / 'config.toml'}")
-        print(f"run it with: torchrun --nproc_per_node {layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)} "
-              f"-m plait.worker {run_dir}")
-        return 0
-    from plait.launch import launch  # lazily: plait --help must not import torch
-
-    return launch(cfg, run_dir, resume=bool(a.resume))
-
-
-def _check_new_run_dir(run_dir: Path) -> None:
-    """--out must be new, empty, or a run's own folder: training writes config.toml, metrics.jsonl, ... into it."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--out {run_dir} is a file, not a folder; choose another --out")
-    if run_dir.is_dir() and not (run_dir / "config.toml").is_file() and any(run_dir.iterdir()):
-        raise ConfigError(f"--out {run_dir} is a folder that holds other files and is not a plait run; training would "
-                          "overwrite them: choose a new or empty folder")
+    return run_train(a.config, a.set, out=a.out, resume=a.resume, dry_run=a.dry_run,
+                     trust_checkpoint=a.trust_checkpoint)
 
 
 def _check_sets(sets: list[str]) -> None:
@@ -159,7 +76,7 @@ def cmd_bench_memory(a) -> int:
     from plait.launch.bench_memory import bench_memory  # lazily: plait --help must not import torch
 
     base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
-    out = a.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = a.out or timestamped("bench-memory")
     bench_memory(base, out, a.steps)
     return 0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from plait.cluster.policies import POLICIES, Params
 from plait.errors import ConfigError
+from plait.rundir import timestamped
 
 # What the papers report against FIFO / YARN-CS on their own traces (for the table's last column; not our measure).
 PAPERS = {"tiresias": "avg JCT up to 5.5x better than YARN-CS (Gu et al., NSDI'19)",
@@ -141,7 +142,7 @@ def cmd_run(a) -> int:
         raise ConfigError(f"--policy {a.policy!r}: a real run takes one policy; compare several with plait cluster "
                           f"simulate")
     specs = read_jobs(a.jobs, a.slots)
-    out = Path(a.out or f"runs/cluster-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(a.out) if a.out else timestamped("cluster")
     out.mkdir(parents=True, exist_ok=True)
     print(f"plait cluster run: {len(specs)} jobs on {a.slots} slots, policy {a.policy}; runs in {out / 'jobs'}",
           flush=True)

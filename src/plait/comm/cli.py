@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+
+from plait.rundir import timestamped
 
 
 def cmd_bench_collectives(a) -> int:
@@ -12,7 +13,7 @@ def cmd_bench_collectives(a) -> int:
     opts = BenchOptions(ops=_names(a.ops), algos=_names(a.algos), sizes=parse_sizes(a.sizes, a.factor), ranks=a.ranks,
                         iters=a.iters, warmup=a.warmup, repeats=a.repeats, max_seconds=a.max_seconds,
                         local_size=a.local_size,
-                        out=a.out or Path("runs") / f"bench-collectives-{time.strftime('%Y%m%d-%H%M%S')}")
+                        out=a.out or timestamped("bench-collectives"))
     run_collectives(opts.validate())
     return 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.rundir import timestamped
 
 
 def _at_least(low: int):
@@ -98,14 +99,13 @@ def cmd_slurm(a) -> int:
 
 
 def cmd_launch(a) -> int:
-    import time
 
     from plait.launch.script import check_script_job, launch_script, split_args  # lazily: no torch for --help
 
     config, script, args = split_args(a.rest)
     cfg = load_config(config, a.set)
     check_script_job(cfg)  # before the run dir exists: a bad layout leaves nothing behind
-    out = a.out or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = a.out or timestamped("launch")
     return launch_script(cfg, out, script, args)
 
 

@@ -21,6 +21,7 @@ from plait.config import Config, load_config
 from plait.errors import ConfigError
 from plait.launch.env import ClusterEnv, resolve
 from plait.parallel.layout import Layout
+from plait.rundir import checked_config
 from plait.train.job import check_job
 
 
@@ -117,16 +118,18 @@ def note_session(run_dir: Path | None, env: ClusterEnv) -> None:
 
 
 def run_worker(cfg: Config, run_dir: Path | None, resume: bool = False, env: ClusterEnv | None = None,
-               own_process_group: bool = True):
+               own_process_group: bool = True, checked: bool = False):
     """Train as one rank of the job `env` describes; returns the trainer's result.
 
     own_process_group: leave no process group behind (Ray Train, which made it, tears it down itself). A rank that
-    exits with its group alive can abort in torch's shutdown once rank 0, the store's host, is gone.
+    exits with its group alive can abort in torch's shutdown once rank 0, the store's host, is gone. checked: the
+    launcher checked this config whole (plait.rundir); a config resized to another world is checked again.
     """
     from plait.train.trainer import train  # lazily: importing the trainer takes seconds
 
     env = env or resolve()
-    cfg = fit(cfg, env)
+    fitted = fit(cfg, env)
+    checked, cfg = checked and fitted is cfg, fitted
     export_env(env)
     note_session(run_dir, env)
     restarted = env.restart_count > 0  # torchrun restarted the workers, Slurm requeued the job, Ray retried
@@ -135,7 +138,7 @@ def run_worker(cfg: Config, run_dir: Path | None, resume: bool = False, env: Clu
     restarted = restarted or cfg.node_range[0] < cfg.node_range[1]
     finished = False
     try:
-        result = train(cfg, run_dir, resume=resume or restarted)
+        result = train(cfg, run_dir, resume=resume or restarted, checked=checked)
         finished = True
         return result
     finally:
@@ -152,4 +155,8 @@ def run_worker(cfg: Config, run_dir: Path | None, resume: bool = False, env: Clu
 
 
 def run_worker_dir(run_dir: Path, resume: bool = False, env: ClusterEnv | None = None, own_process_group: bool = True):
-    return run_worker(load_config(run_dir / "config.toml"), run_dir, resume, env, own_process_group)
+    """run_worker with RUN_DIR/config.toml; the launcher's whole check is not repeated when the file is what it
+    checked, for this world size."""
+    env = env or resolve()
+    checked = checked_config(run_dir, env.world_size or 1)
+    return run_worker(load_config(run_dir / "config.toml"), run_dir, resume, env, own_process_group, checked=checked)

@@ -9,11 +9,11 @@
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.rundir import timestamped
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 
@@ -137,7 +137,7 @@ def cmd_plan(a) -> int:
               f"{a.devices} ({full['layout'].label()}): more devices only add communication")
     print(f"best: {lay.label()} on {lay.devices} device{'s' * (lay.devices > 1)} -> plait train {a.config or ''} "
           f"{lay.sets()}".replace("  ", " "))
-    out = Path(a.out) if a.out else Path("runs") / f"plan-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(a.out) if a.out else timestamped("plan")
     out.mkdir(parents=True, exist_ok=True)
     print(f"wrote {plot(fitting, out / 'plan.png', a.top)}")
     return 0
@@ -170,7 +170,7 @@ def cmd_simulate(a) -> int:
     if not a.weak and any("global_batch_size" in r["refused"] or "global batch" in r["refused"] for r in refused):
         print(f"{len(refused)} device count(s) have no layout plait train runs with the global batch of {gb}: "
               "--weak grows the batch with the data-parallel degree, or raise train.global_batch_size")
-    out = Path(a.out) if a.out else Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(a.out) if a.out else timestamped("simulate")
     out.mkdir(parents=True, exist_ok=True)
     print(f"wrote {plot_scaling(rows, out / 'scaling.png')}")
     return 0

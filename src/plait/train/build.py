@@ -80,9 +80,12 @@ class Served:
     runtime: Runtime
 
 
-def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> Job | Served:
-    """Every part of a training session on this rank, in order; every rank calls this."""
-    layout = check_job(cfg, user_data=False)  # build_data below reads (and checks) a user's data once
+def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, checked: bool = False) -> Job | Served:
+    """Every part of a training session on this rank, in order; every rank calls this.
+
+    checked: the launcher checked this config whole (plait.rundir), so only the layout's arithmetic is redone."""
+    # build_data below reads (and checks) a user's data once
+    layout = Layout.from_config(cfg) if checked else check_job(cfg, user_data=False)
     rt = layout.init_runtime(cfg.launch)
     run_dir = Path(run_dir) if run_dir is not None else None
     bundle = data_bundle(cfg)

@@ -29,9 +29,9 @@ class TrainResult:
     runtime: Runtime
 
 
-def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> TrainResult:
-    """Run (or continue) training as configured; every rank calls this."""
-    job = build_job(cfg, run_dir, resume)
+def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False, checked: bool = False) -> TrainResult:
+    """Run (or continue) training as configured; every rank calls this. checked: the launcher checked cfg whole."""
+    job = build_job(cfg, run_dir, resume, checked)
     if isinstance(job, Served):
         return TrainResult(job.summary, None, None, job.runtime)
     summary = run(job)

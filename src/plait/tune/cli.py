@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.rundir import timestamped
 
 
 def cmd_tune(a) -> int:
@@ -25,7 +25,7 @@ def cmd_tune(a) -> int:
     opts = TuneOptions(a.config, a.set, read_space(a.space), a.trials, a.concurrency, a.metric, a.direction,
                        a.pruner, a.storage, a.seed, a.eval_every)
     check_options(opts)
-    out = Path(a.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(a.out) if a.out else timestamped("tune")
     s = Tuner(opts, out).run()
     if s["best_trial"] is None:
         print(f"no trial completed ({s['pruned']} pruned, {s['failed']} failed); see {out / 'trials.csv'}")
