@@ -63,3 +63,43 @@ def test_a_run_stops_early_and_keeps_its_best_checkpoint(pool2, tiny_text, tmp_p
     assert main(["export", str(tmp_path), "--best", "-o", str(tmp_path / "best.safetensors")]) == 0
     with safe_open(str(tmp_path / "best.safetensors"), framework="pt") as f:
         assert f.metadata()["plait.checkpoint"] == f"step_{best_step:07d}"
+
+
+def _keep_best_job(*sets: str):
+    # SGD at a learning rate high enough that validation loss goes down and up: best at step 6, worse at 8 and 12
+    return load_config(None, ["model.name=mlp", "data.name=digits", "parallel.dp=1", "model.width=16", "model.depth=1",
+                              "train.global_batch_size=16", "train.micro_batch_size=16", "train.steps=16",
+                              "train.eval_every=2", "train.eval_samples=64", "checkpoint.every=2", "optim.lr=2.0",
+                              "optim.name=sgd", "optim.momentum=0", "optim.warmup_steps=0", "optim.schedule=constant",
+                              "log.progress=false", "log.report=false", "checkpoint.keep_best='val_loss'",
+                              "train.early_stop={patience=3}", *sets])
+
+
+def _evaluations(run) -> list[tuple[int, float]]:
+    return [(m["step"], m["val_loss"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in m]
+
+
+def test_a_resumed_run_keeps_its_best_checkpoint_and_its_patience(tmp_path):
+    """keep_best and early_stop are callbacks whose state is in the checkpoint: a run stopped after step 6 and resumed
+    decides as the uninterrupted one (best stays at step 6, patience runs out at step 12); without that state the
+    first evaluation after the resume (step 8, worse) would re-point checkpoints/best and patience would restart."""
+    from plait.train.trainer import train
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    ref = train(_keep_best_job(), whole).summary
+    first = train(_keep_best_job("train.stop_after=6"), split).summary
+    state = json.loads((split / "checkpoints" / "step_0000006" / "trainer_state.json").read_text())["callbacks"]
+    assert state["early_stop"]["waited"] == 0 and state["keep_best"]["step"] == 6 == first["best"]["step"]
+    assert os.readlink(split / "checkpoints" / "best") == "step_0000006"
+    resumed = train(_keep_best_job(), split, resume=True).summary
+    vals = _evaluations(whole)
+    assert [s for s, _ in vals] == [2, 4, 6, 8, 10, 12]
+    best_step = min(vals, key=lambda sv: sv[1])[0]
+    assert best_step == 6 and vals[3][1] > vals[2][1]  # step 8's evaluation is worse than step 6's
+    assert _evaluations(split) == vals  # the same evaluations, each once, across the two sessions
+    assert ref["early_stop"] == resumed["early_stop"] == {"step": 12, "metric": "val_loss", "best_step": 6,
+                                                          "best_value": vals[2][1], "patience": 3}
+    assert ref["best"] == resumed["best"] == {"metric": "val_loss", "step": 6, "value": vals[2][1]}
+    assert os.readlink(whole / "checkpoints" / "best") == os.readlink(split / "checkpoints" / "best") == "step_0000006"
+    assert resumed["steps"] == ref["steps"] == 12

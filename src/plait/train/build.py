@@ -64,8 +64,10 @@ class Job:
         return step == self.stop or bool(every and step % every == 0)
 
     def evaluation_due(self, step: int) -> bool:
-        every = self.cfg.train.eval_every
-        return bool(every and step % every == 0 and step != self.stop and self.strategy.evaluates)
+        """Every train.eval_every steps, but the run's last (its final evaluation follows): a session that ends
+        earlier (train.stop_after) evaluates at its last step as an uninterrupted run would there."""
+        t = self.cfg.train
+        return bool(t.eval_every and step % t.eval_every == 0 and step != t.steps and self.strategy.evaluates)
 
     def save(self, step: int) -> None:
         if self.checkpointer is not None:

@@ -71,6 +71,7 @@ class Telemetry:
         self._window_reset()
         self.loop_t0 = time.perf_counter()
         self._counting = counting(self.comm)
+        self.evaluated: tuple[int, dict] | None = None  # the last evaluation: (step, metrics)
         self.fields = None  # a callable returning more fields for every step record (the callbacks', e.g. frozen_blocks)
 
     def _window_reset(self, t0: float | None = None) -> None:
@@ -231,10 +232,14 @@ class Telemetry:
         self.writer.write({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": self.cfg.checkpoint.async_})
 
     def evaluate(self, step: int) -> dict:
+        """Evaluate at `step` once (the end of a session that just evaluated reuses it); metrics.jsonl gets the record."""
+        if self.evaluated is not None and self.evaluated[0] == step:
+            return self.evaluated[1]
         self.watchdog.at(step, "eval")
         with self._aside():
             out = evaluate(self.strategy, self.bundle.val, self.cfg, self.rt, self.bundle.spec.task)
         self.writer.write({"step": step, **out})
+        self.evaluated = (step, out)
         return out
 
     # ---- the end
