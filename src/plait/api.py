@@ -157,7 +157,7 @@ def reference(key: str, obj: Ref) -> str:
         raise ConfigError(f"{key}: {qualname} is defined in the script being run (__main__); the workers are separate "
                           "processes that import it by name: move it into a module (e.g. mycode.py) and import it")
     ref = f"{module}:{qualname}"
-    from plait.data.user import import_object
+    from plait.data.user import import_object  # lazily: `import plait` and plait.Config must not import torch
 
     if import_object(key, ref) is not obj:
         raise ConfigError(f"{key}: {ref} does not import back as the object given (is it decorated or replaced?); "
@@ -279,7 +279,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
     if target is not None and target.suffix != ".safetensors":
         raise ConfigError(f"out={str(target)!r}: plait writes .safetensors (weights) or an edge export (.onnx, .pt2, "
                           ".pte); name the file with one of these suffixes")
-    from plait.federated.report import is_federated_run
+    from plait.federated.report import is_federated_run  # lazily: `import plait` and plait.Config must not import torch
 
     if is_federated_run(run_dir):  # its global model is already exported, in the same format
         import shutil
@@ -292,7 +292,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
             shutil.copyfile(src, target)
             return target
         return src
-    from plait.export import export as export_weights
+    from plait.export import export as export_weights  # lazily: `import plait` and plait.Config must not import torch
 
     checkpoint = None
     if best:
@@ -311,12 +311,12 @@ def load(path: str | Path, *, trust_factory: bool = False, trust_checkpoint: boo
     """
     p = Path(path)
     if p.is_dir():
-        from plait.export import load_run_checkpoint
-        from plait.finetune.lora import merge_lora
+        from plait.export import load_run_checkpoint  # lazily: `import plait` and plait.Config must not import torch
+        from plait.finetune.lora import merge_lora  # lazily: `import plait` and plait.Config must not import torch
 
         model = merge_lora(load_run_checkpoint(p, trust_checkpoint=trust_checkpoint)[2])
     elif p.is_file() and p.suffix == ".safetensors":
-        from plait.export import load_exported
+        from plait.export import load_exported  # lazily: `import plait` and plait.Config must not import torch
 
         model = load_exported(p, trust_factory=trust_factory)[0]
     else:
@@ -354,7 +354,7 @@ def serve(path: str | Path, *, host: str = "127.0.0.1", port: int = 0, **options
     options: plait.serve.service.ServeOptions' fields, the flags of `plait serve` (max_batch_size, replicas, ...).
     """
     from plait.serve.server import ServerThread, bind  # lazily: FastAPI and uvicorn
-    from plait.serve.service import ServeOptions
+    from plait.serve.service import ServeOptions  # lazily: `import plait` and plait.Config must not import torch
 
     try:
         opts = ServeOptions(host=host, port=port, **options).validate()

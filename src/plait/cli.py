@@ -82,10 +82,9 @@ def cmd_bench_memory(a) -> int:
 
 
 def cmd_report(a) -> int:
-    # lazily: plait --help must not import matplotlib
-    from plait.federated.report import is_federated_run, write_fed_report
-    from plait.report import write_report
-    from plait.report.bottleneck import breakdown, format_report
+    from plait.federated.report import is_federated_run, write_fed_report  # lazily: plait --help must not import matplotlib
+    from plait.report import write_report  # lazily: as the line above
+    from plait.report.bottleneck import breakdown, format_report  # lazily: as the line above
 
     if not (a.run_dir / "metrics.jsonl").is_file():
         raise CheckpointError(f"{a.run_dir} has no metrics.jsonl; pass the --out directory of a training run")

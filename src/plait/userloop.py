@@ -31,7 +31,7 @@ from plait.errors import ConfigError
 from plait.launch.job import fit_to_world
 from plait.launch.script import CONFIG_ENV, refuse_roles
 from plait.parallel import SCHEMES, Build, Precision, build_strategy, check_config
-from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
+from plait.train.checkpoint import Checkpointer, checkpoint_dir, find_resumable, load_checkpoint, step_name
 from plait.train.loss import with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
 
@@ -169,7 +169,6 @@ class Parallel:
     # ---- checkpoints: DCP, the plain model's names, any layout can load them
     def save(self, run_dir: str | Path, step: int | None = None, keep: int = 2) -> Path:
         """Write run_dir/checkpoints/step_NNNNNNN (every rank calls it); returns the folder."""
-        from plait.train.checkpoint import checkpoint_dir, step_name
 
         step = self.steps_done if step is None else step
         ckpt = Checkpointer(run_dir, self.rt, keep)

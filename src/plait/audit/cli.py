@@ -25,7 +25,7 @@ def source_overrides(source: str) -> list[str]:
     if not p.exists():
         raise ConfigError(f"SOURCE {source!r} is neither a source name ({', '.join(NAMED)}) nor an existing file or folder")
     if p.is_dir():
-        from plait.data.images import SUFFIXES
+        from plait.data.images import SUFFIXES  # lazily: plait --help must not import torch
 
         has_images = any(f.suffix.lower() in SUFFIXES for d in p.iterdir() if d.is_dir() for f in d.rglob("*"))
         return [f"data.name='{'images' if has_images else 'text'}'", f"data.path='{p}'"]
@@ -36,8 +36,8 @@ def source_overrides(source: str) -> list[str]:
 
 def cmd_pack(a) -> int:
     # lazily: plait --help must not import torch
-    from plait.data import build_data
-    from plait.data.packed import pack, parse_size
+    from plait.data import build_data  # lazily: plait --help must not import torch
+    from plait.data.packed import pack, parse_size  # lazily: plait --help must not import torch
 
     cfg = load_config(a.config, [*source_overrides(a.source), *a.set])
     if cfg.data.exclude:

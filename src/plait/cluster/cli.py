@@ -63,8 +63,8 @@ def plot(results, out: Path) -> Path:
 
 
 def cmd_simulate(a) -> int:
-    from plait.cluster.sim import simulate
-    from plait.cluster.trace import read_trace, synthetic, write_trace
+    from plait.cluster.sim import simulate  # lazily: plait --help must not import torch
+    from plait.cluster.trace import read_trace, synthetic, write_trace  # lazily: plait --help must not import torch
 
     if (a.trace is None) == (a.synthetic is None):
         raise ConfigError("give a trace: --trace JOBS.csv (arrival,devices,duration per row) or --synthetic N")
@@ -118,7 +118,7 @@ def _params(a) -> Params:
 
 
 def format_jobs(rows: list[dict]) -> str:
-    from plait.report.html import human_seconds
+    from plait.report.html import human_seconds  # lazily: plait --help must not import torch
 
     def sec(v):
         return human_seconds(v) if v is not None else "-"
@@ -133,7 +133,7 @@ def format_jobs(rows: list[dict]) -> str:
 
 
 def cmd_run(a) -> int:
-    from plait.cluster.run import LocalCluster, gantt, read_jobs
+    from plait.cluster.run import LocalCluster, gantt, read_jobs  # lazily: plait --help must not import torch
 
     if a.slots < 1:
         raise ConfigError(f"--slots {a.slots}: give at least 1 process slot")
@@ -147,7 +147,7 @@ def cmd_run(a) -> int:
     print(f"plait cluster run: {len(specs)} jobs on {a.slots} slots, policy {a.policy}; runs in {out / 'jobs'}",
           flush=True)
     if a.backend == "slurm":
-        from plait.cluster.run import SlurmQueue
+        from plait.cluster.run import SlurmQueue  # lazily: plait --help must not import torch
 
         c = SlurmQueue(specs, a.slots, a.policy, out, _params(a), poll=a.poll, time_limit=a.time,
                        partition=a.partition)
@@ -162,7 +162,7 @@ def cmd_run(a) -> int:
     (out / "cluster.json").write_text(json.dumps(summary, indent=1))
     png = gantt(c, out / "gantt.png")
     print(format_jobs(summary["jobs"]))
-    from plait.report.html import human_seconds
+    from plait.report.html import human_seconds  # lazily: plait --help must not import torch
 
     print(f"makespan {human_seconds(summary['makespan_s'])}, slot utilisation "
           f"{summary['slot_utilisation'] * 100:.1f} %, average completion {human_seconds(summary['avg_completion_s'])}")

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from plait.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class JobView:
@@ -126,7 +128,6 @@ class Decision:
 def decide(policy: str, now: float, jobs: list[JobView], devices: int, params: Params = Params()) -> Decision:
     """Run `policy` and check what it returns: known jobs, within the slots."""
     if policy not in POLICIES:
-        from plait.errors import ConfigError
 
         raise ConfigError(f"--policy {policy!r} is not a policy; choose one of {', '.join(POLICIES)}")
     chosen = POLICIES[policy](now, jobs, devices, params)

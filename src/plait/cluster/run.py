@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.cluster.policies import JobView, Params, decide
+from plait.config import dump_config, load_config
 from plait.errors import ConfigError
 
 JOB_KEYS = {"name", "config", "set", "arrival", "min_procs", "max_procs"}
@@ -91,7 +92,6 @@ class _Job:
 
 def read_jobs(path: Path, slots: int) -> list[JobSpec]:
     """The queue from JOBS.toml; every job's config is loaded and checked before anything starts."""
-    from plait.config import load_config
 
     path = Path(path)
     if not path.is_file():
@@ -365,9 +365,8 @@ class SlurmQueue(LocalCluster):
         self.time_limit, self.partition = time_limit, partition
 
     def _start(self, j: _Job, procs: int, free: list[int], now: float) -> None:
-        from plait.config import dump_config, load_config
-        from plait.launch.resume import absolute_paths
-        from plait.launch.slurm import SlurmJob, job_config, sbatch_script
+        from plait.launch.resume import absolute_paths  # lazily: only a Slurm queue's start needs these
+        from plait.launch.slurm import SlurmJob, job_config, sbatch_script  # lazily: as the line above (the Slurm front end)
 
         j.slots, free[:] = free[:procs], free[procs:]
         j.procs = procs

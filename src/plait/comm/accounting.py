@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from plait import faults
+from plait.comm.algorithms import all_reduce
 
 
 def _nbytes(t) -> int:
@@ -208,7 +209,6 @@ def algorithm_hook(state: AlgorithmHookState, bucket):
     meanwhile (as with DDP's asynchronous all-reduce); DDP waits for the returned future at the end of
     backward. Its sends are counted one by one; submission to completion is this bucket's wait.
     """
-    from plait.comm.algorithms import all_reduce
 
     tensor = bucket.buffer().div_(state.world)
     counters, t0, fut = list(_active), time.perf_counter(), torch.futures.Future()

@@ -67,8 +67,8 @@ def _elastic(text: str) -> tuple[int, int]:
 
 def cmd_env(a) -> int:
     # lazily: `plait --help` loads this module for every verb
-    from plait.launch.env import format_env, resolve
-    from plait.launch.role import describe, job_role
+    from plait.launch.env import format_env, resolve  # lazily: plait --help must not import torch
+    from plait.launch.role import describe, job_role  # lazily: plait --help must not import torch
 
     env = resolve()  # partial or contradictory variables: an error naming them (exit 2)
     try:

@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 from plait.config import Config, load_config
+from plait.data import build_data
 from plait.errors import ConfigError
 from plait.launch.env import ClusterEnv, resolve
 from plait.parallel.layout import Layout
+from plait.plan.replan import describe, layout_of, replan
 from plait.rundir import checked_config
 from plait.train.job import check_job
 
@@ -54,7 +56,6 @@ def vocab_size(cfg: Config) -> int:
     """The model's vocabulary: as configured, else the data's (what the model will be built with)."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
-    from plait.data import build_data
 
     return build_data(cfg.data, cfg.model).spec.vocab_size
 
@@ -71,7 +72,6 @@ def fit(cfg: Config, env: ClusterEnv) -> Config:
         try:
             fit_to_world(cfg, world)
         except ConfigError as e:
-            from plait.plan.replan import describe, layout_of, replan
 
             new, why = replan(cfg, world, vocab_size(cfg))
             if not env.rank:

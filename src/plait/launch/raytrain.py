@@ -53,7 +53,7 @@ def _train_loop(config: dict) -> None:
     import ray  # lazily: Ray is an optional extra; this runs in Ray's worker processes
     import ray.train
 
-    from plait.launch.job import run_worker_dir
+    from plait.launch.job import run_worker_dir  # in the Ray worker process: this function is shipped there and imports it there
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()

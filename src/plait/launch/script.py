@@ -42,8 +42,8 @@ def refuse_roles(cfg: Config) -> None:
 
 def check_script_job(cfg: Config):
     """The layout's arithmetic and every scheme's keys, before any process starts; the model is the script's."""
-    from plait.config import validate_config
-    from plait.parallel import check_config
+    from plait.config import validate_config  # lazily: `plait launch --help` must not import torch
+    from plait.parallel import check_config  # lazily: `plait launch --help` must not import torch
 
     validate_config(cfg)
     refuse_roles(cfg)
@@ -55,7 +55,7 @@ def launch_script(cfg: Config, run_dir: Path, script: str, args: list[str]) -> i
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from plait.launch.torchrun import _quiet_agent, launch_config, report_failure, worker_env
+    from plait.launch.torchrun import _quiet_agent, launch_config, report_failure, worker_env  # lazily: as torch above
 
     check_script_job(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ class PipeDreamStrategy(PipelineStrategy):
         summary = pipedream_summary(reports, self.pp, self.microbatches)
         summary["stage_blocks"] = [[a, z] for a, z in getattr(self, "bounds", [])]
         if run_dir is not None:
-            from plait.report.pipeline import plot_timeline
+            from plait.report.pipeline import plot_timeline  # lazily: only rank 0 plots, at the end (matplotlib)
 
             plot_timeline(reports, summary, run_dir / "pipeline.png")
         return {"pipeline": summary}

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from plait.errors import ConfigError
 from plait.faults import slow_compute
+from plait.models.protocols import blocks_module, pipeline_parts
 from plait.parallel.split import min_max_bounds, pipeline_stage
 
 REPEATS = 3
@@ -66,7 +67,6 @@ def block_times(module: nn.Module, n_blocks: int, micro: int, context: int, voca
 
 def auto_bounds(module: nn.Module, stages: int, cfg, rt) -> tuple[list[tuple[int, int]], list[list[float]]]:
     """(the split, times[stage][block], the slowest replica's of each pipeline rank) for pp_split = auto."""
-    from plait.models.protocols import blocks_module, pipeline_parts
 
     if cfg.model.name != "gpt" or cfg.model.factory:
         raise ConfigError("parallel.pp_split = 'auto' times plait's GPT blocks; for your own model give the cut "

@@ -69,8 +69,8 @@ def hardware(a):
 
 def _model(a):
     # lazily: plait --help must not import torch
-    from plait.data import build_data
-    from plait.plan.memory import Shape
+    from plait.data import build_data  # lazily: plait --help must not import torch
+    from plait.plan.memory import Shape  # lazily: plait --help must not import torch
 
     cfg = load_config(a.config, a.set, validate=False)
     if cfg.model.name != "gpt" or cfg.model.factory:
@@ -85,9 +85,8 @@ def cmd_plan(a) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    # lazily: plait --help must not import torch or matplotlib
-    from plait.plan.calibrate import calibrate
-    from plait.plan.search import COLUMNS, explain_no_fit, percent, plan, plan_up_to, plot, table
+    from plait.plan.calibrate import calibrate  # lazily: plait --help must not import torch
+    from plait.plan.search import COLUMNS, explain_no_fit, percent, plan, plan_up_to, plot, table  # lazily: as the line above
 
     cfg, shape = _model(a)
     if a.calibrate:
@@ -145,8 +144,8 @@ def cmd_plan(a) -> int:
 
 def cmd_simulate(a) -> int:
     # lazily: plait --help must not import torch or matplotlib
-    from plait.plan.search import percent
-    from plait.plan.simulate import plot_scaling, scaling
+    from plait.plan.search import percent  # lazily: plait --help must not import torch
+    from plait.plan.simulate import plot_scaling, scaling  # lazily: plait --help must not import torch
 
     cfg, shape = _model(a)
     hw, source = hardware(a)

@@ -11,7 +11,7 @@ __all__ = ["read_metrics", "write_report"]
 
 def __getattr__(name: str):
     if name == "write_report":
-        from plait.report.html import write_report
+        from plait.report.html import write_report  # lazily (PEP 562)
 
         return write_report
     raise AttributeError(f"module 'plait.report' has no attribute {name!r}")

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.errors import ConfigError
+from plait.train.weights import load_run_model
 
 
 def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -39,8 +40,6 @@ class Distiller:
 
     @classmethod
     def from_run(cls, dcfg, spec, device: torch.device) -> Distiller:
-        from plait.train.weights import load_run_model
-
         _, tspec, teacher = load_run_model(Path(dcfg.teacher))
         if (tspec.task, tspec.vocab_size, tspec.num_classes) != (spec.task, spec.vocab_size, spec.num_classes):
             raise ConfigError(f"distill.teacher = {dcfg.teacher!r} predicts {tspec.task} over "

@@ -13,8 +13,8 @@ from plait.rundir import timestamped
 
 
 def cmd_tune(a) -> int:
-    from plait.tune.space import read_space
-    from plait.tune.study import PRUNERS, TuneOptions, Tuner, check_options
+    from plait.tune.space import read_space  # lazily: plait --help must not import torch or Optuna
+    from plait.tune.study import PRUNERS, TuneOptions, Tuner, check_options  # lazily: plait --help must not import torch or Optuna
 
     try:
         import optuna  # noqa: F401

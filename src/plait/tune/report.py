@@ -13,7 +13,7 @@ from plait.report.html import STYLE
 def _plots(study, out: Path) -> list[tuple[str, str]]:
     import optuna.visualization.matplotlib as ovm
 
-    from plait.report.plots import plt
+    from plait.report.plots import plt  # lazily: matplotlib only when the report is written
 
     made = []
     for name, title, fn in (("history.png", "optimisation history", ovm.plot_optimization_history),

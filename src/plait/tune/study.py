@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.config import load_config
 from plait.errors import ConfigError
 from plait.tune.space import Dim, as_override
 
@@ -112,7 +113,6 @@ def _last_step(metrics: Path) -> int:
 
 class Tuner:
     def __init__(self, opts: TuneOptions, out: Path):
-        from plait.config import load_config
 
         self.o, self.out = opts, Path(out)
         cfg = load_config(opts.config, opts.sets)  # a typo in CONFIG or --set is said before any trial starts
@@ -239,7 +239,7 @@ class Tuner:
             link.symlink_to(Path("trials") / Path(best.user_attrs["run_dir"]).name)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         write_trials_csv(trials, self.out / "trials.csv")
-        from plait.tune.report import write_report
+        from plait.tune.report import write_report  # lazily: matplotlib only when the report is written
 
         write_report(study, summary, self.out)
         return summary

@@ -1,0 +1,127 @@
+"""The shape gate: the code's structure stays what docs/design.md says, as it grows (tinygrad's line gate, for shape).
+
+No function over 80 lines (a nested function counts inside its parent), no module over 600 lines, no import of a
+plait module inside a function without its reason on the line, no import cycle between plait's modules (in-function
+imports included), and the training loop importing at most 12 plait modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "plait"
+MAX_FUNCTION, MAX_MODULE, MAX_LOOP_IMPORTS = 80, 600, 12
+# Functions allowed past MAX_FUNCTION, each with its reason: argument-parser and route tables only.
+ALLOWED: dict[str, str] = {}
+
+
+def modules() -> list[tuple[str, Path, ast.Module, list[str]]]:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        text = path.read_text()
+        found.append((name, path, ast.parse(text), text.splitlines()))
+    return found
+
+
+MODULES = modules()
+
+
+def functions(tree: ast.Module):
+    """Every function that is not nested in another (a nested one is part of its parent's length)."""
+    def walk(node, inside):
+        for child in ast.iter_child_nodes(node):
+            is_fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if is_fn and not inside:
+                yield child
+            yield from walk(child, inside or is_fn)
+    yield from walk(tree, False)
+
+
+def imported(tree: ast.Module, name: str, *, inside_functions: bool | None = None):
+    """(node, plait module) of each import of a plait module; inside_functions: only those in (or out of) functions."""
+    def walk(node, in_fn, in_type_checking):
+        for child in ast.iter_child_nodes(node):
+            fn = in_fn or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            tc = in_type_checking or (isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and not tc and inside_functions in (None, in_fn):
+                for target in targets(child, name):
+                    yield child, target
+            yield from walk(child, fn, tc)
+    yield from walk(tree, False, False)
+
+
+def targets(node, name: str) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.startswith("plait")]
+    base = node.module or ""
+    if node.level:  # relative: from the importing module's package
+        package = name.split(".")[: len(name.split(".")) - node.level + (1 if _is_package(name) else 0)]
+        base = ".".join(package + ([base] if base else []))
+    if not base.startswith("plait"):
+        return []
+    known = {m for m, *_ in MODULES}
+    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]  # from plait.x import submodule
+    return subs or [base]
+
+
+def _is_package(name: str) -> bool:
+    return any(m == name and p.name == "__init__.py" for m, p, *_ in MODULES)
+
+
+def test_no_function_is_over_80_lines():
+    long = {f"{name}:{fn.name}": fn.end_lineno - fn.lineno + 1 for name, _, tree, _ in MODULES for fn in functions(tree)
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION}
+    assert {k: v for k, v in long.items() if k not in ALLOWED} == {}
+
+
+def test_no_module_is_over_600_lines():
+    assert {name: len(lines) for name, _, _, lines in MODULES if len(lines) > MAX_MODULE} == {}
+
+
+def test_every_in_function_plait_import_says_why_on_its_line():
+    silent = [f"{path.relative_to(SRC.parent)}:{node.lineno}" for name, path, tree, lines in MODULES
+              for node, _ in imported(tree, name, inside_functions=True)
+              if "#" not in lines[node.lineno - 1] and "#" not in lines[node.end_lineno - 1]]
+    assert silent == []
+
+
+def test_no_import_cycle_between_plait_modules():
+    graph: dict[str, set[str]] = {}
+    for name, _, tree, _ in MODULES:
+        graph[name] = {t for _, t in imported(tree, name) if t != name and not name.startswith(t + ".")}
+    # a package's __init__ importing its own submodules is how packages are made, not a cycle
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert [" -> ".join(c) for c in cycles if "plait" not in c] == []
+
+
+@pytest.mark.parametrize("module", ["plait.train.loop"])
+def test_the_loop_imports_at_most_12_plait_modules(module):
+    tree = next(t for n, _, t, _ in MODULES if n == module)
+    found = {t for _, t in imported(tree, module)}
+    assert len(found) <= MAX_LOOP_IMPORTS, sorted(found)
+
+
+def test_the_loop_is_at_most_60_lines():
+    tree = next(t for n, _, t, _ in MODULES if n == "plait.train.loop")
+    run = next(f for f in functions(tree) if f.name == "run")
+    assert run.end_lineno - run.lineno + 1 <= 60
