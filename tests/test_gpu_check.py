@@ -112,8 +112,17 @@ def test_serving_batches_and_generates(run):
     m = run[1]["parts"]["serve"]["metrics"]
     assert m["errors"] == 0 and m["served_on"] == "cpu"
     assert m["concurrency"] >= 2
-    assert m["mean_batch_rows"] > 1  # with batching on, concurrent requests shared batches
-    assert m["batching_gain"] > 0
+    points = {(p["config"], p["concurrency"]): p for p in m["points"]}
+    c = m["concurrency"]
+    assert [p["errors"] for p in points.values()] == [0, 0, 0, 0], points
+    # with batching on, concurrent requests shared batches: more than one row each, never more than the clients
+    assert 1 < m["mean_batch_rows"] <= c
+    # the gain is on / off at the same concurrency (on 2 shared cores with a 0.4 M-parameter model the ratio is
+    # noise, which is why --tiny sets no target for it: its value is checked against its points, not a threshold)
+    on, off = points["batching on", c]["throughput"], points["batching off", c]["throughput"]
+    assert m["batching_gain"] == (pytest.approx(on / off, rel=1e-12) if off else math.inf), points
+    row = next(r for r in run[1]["table"] if r["item"].startswith(f"batching gain at concurrency {c}"))
+    assert row["value"] == (pytest.approx(m["batching_gain"], rel=1e-12) if off else "inf") and row["ok"] is None
     rates = m["generate_tokens_per_s"]
     assert rates["1"] > 0 and rates[str(m["concurrency"])] > 0
     assert m["prompt_tokens"] + m["new_tokens"] <= 128  # within the context: the KV-cache path
