@@ -44,6 +44,7 @@ bench: $(DEVSTAMP)
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

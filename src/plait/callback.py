@@ -7,6 +7,7 @@ training features (plait.train.callbacks), a scheme's (plait.parallel.hetero), f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,7 +29,8 @@ class Callback:
     """A loop feature; every hook is optional (the defaults do nothing)."""
 
     name = ""  # the key of its state in the checkpoint ("" : no state)
-    batch_slices = None  # (step, rank) -> this rank's [begin, end) of a step's global batch, where a callback splits it
+    # (step, rank) -> this rank's [begin, end) of a step's global batch, where a callback splits it (hetero)
+    batch_slices: Callable[[int, int], tuple[int, int]] | None = None
 
     def on_resume(self, step: int) -> None: ...
     def on_train_begin(self, step: int) -> list[dict] | None: ...

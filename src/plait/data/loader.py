@@ -6,7 +6,7 @@ import logging
 import multiprocessing
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
@@ -86,7 +86,7 @@ class StepLoader:
         finally:
             del it  # shuts the workers down
 
-    def __iter__(self) -> Iterator[list[Batch]]:
+    def __iter__(self) -> Generator[list[Batch], None, None]:
         if self.workers > 0 and self.stop > self.start:
             if not multiprocessing.current_process().daemon:
                 yield from self._from_workers()

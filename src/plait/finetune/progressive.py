@@ -57,7 +57,8 @@ class ProgressiveFreeze:
     def __init__(self, model: nn.Module, steps: int, start: float):
         self.blocks = blocks_of(model)
         self.at = freeze_steps(len(self.blocks), steps, start)
-        tied = set(getattr(model, "tied_parameters", dict)().values()) if hasattr(model, "tied_parameters") else set()
+        # a model's tied weights (plait.models.protocols.TiedModel; finetune sits beside models, so asked by name)
+        tied = set(model.tied_parameters().values()) if callable(getattr(model, "tied_parameters", None)) else set()
         self.front = [(f"{name}.{pname}", p) for name, child in model.named_children() if isinstance(child, nn.Embedding)
                       for pname, p in child.named_parameters() if f"{name}.{pname}" not in tied]
         self.frozen = 0

@@ -13,6 +13,10 @@ torch.distributed.tensor.parallel.parallelize_module. docs/models.md shows both 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
 import torch.nn as nn
 
 from plait.errors import ConfigError
@@ -27,11 +31,54 @@ OUT_NAMES = ("proj", "out_proj", "o_proj", "out", "o", "wo", "c_proj")
 MLP_NAMES = (("up", "down"), ("fc1", "fc2"), ("w1", "w2"), ("c_fc", "c_proj"), ("up_proj", "down_proj"))
 
 
+# ---- the hooks a model may have (each optional; the layouts ask with isinstance, never by probing names)
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    def pipeline_parts(self) -> dict: ...  # {"blocks": attr, "first": [...], "last": [...]}
+
+
+@runtime_checkable
+class TensorParallelModel(Protocol):
+    def tp_plan(self, sequence_parallel: bool) -> dict: ...  # {module name: ParallelStyle}
+
+
+@runtime_checkable
+class ChecksTensorParallel(Protocol):
+    def tp_check(self, tp: int) -> None: ...  # ConfigError when the model cannot split over tp ranks
+
+
+@runtime_checkable
+class TiedModel(Protocol):
+    def tied_parameters(self) -> dict[str, str]: ...  # {alias name: canonical name} of weights shared by modules
+
+
+@runtime_checkable
+class ExtraLossModel(Protocol):
+    def extra_loss(self) -> torch.Tensor | None: ...  # a term added to each training micro-batch's loss (MoE balance)
+
+
+@runtime_checkable
+class WindowMetricsModel(Protocol):
+    # figures for metrics.jsonl on logging steps, summed over the dp ranks by `reduce` (MoE: tokens per expert)
+    def window_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor], ranks: int, steps: int) -> dict: ...
+
+
+@runtime_checkable
+class GeneratingModel(Protocol):
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """The model's tied weights {alias: canonical}, or none."""
+    return model.tied_parameters() if isinstance(model, TiedModel) else {}
+
+
 def pipeline_parts(model: nn.Module) -> dict | None:
     """The model's cut points: its own `pipeline_parts()`, an nn.Sequential's children in order, else None."""
-    own = getattr(model, "pipeline_parts", None)
-    if callable(own):
-        return own()
+    if isinstance(model, PipelineModel):
+        return model.pipeline_parts()
     if isinstance(model, nn.Sequential):
         return {"blocks": "", "first": [], "last": []}
     return None

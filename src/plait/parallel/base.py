@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -80,14 +81,45 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
+@runtime_checkable
+class StepStrategy(Protocol):
+    """What the trainer, telemetry, evaluation, checkpoints and exports use of a strategy (Strategy implements it)."""
+
+    name: str
+    model: nn.Module  # what forward runs (possibly wrapped)
+    module: nn.Module  # the plain model, with the single-process parameter names
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    evaluates: bool  # this rank evaluates, checkpoints and writes the run's files
+    labels: list[str]  # words the run's header adds to the name
+    eval_metrics: dict[str, Callable] | None
+    last_metrics: torch.Tensor | None
+    activation_meter: Any
+    optional_state: tuple[str, ...]  # state_dict entries a checkpoint of another layout may lack
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor: ...
+    def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None: ...
+    def optimizer_step(self) -> None: ...
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def stop_training(self, params: list) -> None: ...
+    def step_metrics(self, record: dict) -> dict: ...
+    def report(self) -> dict | None: ...
+    def figures(self, reports: list[dict], run_dir) -> dict: ...
+    def finish(self) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def full_model_state_dict(self) -> dict: ...
+
+
 class Strategy:
-    """Single-process training; the base that the schemes refine."""
+    """Single-process training; the base that the schemes refine (the members of StepStrategy, with defaults)."""
 
     name = "single"
     sharded = False  # gradients differ between ranks that must agree on an fp16 overflow
     tensor_parallel = False  # DTensor gradients get their parameters' placements after backward
     evaluates = True  # this rank evaluates, checkpoints and writes the run's files (a parameter server's other
     # workers do not)
+    optional_state: tuple[str, ...] = ()  # state_dict entries a checkpoint of another layout may lack
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable, precision: Precision, local_batch: int):
@@ -126,6 +158,7 @@ class Strategy:
                 self.precision.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
         self.after_backward()
+        assert total is not None, "a step has at least one micro-batch"
         return total
 
     def after_backward(self) -> None:
@@ -139,7 +172,7 @@ class Strategy:
         with self.precision.autocast():
             logits = self.model(x)
         loss = self.loss_fn(logits, y).double()
-        metrics = getattr(self, "eval_metrics", None)  # set by the trainer on every strategy
+        metrics = self.eval_metrics  # set by the trainer (train.eval_metrics)
         if metrics:
             self.last_metrics = torch.stack([torch.as_tensor(fn(logits, y), dtype=torch.float64, device=logits.device)
                                              .reshape(()) for fn in metrics.values()])

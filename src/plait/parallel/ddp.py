@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,9 +43,9 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
-    ddp.plait_allreduce = {"allreduce": allreduce, "local_size": local_size}
+    setattr(ddp, "plait_allreduce", {"allreduce": allreduce, "local_size": local_size})  # noqa: B010 (nn.Module attr)
     if compression is not None and compression.kind != "none":
-        ddp.plait_compression = register_compression(ddp, group, compression)
+        setattr(ddp, "plait_compression", register_compression(ddp, group, compression))  # noqa: B010 (nn.Module attr)
     elif allreduce != "native":
         local = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", ddp.process_group.size()))
         ddp.register_comm_hook(AlgorithmHookState(group, allreduce, local), algorithm_hook)
@@ -60,7 +61,7 @@ class DDPStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.by_hand = not isinstance(self.model, DDP)  # a tensor-parallel model: averaged after backward
         self.dp_group, self.dp = dp_group, dp
-        self.rewrap = None  # module -> a new DDP wrapper like this one (stop_training)
+        self.rewrap: Callable[[nn.Module], nn.Module] | None = None  # module -> a new DDP wrapper like this one
         self.sharded = self.by_hand
         if self.by_hand:
             self.name = "tp+dp"

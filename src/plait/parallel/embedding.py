@@ -16,6 +16,8 @@ ranks like the dense part, whose gradients are all-reduced).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -56,10 +58,11 @@ class ShardedEmbeddings(nn.Module):
         self.mode, self.mesh = mode, dp_mesh
         self.group = dp_mesh.get_group()
         self.n, self.rank = dp_mesh.size(), dp_mesh.get_local_rank()
-        tables = collection.tables
+        tables = cast(nn.ModuleDict, collection.tables)
         self.fields = len(tables)
-        self.rows = [tables[str(i)].num_embeddings for i in range(self.fields)]
-        self.dim = tables["0"].embedding_dim
+        embeds = [cast(nn.Embedding, tables[str(i)]) for i in range(self.fields)]
+        self.rows = [e.num_embeddings for e in embeds]
+        self.dim = embeds[0].embedding_dim
         self.tables = nn.ModuleDict()
         if mode == "table":
             owner = balanced_owners([r * self.dim for r in self.rows], self.n)
@@ -103,7 +106,7 @@ class ShardedEmbeddings(nn.Module):
 
 
 def apply_embedding_sharding(model: nn.Module, mode: str, dp_mesh) -> nn.Module:
-    model.embed = ShardedEmbeddings(model.embed, mode, dp_mesh)
+    model.embed = ShardedEmbeddings(cast(nn.Module, model.embed), mode, dp_mesh)
     return model
 
 

@@ -127,6 +127,7 @@ class FSDPStrategy(Strategy):
         self.name = f"zero{stage}"
         self.dp_group = dp_group
         self.reduce_scatter = reduce_scatter
+        self.init_memory: dict | None = None  # shard-only initialisation's figures (Build.materialize)
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         if self.reduce_scatter is not None:  # FSDP2 adds into gradients that are already there, right after the call

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from plait.comm.algorithms import _exchange, group_ranks
@@ -88,11 +89,13 @@ class GossipStrategy(Strategy):
         self.group, self.every = group, every
         self.offsets = neighbour_offsets(dist.get_world_size(group), topology)
         self.steps = 0
-        self._consensus_model = None  # x_bar, for evaluation
+        self._consensus_model: nn.Module | None = None  # x_bar, for evaluation
         self._stale = True
         # This rank's own pace, for report(): from the start of its second step (the first is a logging step, whose
         # all-gather lines the ranks up) to the end of its last.
-        self._calls, self._paced_from, self._last_step_end = 0, None, None
+        self._calls = 0
+        self._paced_from: float | None = None
+        self._last_step_end: float | None = None
 
     def forward_backward(self, micro_batches):
         self._calls += 1
@@ -145,7 +148,9 @@ class GossipStrategy(Strategy):
             self._consensus_model.load_state_dict(self.average_state())
             self._consensus_model.eval()
             self._stale = False
-        live, self.model = self.model, self._consensus_model
+        consensus = self._consensus_model
+        assert consensus is not None, "built at the first evaluation"
+        live, self.model = self.model, consensus
         try:
             return super().eval_batch(x, y)
         finally:

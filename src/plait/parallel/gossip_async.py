@@ -51,6 +51,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -250,7 +251,7 @@ class AsyncGossipStrategy(GossipStrategy):
         with self.averager.lock:
             self.averager.apply_pending()
             flat = _flatten_dense_tensors([p.detach() for p in params])  # on the device: the dp group may be NCCL's
-        out = {"consensus_distance": consensus_distance([flat], self.group)}
+        out: dict[str, Any] = {"consensus_distance": consensus_distance([flat], self.group)}
         window = torch.tensor(self._window, dtype=torch.float64, device=flat.device)
         dist.all_reduce(window[:2], group=self.group)
         dist.all_reduce(window[2:], op=dist.ReduceOp.MAX, group=self.group)

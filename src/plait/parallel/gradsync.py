@@ -19,7 +19,8 @@ DDP cannot wrap (tensor-parallel DTensors, pipeline stages, sharded embeddings).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,12 +66,13 @@ def norm_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     plain = [g for g in grads if not hasattr(g, "full_tensor")]
     if plain:
         total += torch.stack(torch._foreach_norm(plain)).double().pow(2).sum()
-    families: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    families: dict[tuple, list[Any]] = {}  # DTensor gradients
+    for d in grads:
+        g: Any = d
         if hasattr(g, "full_tensor"):
             families.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(g)
     for family in families.values():
-        norms = torch.stack(torch._foreach_norm(family))  # a DTensor, partial where the gradients are sharded
+        norms: Any = torch.stack(torch._foreach_norm(family))  # a DTensor, partial where the gradients are sharded
         total += norms.full_tensor().double().pow(2).sum()
     return total
 
@@ -82,8 +84,8 @@ def clip_grad_norm(params: Iterable, max_norm: float, *, partial: Iterable = (),
     return clip_grads(grads(params), max_norm, partial=grads(partial), group=group, clip_also=grads(clip_also))
 
 
-def clip_grads(whole: list[torch.Tensor], max_norm: float, *, partial: list[torch.Tensor] = (), group=None,
-               clip_also: list[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grads(whole: list[torch.Tensor], max_norm: float, *, partial: Sequence[torch.Tensor] = (), group=None,
+               clip_also: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """clip_grad_norm on gradient tensors: `whole` counted once, `partial` summed over `group`, `clip_also` not counted."""
     every = [*whole, *partial, *clip_also]
     if not every and group is None:

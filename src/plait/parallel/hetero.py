@@ -154,7 +154,7 @@ class HeteroCallback(Callback):
 
 def callbacks(b: Build, strategy) -> list:
     keys = b.keys(HeteroKeys)
-    shares = HeteroShares(parse(keys.hetero, b.layout.dp), b.layout.dp, b.layout.global_batch, keys.hetero_every,
+    shares = HeteroShares(parse(keys.hetero, b.layout.dp) or [], b.layout.dp, b.layout.global_batch, keys.hetero_every,
                           b.rt.axis_group("dp"))
     return [HeteroCallback(shares, b.rt.device)]
 

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,7 +124,7 @@ class ChunkedOffload(torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, store, chunk_numel: int = CHUNK_NUMEL):
         groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
         super().__init__(groups, inner.defaults)
-        self.cls = type(inner)
+        self.cls: Any = type(inner)  # the wrapped optimizer's class: a worker of it steps each chunk
         self.store = store
         self.chunk_numel = max(1, chunk_numel)
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
@@ -180,7 +181,7 @@ class ChunkedOffload(torch.optim.Optimizer):
 
     def _step_chunk(self, chunk: list[tuple]) -> None:
         groups: dict[int, dict] = {}
-        staged = []  # (device view, store view): state copied to the device and back after the step
+        staged: list[tuple] = []  # (device view, store view): state copied to the device and back after the step
         worker_state = {}
         for gi, p, lo, hi in chunk:
             if p.grad is None:

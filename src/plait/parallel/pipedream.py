@@ -57,8 +57,9 @@ class PipeDreamStrategy(PipelineStrategy):
         self.params = list(self.part.parameters())
         self.versions = [copy.deepcopy(self.part) for _ in range(2)]  # the weights steps t (t even / odd) run on
         me = dist.get_rank(self.pp_group)
-        self.prev = None if self.first else dist.get_global_rank(self.pp_group, me - 1)
-        self.next = None if self.last else dist.get_global_rank(self.pp_group, me + 1)
+        # the neighbouring stages' ranks (-1: none, at the first and last stage)
+        self.prev = -1 if self.first else dist.get_global_rank(self.pp_group, me - 1)
+        self.next = -1 if self.last else dist.get_global_rank(self.pp_group, me + 1)
         self.depth = self.num_stages - 1 - self.stage_ids[0]  # micro-batches in flight across a step boundary
         self.batch = 0  # this session's next step (its batch) counted from 0
         self.queue: deque = deque()  # forwarded, not yet backwarded: (batch, j, input, output or loss)
@@ -185,7 +186,7 @@ class PipeDreamStrategy(PipelineStrategy):
     def figures(self, reports: list[dict], run_dir) -> dict:
         """The measured bubble next to PipeDream's (and 1F1B's) theory, from the recorded slot times."""
         summary = pipedream_summary(reports, self.pp, self.microbatches)
-        summary["stage_blocks"] = [[a, z] for a, z in getattr(self, "bounds", [])]
+        summary["stage_blocks"] = [[a, z] for a, z in self.bounds]
         if run_dir is not None:
             from plait.report.pipeline import plot_timeline  # lazily: only rank 0 plots, at the end (matplotlib)
 
@@ -233,7 +234,8 @@ def pipedream_summary(per_rank: list[dict], p: int, m: int) -> dict:
     for r in per_rank:
         first.setdefault(r["pp_rank"], r)
     one = [first[k] for k in sorted(first)]
-    measured, slots = [], {"F": [], "B": []}
+    measured: list = []
+    slots: dict[str, list] = {"F": [], "B": []}
     for step in zip(*(r["step_events"] for r in one)):
         if not all(step):
             continue

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
-from plait.models.protocols import pipeline_blocks, pipeline_parts
+from plait.models.protocols import pipeline_blocks, pipeline_parts, tied_parameters
 from plait.parallel.base import Strategy
 from plait.parallel.expert import refuse_experts
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
@@ -81,6 +81,7 @@ class PipelineStrategy(Strategy):
         union = union_module(parts, blocks_attr)
         optimizer = make_optimizer(union)
         super().__init__(nn.ModuleList(parts), union, optimizer, loss_fn, precision, local_batch)
+        self.bounds: list[tuple[int, int]] = []  # [start, stop) of every stage's blocks (set by build)
         self.name = f"pipeline-{schedule}"
         self.dp_sync = dp_sync
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
@@ -145,7 +146,8 @@ class PipelineStrategy(Strategy):
     # ---- a weight shared by the first and last stage
     def _setup_tied(self, tied: dict[str, str]) -> None:
         """Process groups joining, for every (dp, tp) position, the ranks of the first and last stage."""
-        self.tied, self._tied_group, self._alias_ids = {}, None, frozenset()
+        self.tied, self._tied_group = {}, None
+        self._alias_ids: frozenset[int] = frozenset()
         first_rank, last_rank = 0, (self.num_stages - 1) % self.pp
         if not tied or first_rank == last_rank:
             return
@@ -270,7 +272,7 @@ class PipelineStrategy(Strategy):
     def figures(self, reports: list[dict], run_dir) -> dict:
         """The measured bubble next to the theory, micro-batches in flight per stage, and the timeline plot."""
         summary = pipeline_summary(reports, self.schedule_name, self.pp, self.microbatches, self.virtual)
-        summary["stage_blocks"] = [[a, z] for a, z in getattr(self, "bounds", [])]  # [start, stop) per stage
+        summary["stage_blocks"] = [[a, z] for a, z in self.bounds]  # [start, stop) per stage
         if run_dir is not None:
             from plait.report.pipeline import plot_timeline  # lazily: only rank 0 at the end needs matplotlib
 
@@ -318,7 +320,8 @@ def replay_span(events: list[list[tuple]], durations: dict | None = None) -> flo
                     after = (s + 1, "B", mb) if s < last else (s, "F", mb)
                 if after is not None and after not in end:
                     break
-                end[s, kind, mb] = clock[r] = max(clock[r], end.get(after, 0.0)) + length[s, kind, mb]
+                start = end[after] if after is not None else 0.0
+                end[s, kind, mb] = clock[r] = max(clock[r], start) + length[s, kind, mb]
                 done[r] += 1
                 moved = True
         if not moved:
@@ -450,7 +453,7 @@ def build(b: Build, cls: type | None = None) -> PipelineStrategy:
     """The pipeline strategy (cls: PipelineStrategy, or a subclass such as PipeDream's) over this rank's stages."""
     bounds, mine, parts = stages_of(b)
     module, rt = b.module, b.rt
-    tied = module.tied_parameters() if hasattr(module, "tied_parameters") else {}
+    tied = tied_parameters(module)
     strategy = (cls or PipelineStrategy)(parts, mine, b.layout.stages, rt, b.make_optimizer, b.loss_fn, b.precision,
                                          b.local_batch, b.layout.pipeline_microbatches, b.layout.schedule,
                                          pipeline_parts(module)["blocks"], tied, dp_sync=rt.axis_size("dp") > 1)

@@ -63,9 +63,11 @@ class PSStrategy(Strategy):
     def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
         if self.mode != "sync":
             return super().clip_grad_norm(max_norm, need_norm)
-        norms, mean_loss = self.client.push_sync(float(self._loss))
+        loss = self._loss
+        assert loss is not None, "forward_backward ran before the clip"
+        norms, mean_loss = self.client.push_sync(float(loss))
         # The trainer adds this tensor to its loss window after the step: make it the workers' mean.
-        self._loss.fill_(mean_loss)
+        loss.fill_(mean_loss)
         if max_norm <= 0:
             self._coef = None
             return torch.linalg.vector_norm(torch.stack(norms)) if need_norm else None

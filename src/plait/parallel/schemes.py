@@ -67,7 +67,7 @@ def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_kno
     schemes = SCHEMES if schemes is None else schemes
     for scheme in schemes:
         scheme.check(layout, scheme.keys_of(cfg))
-    asks = [s for s in schemes if s.check_model is not None and s.used(layout, cfg)]
+    asks = [(s, s.check_model) for s in schemes if s.check_model is not None and s.used(layout, cfg)]
     if asks and model_known:
         if model is None and cfg.model.factory:
             import torch  # lazily: only a factory's model is built here, on the meta device
@@ -76,8 +76,8 @@ def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_kno
 
             with torch.device("meta"):  # no memory, no initialisation cost
                 model = load_factory(cfg.model.factory)(**cfg.model.options)
-        for scheme in asks:
-            scheme.check_model(layout, scheme.keys_of(cfg), cfg.model, model)
+        for scheme, check_model in asks:
+            check_model(layout, scheme.keys_of(cfg), cfg.model, model)
     return layout
 
 
@@ -107,14 +107,19 @@ def serve_rank(b: Build) -> dict | None:
     None for a rank that trains."""
     if b.rt.role != "server":
         return None
-    return step_owner(b.cfg, b.schemes or SCHEMES, b.layout).serve(b, b.run_dir)
+    owner = step_owner(b.cfg, b.schemes or SCHEMES, b.layout)
+    if owner.serve is None:
+        raise ValueError(f"rank {b.rt.rank} is a server, but the step owner {owner.name!r} serves nothing")
+    return owner.serve(b, b.run_dir)
 
 
 def build_strategy(b: Build):
     """Parallelize b.module as the layout says and build the optimizer and the Strategy that owns the step."""
     if not b.schemes:
         b.schemes = SCHEMES
-    return step_owner(b.cfg, b.schemes, b.layout).strategy(b)
+    build = step_owner(b.cfg, b.schemes, b.layout).strategy
+    assert build is not None, "step_owner picks a scheme that builds a strategy"
+    return build(b)
 
 
 __all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config", "serve_rank",

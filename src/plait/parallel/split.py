@@ -71,7 +71,7 @@ def bounds_from_split(split: list[int], n_blocks: int) -> list[tuple[int, int]]:
 
 def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) -> list[tuple[int, int]]:
     """Block ranges per stage: the user's split if given, else balanced by parameter count."""
-    parts = pipeline_parts(model)
+    parts = pipeline_parts(model) or {}  # a model the pipeline check let through has its parts
     blocks = dict(blocks_module(model, parts).named_children())
     if split:
         if len(split) != stages - 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,8 @@ def auto_bounds(module: nn.Module, stages: int, cfg, rt) -> tuple[list[tuple[int
     if cfg.parallel.virtual_stages > 1:
         raise ConfigError("parallel.pp_split = 'auto' places one stage per pipeline rank; with "
                           f"parallel.virtual_stages = {cfg.parallel.virtual_stages} give the cut points")
-    n = len(blocks_module(module, pipeline_parts(module)))
-    vocab = module.tok_emb.num_embeddings
+    n = len(list(blocks_module(module, pipeline_parts(module) or {}).children()))
+    vocab = cast(nn.Embedding, module.tok_emb).num_embeddings
     times = block_times(module, n, cfg.train.micro_batch_size, cfg.model.context, vocab, rt.device, rt.rank)
     mine = torch.tensor([float(rt.axis_rank("pp")), *times], dtype=torch.float64, device=rt.device)
     # over every rank, not the pipeline's group: the data-parallel replicas must cut the model alike (their

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.errors import ConfigError
 from plait.models import capabilities
-from plait.models.protocols import check_tp_plan
+from plait.models.protocols import ChecksTensorParallel, TensorParallelModel, check_tp_plan, tied_parameters
 from plait.parallel.keys import TensorParallelKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
@@ -20,12 +20,12 @@ from plait.parallel.scheme import Build, Scheme
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
     """Split the model's matrices over the tp axis; parameter names do not change."""
-    if not hasattr(model, "tp_plan"):
+    if not isinstance(model, TensorParallelModel):
         raise ConfigError(f"{type(model).__name__} declares no tensor-parallel plan (tp_plan, docs/models.md); "
                           "set parallel.tp=1")
-    if hasattr(model, "tp_check"):
+    if isinstance(model, ChecksTensorParallel):
         model.tp_check(tp_mesh.size())
-    tied = getattr(model, "tied_parameters", dict)()
+    tied = tied_parameters(model)
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
     # parallelize_module replaces each module's parameters one module at a time: a weight shared by
     # two modules comes out as two DTensors with equal values. Share them again.
@@ -55,7 +55,7 @@ def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | 
     """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one m names)."""
     tp_degree = layout.tp
     what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
-    has_plan = callable(getattr(model, "tp_plan", None)) if model is not None else "tensor_parallel" in capabilities(m)
+    has_plan = isinstance(model, TensorParallelModel) if model is not None else "tensor_parallel" in capabilities(m)
     if not has_plan:
         raise ConfigError(
             f"parallel.tp = {tp_degree} splits the model's matrices, but {what} declares no tensor-parallel plan "
@@ -66,7 +66,7 @@ def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | 
             raise ConfigError(f"model.heads ({m.heads}) is not divisible by parallel.tp = {tp_degree}; "
                               f"set model.heads to a multiple of {tp_degree}")
         return
-    if callable(getattr(model, "tp_check", None)):
+    if isinstance(model, ChecksTensorParallel):
         model.tp_check(tp_degree)
     check_tp_plan(model, model.tp_plan(keys.sequence_parallel), tp_degree)
 

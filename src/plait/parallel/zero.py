@@ -79,7 +79,7 @@ class ZeroOneStrategy(Strategy):
             return None
         # Per owned tensor (their gradients are views of this rank's averaged segment), as torch's clip does:
         # one float32 norm over a whole segment loses precision as the segment grows.
-        return clip_grads([], max_norm, partial=[p.grad for p in self.owned], group=self.group)
+        return clip_grads([], max_norm, partial=[p.grad for p in self.owned if p.grad is not None], group=self.group)
 
     def state_dict(self) -> dict:
         self._init_optimizer_state()

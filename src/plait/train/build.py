@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from plait.callback import Callbacks
+from plait.callback import Callback, Callbacks
 from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
@@ -105,7 +105,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
     files = run_dir is not None and strategy.evaluates
-    ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files else None
+    ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files and run_dir else None
     slices = next((c.batch_slices for c in callbacks.items if c.batch_slices is not None), None)
     loader = StepLoader(bundle.train, make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler), start,
                         stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
@@ -151,7 +151,7 @@ def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
 def callbacks_for(cfg: Config, b: Build, strategy: Strategy) -> list:
     """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
     t, rt = cfg.train, b.rt
-    found = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
+    found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
     if cfg.model.dropout > 0:
         found.append(DropoutSeed(t.seed, rt.rank))
     if cfg.finetune.progressive_freeze:
@@ -169,7 +169,7 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy) -> list:
 def resume_from(strategy: Strategy, run_dir: Path, rt: Runtime, callbacks: Callbacks) -> int:
     """Rank 0 picks the newest checkpoint that verifies (falling back past damaged ones); every rank loads it, the
     callbacks' state with it. Returns its step (0: none to resume)."""
-    choice = [None]
+    choice: list[str | None] = [None]
     if rt.is_main or not rt.distributed:
         found = find_resumable(run_dir, log=print if rt.is_main else (lambda *_: None))
         choice = [str(found) if found is not None else None]

@@ -306,7 +306,7 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, rt, keep: int, use_async: bool = False):
         self.root = checkpoint_dir(run_dir)
         self.rt, self.keep, self.use_async = rt, keep, use_async
-        self._pending = None  # (future, tmp folder, final folder, trainer state)
+        self._pending: tuple | None = None  # (future, tmp folder, final folder, trainer state)
         # A background save runs collectives from its own thread: give it a process group of its own
         # so they never interleave with training's (every rank creates it, in the same order).
         self.group = dist.new_group(backend="gloo") if use_async and not _single() else None
@@ -442,7 +442,7 @@ def load_checkpoint(strategy, path: Path, trust: bool | None = None) -> dict:
     state = verify(path, trust)
     sd = strategy.state_dict()
     saved = read_metadata(path).state_dict_metadata
-    for key in getattr(strategy, "optional_state", ()):  # entries a checkpoint of another layout may lack
+    for key in strategy.optional_state:  # entries a checkpoint of another layout may lack
         if not any(k == key or k.startswith(key + ".") for k in saved):
             sd.pop(key, None)
     _dcp_load(sd, path)

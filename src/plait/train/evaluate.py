@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
 from plait.data import DataBundle
 from plait.data.datasets import eval_batches
 from plait.models import build_model
+from plait.models.protocols import GeneratingModel
 
 
 def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
@@ -21,7 +24,7 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
     losses = torch.zeros(len(batches), dtype=torch.float64)
     correct = torch.zeros(len(batches), dtype=torch.float64)
-    names = list(getattr(strategy, "eval_metrics", None) or {})  # train.eval_metrics: batch means, combined as the loss
+    names = list(strategy.eval_metrics or {})  # train.eval_metrics: batch means, combined as the loss
     extra = torch.zeros(len(names), len(batches), dtype=torch.float64)
     dp = rt.group_size("dp")
     r = rt.axis_rank("dp") if dp > 1 else 0
@@ -67,8 +70,9 @@ def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
     if not rt.is_main:
         return None
     module = build_model(cfg.model, bundle.spec)
-    if not hasattr(module, "generate"):
+    if not isinstance(module, GeneratingModel):
         return None
+    module = cast(torch.nn.Module, module)
     module.load_state_dict(weights)
     device = rt.device
     module.to(device)

@@ -10,6 +10,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
+from plait.models.protocols import ExtraLossModel
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,12 +86,11 @@ def with_extra_loss(loss_fn: Callable, model) -> Callable:
     is part of the micro-batch loss that every strategy scales and averages. Evaluation adds nothing
     (the hook returns None after an evaluation forward).
     """
-    extra = getattr(model, "extra_loss", None)
-    if not callable(extra):
+    if not isinstance(model, ExtraLossModel):
         return loss_fn
 
     def loss(outputs, targets):
-        value, term = loss_fn(outputs, targets), extra()
+        value, term = loss_fn(outputs, targets), model.extra_loss()
         return value if term is None else value + term
 
     return loss

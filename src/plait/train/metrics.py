@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ class PhaseTimer:
         self.device = device
         self.events = device.type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
-        self.pending: list[tuple[str, object, object]] = []
+        self.pending: list[tuple[str, Any, Any]] = []  # (phase, start event, end event)
         self.steps = 0
 
     @contextmanager

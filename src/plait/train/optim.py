@@ -10,7 +10,8 @@ import torch.nn as nn
 
 def param_groups(model: nn.Module, weight_decay: float, only: set[int] | None = None) -> list[dict]:
     """Matrices and embeddings decay; biases and norm scales do not. `only`: ids of the parameters to include."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad and (only is None or id(p) in only):
             (decay if p.dim() >= 2 else no_decay).append(p)

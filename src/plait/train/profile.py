@@ -12,7 +12,7 @@ class StepProfiler:
         self.first, self.last = (int(steps[0]), int(steps[-1])) if steps else (0, -1)
         self.out = (run_dir / "traces" / f"rank{rank}.json") if run_dir is not None else None
         self.device = device
-        self._prof = None
+        self._prof: torch.profiler.profile | None = None
 
     def begin(self, step: int) -> None:
         """Call as step `step` (1-based) begins."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from plait import faults
 from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
 from plait.config import dump_config
+from plait.models.protocols import WindowMetricsModel
 from plait.train.evaluate import evaluate, generate_sample, linear_probe
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
@@ -58,7 +60,7 @@ class Telemetry:
         self.meter = ActivationMeter(strategy.module)
         self.profiler = StepProfiler(cfg.log.profile_steps, run_dir, rt.rank, rt.device)
         self.progress = Progress(cfg.train.steps, start, cfg.log.progress and rt.is_main, "tok" if self.lm else "samples")
-        if self.writes:
+        if self.writes and run_dir is not None:
             write_run_files(run_dir, cfg, bundle)
         self.writer = MetricsWriter(run_dir / "metrics.jsonl" if self.writes else None, keep_through=start,
                                     trackers=cfg.log.trackers)
@@ -66,13 +68,15 @@ class Telemetry:
         self.step = start
         self.grads_seen = 0
         self.flagged: dict[int, int] = {}
-        self.initial_loss = self.final_loss = None
+        self.initial_loss: float | None = None
+        self.final_loss: float | None = None
         self.loop_steps = 0
         self._window_reset()
         self.loop_t0 = time.perf_counter()
         self._counting = counting(self.comm)
         self.evaluated: tuple[int, dict] | None = None  # the last evaluation: (step, metrics)
-        self.fields = None  # a callable returning more fields for every step record (the callbacks', e.g. frozen_blocks)
+        # more fields for every step record: the callbacks' (e.g. frozen_blocks)
+        self.fields: Callable[[], dict] | None = None
 
     def _window_reset(self, t0: float | None = None) -> None:
         """A new metrics window starts: its clock and the bytes and wait counted from here."""
@@ -196,8 +200,8 @@ class Telemetry:
     def _model_metrics(self, steps: int) -> dict:
         """The model's own figures for the window (an MoE model's expert load): `module.window_metrics(reduce, ranks,
         steps)`, where reduce sums a tensor over the data-parallel ranks (one collective, on logging steps only)."""
-        hook = getattr(self.strategy.module, "window_metrics", None)
-        if not callable(hook):
+        module = self.strategy.module
+        if not isinstance(module, WindowMetricsModel):
             return {}
         group, ranks = self.rt.axis_group("dp"), self.rt.group_size("dp")
 
@@ -206,7 +210,7 @@ class Telemetry:
                 dist.all_reduce(t, group=group)
             return t
 
-        return hook(reduce, ranks, steps)
+        return module.window_metrics(reduce, ranks, steps)
 
     def _agree(self, loss: torch.Tensor, step_time: float, comm_wait: float) -> tuple[float, bool, list[float]]:
         """One all-gather: the mean loss over ranks, whether any rank was asked to stop, each rank's compute time."""

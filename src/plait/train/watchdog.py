@@ -136,7 +136,7 @@ class Watchdog:
                 self._prev_handlers[sig] = signal.signal(sig, handler)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._done.set()
         for sig, prev in self._prev_handlers.items():
             signal.signal(sig, prev)
@@ -145,7 +145,6 @@ class Watchdog:
             explained = self.explain(exc)
             if explained is not exc:
                 raise explained from None
-        return False
 
 
 def stragglers(compute_s: list[float]) -> list[int]:
