@@ -1,5 +1,6 @@
 """plait.parallel.layout: degrees, the arithmetic and its messages, roles and mesh coordinates; checks before launch."""
 
+import itertools
 import re
 
 import pytest
@@ -150,3 +151,45 @@ def load_config_text(text: str) -> Config:
     from plait.config import config_from_dict
 
     return config_from_dict(tomllib.loads(text))
+
+
+def _grid():
+    for dp, tp, pp, zero, ep, sync in itertools.product((1, 2, 4), (1, 2), (1, 2), (0, 1, 2, 3), (1, 2),
+                                                        ("allreduce", "ps", "gossip")):
+        sets = [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.zero={zero}",
+                f"parallel.ep={ep}", f"parallel.sync='{sync}'", "train.global_batch_size=16", "train.micro_batch_size=2",
+                "optim.name='sgd'"]
+        if ep > 1:
+            sets.append("model.moe_experts=4")
+        yield sets
+
+
+def test_every_scheme_and_layout_agree_on_the_step_owner_and_the_predicates():
+    """Over a grid of layouts (dp, tp, pp, ZeRO, ep, sync), every one the checks accept has the step owner its
+    predicates name, and every one they refuse is refused with a ConfigError naming a key."""
+    owners, refused = {}, 0
+    for sets in _grid():
+        cfg = load_config(None, sets)
+        try:
+            layout = check_config(cfg)
+        except ConfigError as e:
+            assert re.search(r"(parallel|model|precision|optim|train)\.\w+", str(e)), str(e)
+            refused += 1
+            continue
+        owner = step_owner(cfg).name
+        owners[owner] = owners.get(owner, 0) + 1
+        expected = ("pipeline" if layout.pp > 1 else "parameter_server" if layout.ps else
+                    "gossip" if layout.sync == "gossip" else "expert" if layout.ep > 1 else
+                    "zero1" if layout.shards_optimizer and layout.zero == 1 else
+                    "fsdp" if layout.shards_gradients else "ddp" if layout.dp > 1 else "single")
+        assert owner == expected, (sets, owner, expected)
+        # what each predicate says, against the owner
+        assert layout.plain_data_parallel == (owner in ("ddp", "single") and layout.tp == 1), (sets, owner)
+        assert layout.data_parallel_only == (owner in ("ddp", "single", "zero1", "fsdp") and layout.tp == 1), sets
+        assert layout.outputs_on_one_rank == (owner not in ("pipeline", "parameter_server")), sets
+        assert layout.every_rank_evaluates == (owner != "parameter_server"), sets
+        assert layout.elementwise_optimizer_only == (layout.zero > 0), sets
+        assert layout.splits_model == (layout.tp > 1 or owner == "pipeline"), sets
+        assert layout.world_size == layout.dp * layout.tp * layout.pp + layout.ps_servers
+    assert set(owners) == {"single", "ddp", "zero1", "fsdp", "pipeline", "parameter_server", "gossip", "expert"}
+    assert refused > 0 and sum(owners.values()) + refused == 3 * 2 * 2 * 4 * 2 * 3
