@@ -213,33 +213,55 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubsc
 
 # ---- Ray: one local cluster (`ray start --head --block`), stopped through its own process group
 
+RAY_READY_S = 180.0  # a loaded 2-core runner has taken over 60 s to bring a head up
+
+
+def wait_ray_ready(ray_bin: Path, address: str, env: dict, head: subprocess.Popen, log: Path,
+                   budget_s: float = RAY_READY_S) -> float:
+    """Poll `ray status` until the head at `address` answers; returns the seconds it took. Each call may take longer
+    than the one before (a loaded machine answers late, and a call cut short tells nothing) and the pause between calls
+    grows, all within budget_s; on failure the message says what the calls and `ray start` printed."""
+    t0 = time.monotonic()
+    deadline, pause, call_s, calls, last = t0 + budget_s, 0.5, 10.0, 0, "no call made"
+    while (left := deadline - time.monotonic()) > 0:
+        calls += 1
+        limit = min(call_s, max(1.0, left))
+        try:
+            r = subprocess.run([str(ray_bin), "status", f"--address={address}"], capture_output=True, text=True,
+                               env=env, timeout=limit)
+            if r.returncode == 0:
+                return time.monotonic() - t0
+            last = f"exit {r.returncode}: {(r.stdout + r.stderr).strip()[-1500:]}"
+        except subprocess.TimeoutExpired:
+            last = f"no answer in {limit:.0f} s"
+        if head.poll() is not None:
+            pytest.fail(f"ray start exited with {head.returncode} after {time.monotonic() - t0:.0f} s:\n"
+                        f"{log.read_text()[-3000:]}")
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause, call_s = min(2 * pause, 5.0), min(2 * call_s, 60.0)
+    pytest.fail(f"the local Ray cluster at {address} did not come up in {budget_s:.0f} s ({calls} `ray status` calls; "
+                f"the last: {last})\nray start printed:\n{log.read_text()[-3000:]}")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray.train.torch", reason="needs Ray Train: pip install 'plait[ray]'")
     ray_bin = Path(sys.executable).parent / "ray"
     temp = Path("/tmp") / f"ray-plait-{os.getpid()}"  # Ray's socket paths must stay short
+    log = tmp_path_factory.mktemp("ray") / "ray-start.log"  # a file, readable while the head runs (a pipe is not)
     port = free_port()
     env = {**ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1"}
     # the ports a head would take by default are this session's own (others may run a cluster too), and workers stay
     # off 15000-29999, where the Slurm and MPI tests' rendezvous ports are derived
-    p = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                          "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
-                          f"--dashboard-agent-listen-port={free_port()}",
-                          "--min-worker-port=30000", "--max-worker-port=32000"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with log.open("w") as out:
+        p = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                              "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
+                              f"--dashboard-agent-listen-port={free_port()}",
+                              "--min-worker-port=30000", "--max-worker-port=32000"],
+                             env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            r = subprocess.run([str(ray_bin), "status", f"--address={address}"], capture_output=True, text=True, env=env)
-            if r.returncode == 0:
-                break
-            if p.poll() is not None:
-                pytest.fail(f"ray start failed:\n{p.stdout.read()[-3000:]}")
-            time.sleep(0.5)
-        else:
-            pytest.fail("the local Ray cluster did not come up in 60 s")
+        wait_ray_ready(ray_bin, address, env, p, log)
         yield {**env, "RAY_ADDRESS": address}
     finally:
         # everything `ray start` started runs in the session (process group) it leads: stop that group, by its id
@@ -254,3 +276,9 @@ def ray_cluster(tmp_path_factory):
                 continue
         p.wait()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_ready_wait():
+    """The readiness wait itself, for a test of what it reports (with a stand-in for `ray`)."""
+    return wait_ray_ready
