@@ -61,3 +61,36 @@ def test_pool_keeps_ranks_alive_and_restarts_after_a_failure():
             pool.run(fail_on_rank_1)
         again = pool.run(all_reduce_rank, 0)
         assert again[0][0] == 1.0 and pool.run(pid) != first  # fresh ranks after the failure
+
+
+def test_ranks_exit_when_their_pool_process_dies():
+    """An interrupted test session (its process killed) leaves no rank behind waiting for tasks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, time\nfrom plait.testing import RankPool\npool = RankPool(2, timeout_s=30)\n"
+            "print(' '.join(map(str, pool.run(os.getpid))), flush=True)\ntime.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=30)
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) counts as gone
+                return f.read().split()[2] != "Z"
+
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        owner.kill()

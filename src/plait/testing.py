@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -42,7 +43,15 @@ class DistributedError(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds each rank's traceback."""
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose pool's process is gone (killed, or a test session interrupted) exits instead of waiting forever."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, tasks, results) -> None:
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.update(RANK_ENV)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size)})
