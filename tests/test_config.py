@@ -401,3 +401,21 @@ def test_format_config_lists_every_field_with_its_doc():
     assert model["name"] == '"gpt"' and model["tie_embeddings"] == "true" and model["dropout"] == "0.0"
     optim = dict(line.partition(" # ")[0].rstrip().split(" = ", 1) for line in blocks["[optim]"])
     assert optim["betas"] == "[0.9, 0.95]" and optim["lr"] == "0.003"
+
+
+def test_the_registries_names_are_the_configs_choices():
+    """data.name's choices, model.name's description and log.trackers' check come from the registries' published
+    (torch-free) names; each registry builds exactly those."""
+    from plait.config import SECTIONS
+    from plait.data.keys import SOURCE_NAMES
+    from plait.data.sources import SOURCES
+    from plait.models.keys import MODELS as MODEL_NAMES
+    from plait.models.registry import MODELS
+    from plait.report.trackers import TRACKERS
+
+    data = {f.name: f for f in dataclasses.fields(SECTIONS["data"])}
+    assert data["name"].metadata["choices"] == SOURCE_NAMES and set(SOURCES) == set(SOURCE_NAMES)
+    model = {f.name: f for f in dataclasses.fields(SECTIONS["model"])}
+    assert set(MODELS) == set(MODEL_NAMES) and ", ".join(MODEL_NAMES) in model["name"].metadata["doc"]
+    with pytest.raises(ConfigError, match=re.escape(f"choose from {sorted(TRACKERS)}")):
+        load_config(None, ["log.trackers=['visdom']"])
