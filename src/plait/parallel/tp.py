@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from plait.errors import ConfigError
 from plait.models import capabilities
 from plait.models.protocols import ChecksTensorParallel, TensorParallelModel, check_tp_plan, tied_parameters
+from plait.parallel.expert import refuse_experts
 from plait.parallel.keys import TensorParallelKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
@@ -54,6 +55,7 @@ def check(layout: Layout, keys: TensorParallelKeys) -> None:
 def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | None) -> None:
     """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one m names)."""
     tp_degree = layout.tp
+    refuse_experts(m, "tp", tp_degree)
     what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
     has_plan = isinstance(model, TensorParallelModel) if model is not None else "tensor_parallel" in capabilities(m)
     if not has_plan:
