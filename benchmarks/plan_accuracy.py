@@ -29,20 +29,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 from plait.config import load_config
+from plait.parallel.layout import Layout
 from plait.plan.calibrate import calibrate
 from plait.plan.cost import Hardware, predict
-from plait.plan.memory import Layout, Shape
+from plait.plan.memory import Shape
 from plait.testing import RankPool
 
 MODELS = {"default": [], "large": ["model.layers=8", "model.width=256", "model.heads=8"]}
 LAYOUTS = {
-    1: [Layout(dp=1, micro=16), Layout(dp=1, micro=16, ac=True)],
-    2: [Layout(dp=2, micro=16), Layout(dp=2, zero=1, micro=16), Layout(dp=2, zero=2, micro=16),
-        Layout(dp=2, zero=3, micro=16), Layout(pp=2, micro=4, schedule="gpipe"), Layout(pp=2, micro=4),
-        Layout(pp=2, micro=4, schedule="interleaved-1f1b", virtual=2), Layout(tp=2, micro=16),
-        Layout(tp=2, micro=16, sp=True)],
-    4: [Layout(dp=4, micro=8), Layout(dp=2, pp=2, micro=4), Layout(dp=2, tp=2, micro=16), Layout(pp=2, tp=2, micro=4),
-        Layout(pp=4, micro=4), Layout(dp=2, tp=2, zero=3, micro=16)],
+    1: [Layout(dp=1, micro_batch=16), Layout(dp=1, micro_batch=16, activation_checkpointing=True)],
+    2: [Layout(dp=2, micro_batch=16), Layout(dp=2, zero=1, micro_batch=16), Layout(dp=2, zero=2, micro_batch=16),
+        Layout(dp=2, zero=3, micro_batch=16), Layout(pp=2, micro_batch=4, schedule="gpipe"), Layout(pp=2, micro_batch=4),
+        Layout(pp=2, micro_batch=4, schedule="interleaved-1f1b", virtual_stages=2), Layout(tp=2, micro_batch=16),
+        Layout(tp=2, micro_batch=16, sequence_parallel=True)],
+    4: [Layout(dp=4, micro_batch=8), Layout(dp=2, pp=2, micro_batch=4), Layout(dp=2, tp=2, micro_batch=16),
+        Layout(pp=2, tp=2, micro_batch=4),
+        Layout(pp=4, micro_batch=4), Layout(dp=2, tp=2, zero=3, micro_batch=16)],
 }
 WARMUP = 2  # steps left out of the median (the first steps allocate, connect and warm caches)
 

@@ -31,7 +31,8 @@ from plait.cli import main
 from plait.config import load_config
 from plait.models.moe import A2A_BYTES, EXPERT_PARAMS, TAIL, MoE
 from plait.parallel.expert import shard_experts
-from plait.plan.memory import Layout, Shape
+from plait.parallel.layout import Layout
+from plait.plan.memory import Shape
 from plait.report import write_report
 
 WIDTH, HIDDEN, E = 6, 10, 4

@@ -11,8 +11,9 @@ import pytest
 from helpers import ENV, rank0_params, tiny_gpt_config
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
 from plait.plan.cost import Hardware, predict_time
-from plait.plan.memory import Layout, Shape, predict_memory
+from plait.plan.memory import Shape, predict_memory
 from plait.plan.search import explain_no_fit, layouts, plan
 from plait.plan.simulate import megatron_2019, scaling
 
@@ -28,8 +29,8 @@ def measured_memory(cfg, run_dir):
 
 
 @pytest.mark.parametrize("layout, overrides", [
-    (Layout(dp=2, micro=4), ["parallel.dp=2"]),
-    (Layout(dp=1, pp=2, micro=2), ["parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2", "model.layers=4"]),
+    (Layout(dp=2, micro_batch=4), ["parallel.dp=2"]),
+    (Layout(dp=1, pp=2, micro_batch=2), ["parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2", "model.layers=4"]),
 ], ids=["dp2", "pp2-1f1b"])
 def test_memory_predictions_match_the_measured_accounting(pool2, tiny_text, layout, overrides):
     cfg = tiny_gpt_config(tiny_text, "train.steps=2", *overrides)
@@ -95,16 +96,17 @@ def test_step_time_model_orders_what_it_should():
     shape = Shape.from_config(cfg.model, 114)
     hw = Hardware()
     t = lambda **kw: predict_time(shape, Layout(**kw), 32, hw)  # noqa: E731
-    assert t(dp=2, micro=16)["step_s"] < t(dp=1, micro=16)["step_s"]
-    assert t(dp=2, zero=3, micro=16)["dp_comm_s"] == pytest.approx(1.5 * t(dp=2, zero=0, micro=16)["dp_comm_s"], rel=0.05)
-    gpipe = t(pp=2, micro=4, schedule="gpipe")
+    assert t(dp=2, micro_batch=16)["step_s"] < t(dp=1, micro_batch=16)["step_s"]
+    assert t(dp=2, zero=3, micro_batch=16)["dp_comm_s"] == pytest.approx(1.5 * t(dp=2, zero=0, micro_batch=16)["dp_comm_s"],
+                                                                         rel=0.05)
+    gpipe = t(pp=2, micro_batch=4, schedule="gpipe")
     assert gpipe["bubble_s"] / (gpipe["compute_s"] + gpipe["tp_comm_s"]) == pytest.approx((2 - 1) / 8)
     # a calibrated tensor-parallel layer cost is paid per layer and micro-batch (4 layers x 2 micro-batches of 16)
-    tp, tp_sp = t(tp=2, micro=16)["tp_comm_s"], t(tp=2, micro=16, sp=True)["tp_comm_s"]
+    tp, tp_sp = t(tp=2, micro_batch=16)["tp_comm_s"], t(tp=2, micro_batch=16, sequence_parallel=True)["tp_comm_s"]
     hw.layer_overhead_s = {"tp": [0.01, 0.001], "tp_sp": [0.02, 0.0], "fsdp": 0.005}
-    assert t(tp=2, micro=16)["tp_comm_s"] - tp == pytest.approx((0.01 + 0.016) * shape.layers * 2)
-    assert t(tp=2, micro=16, sp=True)["tp_comm_s"] - tp_sp == pytest.approx(0.02 * shape.layers * 2)
-    assert t(dp=2, zero=3, micro=16)["optimizer_s"] - t(dp=2, zero=1, micro=16)["optimizer_s"] == pytest.approx(
+    assert t(tp=2, micro_batch=16)["tp_comm_s"] - tp == pytest.approx((0.01 + 0.016) * shape.layers * 2)
+    assert t(tp=2, micro_batch=16, sequence_parallel=True)["tp_comm_s"] - tp_sp == pytest.approx(0.02 * shape.layers * 2)
+    assert t(dp=2, zero=3, micro_batch=16)["optimizer_s"] - t(dp=2, zero=1, micro_batch=16)["optimizer_s"] == pytest.approx(
         0.005 * shape.layers)
 
 
@@ -119,7 +121,7 @@ def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
     assert shape.params == dense.params + layers * ((e - 1) * mlp + h * e)  # + the routers
     assert shape.matmul_params == dense.matmul_params + layers * ((k - 1) * 8 * h * h + h * e)  # k experts a token
     # memory: ZeRO shards the dense part over dp, expert parallel splits the experts over ep
-    lay = Layout(dp=4, zero=3, micro=8, ep=2)
+    lay = Layout(dp=4, zero=3, micro_batch=8, ep=2)
     mem = predict_memory(shape, lay, 32)
     held = shape.params - shape.expert_params
     assert shape.device_params(lay) == [held + shape.expert_params // 2]
@@ -131,10 +133,10 @@ def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
     rows = k * 8 * 128 * h * 4
     one = (2 - 1) * hw.latency_s + (2 - 1) / 2 * rows / hw.intra_bw
     assert t["ep_comm_s"] == pytest.approx(4 * layers * 1 * one)
-    assert predict_time(shape, Layout(dp=4, zero=3, micro=8), 32, hw)["ep_comm_s"] == 0.0
+    assert predict_time(shape, Layout(dp=4, zero=3, micro_batch=8), 32, hw)["ep_comm_s"] == 0.0
     # the planner offers expert parallel where the experts and dp allow it, as valid configs (MoE runs with tp = pp = 1)
     assert {(lay.dp, lay.tp, lay.pp, lay.ep) for lay in layouts(shape, 4, 32)} == {(4, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4)}
-    load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro=8).sets().split("--set ")[1:]] + [
+    load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro_batch=8).sets().split("--set ")[1:]] + [
         "model.moe_experts=8", "model.moe_every=2"])
 
 
@@ -152,11 +154,11 @@ def test_a_pipeline_on_shared_cores_loses_only_the_cores_its_bubble_leaves_idle(
     cfg = load_config(None)
     shape = Shape.from_config(cfg.model, 114)
     shared = Hardware(cores=2, devices_per_node=4)  # calibrated with 4 ranks busy on 2 cores
-    t = predict_time(shape, Layout(pp=4, micro=4), 32, shared)
+    t = predict_time(shape, Layout(pp=4, micro_batch=4), 32, shared)
     assert t["bubble_s"] == pytest.approx((t["compute_s"] + t["tp_comm_s"]) / 16)
     # 2 ranks on those 2 cores have one each: half the time of the calibrated rate
-    assert predict_time(shape, Layout(dp=2, micro=16), 32, shared)["compute_s"] == pytest.approx(
-        predict_time(shape, Layout(dp=2, micro=16), 32, Hardware(devices_per_node=4))["compute_s"] / 2)
+    assert predict_time(shape, Layout(dp=2, micro_batch=16), 32, shared)["compute_s"] == pytest.approx(
+        predict_time(shape, Layout(dp=2, micro_batch=16), 32, Hardware(devices_per_node=4))["compute_s"] / 2)
 
 
 def test_tensor_parallel_communication_outside_the_blocks_follows_the_bytes():
@@ -169,16 +171,16 @@ def test_tensor_parallel_communication_outside_the_blocks_follows_the_bytes():
     op = lambda name, nbytes: fit[f"{name}/2"][0] + nbytes / fit[f"{name}/2"][1]  # noqa: E731
     act, logits = 4 * 16 * 128 * 128, 4 * 16 * 128 * 114
     # embedding's all-reduce; head: logits all-gathered, the input's gradient all-reduced
-    assert tp_outside_comm(shape, Layout(tp=2, micro=16), hw) == pytest.approx(
+    assert tp_outside_comm(shape, Layout(tp=2, micro_batch=16), hw) == pytest.approx(
         op("all_reduce", act) + op("all_gather", logits) + op("all_reduce", act))
     # sequence parallel: the head's input all-gathered and reduce-scattered back, block 0's input gradient gathered
     embed, head = op("all_reduce", act) + op("all_gather", act), op("all_gather", logits) + op("all_gather", act) + \
         op("reduce_scatter", act)
-    assert tp_outside_comm(shape, Layout(tp=2, micro=16, sp=True), hw) == pytest.approx(embed + head)
-    assert tp_outside_comm(shape, Layout(tp=2, pp=2, micro=16, sp=True), hw) == pytest.approx(max(embed, head))
+    assert tp_outside_comm(shape, Layout(tp=2, micro_batch=16, sequence_parallel=True), hw) == pytest.approx(embed + head)
+    assert tp_outside_comm(shape, Layout(tp=2, pp=2, micro_batch=16, sequence_parallel=True), hw) == pytest.approx(max(embed, head))
     # in the step: 4 all-reduces per layer and the outside, per micro-batch (2 of 16)
-    assert predict_time(shape, Layout(tp=2, micro=16), 32, hw)["tp_comm_s"] == pytest.approx(
-        2 * (4 * shape.layers * op("all_reduce", act) + tp_outside_comm(shape, Layout(tp=2, micro=16), hw)))
+    assert predict_time(shape, Layout(tp=2, micro_batch=16), 32, hw)["tp_comm_s"] == pytest.approx(
+        2 * (4 * shape.layers * op("all_reduce", act) + tp_outside_comm(shape, Layout(tp=2, micro_batch=16), hw)))
 
 
 def run_and_judge(cfg, run_dir, faults):

@@ -33,9 +33,10 @@ from plait.models import build_model
 from plait.parallel.fsdp import _on_local_shards as on_local_shards  # the trainer's ZeRO-3 step, timed as it runs
 from plait.parallel.fsdp import apply_fsdp, overlap_without_streams
 from plait.parallel.gradsync import align_grads
+from plait.parallel.layout import Layout
 from plait.parallel.tp import apply_tp
 from plait.plan.cost import Hardware, flops_per_step, tp_outside_comm
-from plait.plan.memory import Layout, Shape
+from plait.plan.memory import Shape
 from plait.testing import RankPool
 from plait.train.loss import lm_loss
 
@@ -230,7 +231,7 @@ def _tp_overheads(model_cfg, vocab: int, spec: DataSpec, xs: dict, comm: dict, o
     for key in ("tp", "tp_sp"):
         def extra(r, b, key=key):
             counted = 4 * model_cfg.layers * _collective_s(comm, "all_reduce", 4 * b * model_cfg.context * model_cfg.width, 2) + \
-                tp_outside_comm(shape, Layout(tp=2, micro=b, sp=key == "tp_sp"), two)
+                tp_outside_comm(shape, Layout(tp=2, micro_batch=b, sequence_parallel=key == "tp_sp"), two)
             return (r[(key, b)] - (r[("plain", b)] - overhead) / 2 - overhead - counted) / model_cfg.layers
         at = {b: statistics.median(extra(r, b) for r in rounds) for b in xs}
         per_sample = max(0.0, (at[micro] - at[small]) / (micro - small)) if micro > small else 0.0

@@ -32,7 +32,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from plait.plan.memory import Layout, Shape, predict_memory
+from plait.parallel.layout import Layout
+from plait.plan.memory import Shape, predict_memory
 
 PROFILE_PATH = Path.home() / ".cache" / "plait" / "device_profile.json"
 
@@ -87,16 +88,16 @@ class Hardware:
         return lat + nbytes / bw  # send
 
 
-def flops_per_step(shape: Shape, global_batch: int, ac: bool = False) -> float:
+def flops_per_step(shape: Shape, global_batch: int, activation_checkpointing: bool = False) -> float:
     """Model FLOPs of one training step (recomputation under activation checkpointing included when ac)."""
     tokens = global_batch * shape.context
     forward = tokens * (2 * shape.matmul_params + 4 * shape.context * shape.width * shape.layers)
-    return forward * (4 if ac else 3)
+    return forward * (4 if activation_checkpointing else 3)
 
 
 def model_flops(shape: Shape, global_batch: int) -> float:
     """The FLOPs MFU counts: forward + backward, no recomputation."""
-    return flops_per_step(shape, global_batch, ac=False)
+    return flops_per_step(shape, global_batch, activation_checkpointing=False)
 
 
 def tp_outside_comm(shape: Shape, layout: Layout, hw: Hardware, elem: int = 4) -> float:
@@ -105,10 +106,10 @@ def tp_outside_comm(shape: Shape, layout: Layout, hw: Hardware, elem: int = 4) -
     all-gathered and its input's gradient all-reduced, or with sequence parallel its input all-gathered and
     that gradient reduce-scattered, plus the first block's input gradient all-gathered (last stage)."""
     t = layout.tp
-    act = elem * layout.micro * shape.context * shape.width
+    act = elem * layout.micro_batch * shape.context * shape.width
     embed = hw.collective("all_reduce", act, t, t) if shape.tied else 0.0
-    head = hw.collective("all_gather", elem * layout.micro * shape.context * shape.vocab, t, t)
-    if layout.sp:
+    head = hw.collective("all_gather", elem * layout.micro_batch * shape.context * shape.vocab, t, t)
+    if layout.sequence_parallel:
         head += hw.collective("all_gather", act, t, t) + hw.collective("reduce_scatter", act, t, t)
         embed += hw.collective("all_gather", act, t, t)
     else:
@@ -143,24 +144,25 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     """Seconds per step split into compute, exposed data-parallel communication, tensor- and
     pipeline-parallel communication, bubble and optimizer; plus MFU. `elem`: bytes per element of
     the gradients and activations that travel (4 in fp32, 2 in 16-bit mixed precision)."""
-    d, t, p, v = layout.dp, layout.tp, layout.pp, layout.virtual
-    m = global_batch // (d * layout.micro)
+    d, t, p, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
+    m = global_batch // (d * layout.micro_batch)
     per_rank = shape.device_params(layout)
     busiest = max(per_rank)
     imbalance = busiest / (sum(per_rank) / p)  # the slowest stage sets the pace
-    compute = flops_per_step(shape, global_batch, layout.ac) / layout.devices / (hw.flops * hw.efficiency) * imbalance
+    flops = flops_per_step(shape, global_batch, layout.activation_checkpointing)
+    compute = flops / layout.devices / (hw.flops * hw.efficiency) * imbalance
     compute += hw.microbatch_overhead_s * m * v * (1 / p) * imbalance  # every micro-batch pays it, per stage
     ranks = min(layout.devices, hw.devices_per_node)  # that share a host's cores
     if hw.cores:  # timed with devices_per_node ranks on the cores: fewer ranks have a larger share each
         compute *= _slowdown(ranks, hw.cores) / _slowdown(hw.devices_per_node, hw.cores)
-    backward = compute * (2 / 3 if not layout.ac else 2 / 4)
-    act = elem * layout.micro * shape.context * shape.width  # one micro-batch's hidden states
+    backward = compute * (2 / 3 if not layout.activation_checkpointing else 2 / 4)
+    act = elem * layout.micro_batch * shape.context * shape.width  # one micro-batch's hidden states
     tp_span, dp_span = t, d * t
     tp_comm = 0.0
     if t > 1:
         per = hw.collective("all_reduce", act, t, tp_span)
-        fixed, per_sample = hw.layer_overhead_s.get("tp_sp" if layout.sp else "tp", (0.0, 0.0))
-        extra = fixed + per_sample * layout.micro
+        fixed, per_sample = hw.layer_overhead_s.get("tp_sp" if layout.sequence_parallel else "tp", (0.0, 0.0))
+        extra = fixed + per_sample * layout.micro_batch
         tp_comm = (4 * per + extra) * (shape.layers / p) * m + tp_outside_comm(shape, layout, hw, elem) * m
     experts = shape.local_expert_params(layout)
     grad_bytes = elem * (busiest - experts)  # the dense part; the experts are averaged over their replicas only
@@ -168,7 +170,7 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     ep_comm = 0.0
     if shape.moe_layers and layout.ep > 1:
         a2a = hw.collective("all_to_all", act * shape.top_k, layout.ep, layout.ep)
-        ep_comm = (6 if layout.ac else 4) * a2a * shape.moe_layers * m
+        ep_comm = (6 if layout.activation_checkpointing else 4) * a2a * shape.moe_layers * m
     if d > 1:
         if z == 0:
             dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span)
@@ -181,7 +183,7 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
         dp_comm = 0.0
     dp_comm += hw.collective("all_reduce", elem * experts, d // layout.ep, dp_span)
     exposed_dp = max(0.0, dp_comm - hw.overlap * backward)
-    pp_comm = 2 * m * v * hw.collective("send", act / (t if layout.sp else 1), 2, d * t * 2) if p > 1 else 0.0
+    pp_comm = 2 * m * v * hw.collective("send", act / (t if layout.sequence_parallel else 1), 2, d * t * 2) if p > 1 else 0.0
     bubble = 0.0
     if p > 1:
         bubble = pipeline_time(compute + tp_comm, p, m * v, ranks, hw.cores) - (compute + tp_comm)

@@ -30,57 +30,16 @@ probabilities: e s b (k (8 h + 2 h) + 2 E) in place of the dense MLP's e s b 8 h
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from plait.data.spec import DataSpec
 from plait.models import build_model
 from plait.models.moe import EXPERT_PARAMS
+from plait.models.protocols import TensorParallelModel
+from plait.parallel.layout import Layout
 from plait.parallel.split import pipeline_stage, stage_bounds
-
-TP_SPLIT = re.compile(r"blocks\.\d+\.(attn\.(q|k|v)\.(weight|bias)|attn\.proj\.weight|mlp\.up\.(weight|bias)|mlp\.down\.weight)$")
-
-
-@dataclass
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    micro: int = 1  # samples per micro-batch
-    schedule: str = "1f1b"
-    virtual: int = 1
-    ac: bool = False
-    sp: bool = False
-    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp ranks
-
-    @property
-    def devices(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def sets(self) -> str:
-        """The layout as ready --set arguments."""
-        parts = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                 f"parallel.zero={self.zero}", f"train.micro_batch_size={self.micro}"]
-        if self.pp > 1:
-            parts.append(f"parallel.pp_schedule='{self.schedule}'")
-            if self.virtual > 1:
-                parts.append(f"parallel.virtual_stages={self.virtual}")
-        if self.sp:
-            parts.append("parallel.sequence_parallel=true")
-        if self.ep > 1:
-            parts.append(f"parallel.ep={self.ep}")
-        if self.ac:
-            parts.append("train.activation_checkpointing=true")
-        return " ".join(f"--set {p}" for p in parts)
-
-    def label(self) -> str:
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro}"
-        if self.pp > 1:
-            s += f" {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "")
-        return s + (" sp" if self.sp else "") + (" ac" if self.ac else "") + (f" ep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass
@@ -100,6 +59,7 @@ class Shape:
     top_k: int = 1
     moe_layers: int = 0
     expert_params: int = 0  # parameters of every MoE layer's experts together (the router is dense)
+    tp_split: frozenset[str] = field(default_factory=frozenset)  # parameters the model's tp_plan splits over tp
 
     @classmethod
     def from_config(cls, model_cfg, vocab: int) -> Shape:
@@ -115,7 +75,7 @@ class Shape:
         matmul += moe * ((k - 1) * 8 * h * h + h * e)
         experts = sum(p.numel() for n, p in model.named_parameters() if _is_expert(n))
         return cls(L, h, model_cfg.heads, model_cfg.context, model.head.out_features, model_cfg.tie_embeddings,
-                   params, matmul, {"model": model}, e if moe else 0, k, moe, experts)
+                   params, matmul, {"model": model}, e if moe else 0, k, moe, experts, tp_split_names(model))
 
     def local_expert_params(self, layout: Layout) -> int:
         """Expert parameters one device holds (E/ep of each MoE layer's)."""
@@ -123,10 +83,10 @@ class Shape:
 
     def device_params(self, layout: Layout) -> list[int]:
         """Parameters each pipeline rank holds (one tensor-parallel shard), from the real module."""
-        key = (layout.pp, layout.virtual, layout.tp, layout.ep)
+        key = (layout.pp, layout.virtual_stages, layout.tp, layout.ep)
         if key not in self.stage_params:
             model = self.stage_params["model"]
-            stages = layout.pp * layout.virtual
+            stages = layout.pp * layout.virtual_stages
             if ("parts", stages) not in self.stage_params:  # splitting copies the model: once per stage count
                 bounds = stage_bounds(model, stages) if stages > 1 else [(0, self.layers)]
                 parts = []
@@ -143,11 +103,27 @@ class Shape:
             per_rank = [0] * layout.pp
             for s, held in enumerate(self.stage_params[("parts", stages)]):
                 for name, numel in held:
-                    split = TP_SPLIT.search(name) or (name == "head.weight") or (name == "tok_emb.weight" and self.tied)
+                    split = name in self.tp_split
                     per_rank[s % layout.pp] += numel // layout.ep if _is_expert(name) else numel // layout.tp if split \
                         else numel
             self.stage_params[key] = per_rank
         return self.stage_params[key]
+
+
+def tp_split_names(model) -> frozenset[str]:
+    """The parameters the model's own tensor-parallel plan splits: a column-parallel module's weight and bias, a
+    row-parallel one's weight (its bias is added once, whole); none for a model without a plan."""
+    if not isinstance(model, TensorParallelModel):
+        return frozenset()
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # lazily: DTensor's styles
+
+    names = set()
+    for module, style in model.tp_plan(False).items():
+        if isinstance(style, ColwiseParallel):
+            names |= {f"{module}.weight", f"{module}.bias"}
+        elif isinstance(style, RowwiseParallel):
+            names.add(f"{module}.weight")
+    return frozenset(names)
 
 
 def _is_expert(name: str) -> bool:
@@ -156,19 +132,19 @@ def _is_expert(name: str) -> bool:
 
 def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[int]]:
     """Activations one micro-batch leaves saved in each model chunk a pipeline rank holds (bytes)."""
-    s, b, h, a, t = shape.context, layout.micro, shape.width, shape.heads, layout.tp
+    s, b, h, a, t = shape.context, layout.micro_batch, shape.width, shape.heads, layout.tp
     # MoE blocks (tp = 1 and pp = 1, as plait runs them) in place of that many dense ones: see the module docstring
     moe_extra = shape.moe_layers * elem * s * b * (shape.top_k * 10 * h + 2 * shape.experts - 8 * h) / shape.layers
-    if layout.ac:
+    if layout.activation_checkpointing:
         block = elem * s * b * h
     elif t == 1:
         block = elem * s * b * (16 * h + 4 + a) + moe_extra
-    elif not layout.sp:
+    elif not layout.sequence_parallel:
         block = elem * s * b * (4 * h + 12 * h / t + 4 + a / t)
     else:
         block = elem * s * b * (2 * h + 14 * h / t + (4 + a) / t)
     head = elem * s * b * (2 * h + 2 + shape.vocab) + 8 * b * s
-    stages = layout.pp * layout.virtual
+    stages = layout.pp * layout.virtual_stages
     per_stage_layers = _layers_per_stage(shape, layout)
     out: list[list[int]] = [[] for _ in range(layout.pp)]
     for st in range(stages):
@@ -177,7 +153,7 @@ def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[i
 
 
 def _layers_per_stage(shape: Shape, layout: Layout) -> list[int]:
-    stages = layout.pp * layout.virtual
+    stages = layout.pp * layout.virtual_stages
     if stages == 1:
         return [shape.layers]
     if ("bounds", stages) not in shape.stage_params:
@@ -196,7 +172,7 @@ def inflight(layout: Layout, microbatches: int, pp_rank: int) -> int:
 
 def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k: int = 8, elem: int = 4) -> dict:
     """Per-device bytes of the busiest pipeline rank: params, grads, optimizer, activations, total."""
-    m = global_batch // (layout.dp * layout.micro)
+    m = global_batch // (layout.dp * layout.micro_batch)
     ranks = []
     per_rank_params = shape.device_params(layout)
     per_mb = activation_bytes(shape, layout, elem)
@@ -209,8 +185,8 @@ def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k:
         grads = 4 * dense / (d if z >= 2 else 1) + 4 * experts
         optim = optimizer_k * dense / (d if z >= 1 else 1) + optimizer_k * experts
         act = sum(per_mb[r]) * inflight(layout, m, r)
-        if layout.ac:  # one block's full activations while it is recomputed in backward
-            act += elem * shape.context * layout.micro * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)
+        if layout.activation_checkpointing:  # one block's full activations while it is recomputed in backward
+            act += elem * shape.context * layout.micro_batch * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)
         ranks.append({"params": params, "grads": grads, "optimizer": optim, "activations": act,
                       "activations_per_microbatch": max(per_mb[r]), "total": params + grads + optim + act})
     return max(ranks, key=lambda x: x["total"]) | {"per_pp_rank": ranks}

@@ -19,8 +19,9 @@ from dataclasses import replace
 
 from plait.config import Config
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
 from plait.plan.cost import PROFILE_PATH, Hardware
-from plait.plan.memory import Layout, Shape
+from plait.plan.memory import Shape
 from plait.plan.search import plan
 from plait.train.job import check_job
 
@@ -36,16 +37,16 @@ def describe(lay: Layout) -> str:
     if lay.zero:
         text += f", ZeRO-{lay.zero}"
     if lay.pp > 1:
-        text += f", {lay.schedule}" + (f" x {lay.virtual} virtual stages" if lay.virtual > 1 else "")
-    return text + f", micro-batch {lay.micro}"
+        text += f", {lay.schedule}" + (f" x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else "")
+    return text + f", micro-batch {lay.micro_batch}"
 
 
 def apply(cfg: Config, lay: Layout, world: int) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
     p.dp, p.tp, p.pp, p.zero, p.ep = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
-    p.pp_schedule, p.virtual_stages, p.sequence_parallel = lay.schedule, lay.virtual, lay.sp
-    t.micro_batch_size, t.activation_checkpointing = lay.micro, lay.ac
+    p.pp_schedule, p.virtual_stages, p.sequence_parallel = lay.schedule, lay.virtual_stages, lay.sequence_parallel
+    t.micro_batch_size, t.activation_checkpointing = lay.micro_batch, lay.activation_checkpointing
     if lay.dp == 1:
         p.offload, p.embedding_sharding = "none", "none"
     new.launch.nnodes, new.launch.nproc_per_node, new.launch.node_rank = "1", world, 0
@@ -61,8 +62,8 @@ def replan(cfg: Config, world: int, vocab: int, hw: Hardware | None = None) -> t
     old = layout_of(cfg)
     preds = [p for p in plan(Shape.from_config(cfg.model, vocab), world, cfg.train.global_batch_size, hw) if p["fits"]]
     # the job's own choices first (they do not change the trajectory, but the user made them), then the fastest
-    preds.sort(key=lambda p: (replace(p["layout"], dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual=1, ep=1)
-                              != replace(old, dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual=1, ep=1),
+    preds.sort(key=lambda p: (replace(p["layout"], dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual_stages=1, ep=1)
+                              != replace(old, dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual_stages=1, ep=1),
                               p["time"]["step_s"]))
     for p in preds:
         new = apply(cfg, p["layout"], world)

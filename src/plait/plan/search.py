@@ -8,8 +8,9 @@ from pathlib import Path
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.parallel import check_config
+from plait.parallel.layout import Layout
 from plait.plan.cost import Hardware, predict
-from plait.plan.memory import Layout, Shape
+from plait.plan.memory import Shape
 from plait.report.plots import plt, save
 
 GB = 1e9
@@ -32,10 +33,10 @@ def refusal(lay: Layout, shape: Shape, global_batch: int) -> str | None:
         cfg.model.moe_experts, cfg.model.moe_top_k = shape.experts, shape.top_k
         cfg.model.moe_every = shape.layers // shape.moe_layers
     p = cfg.parallel
-    p.dp, p.tp, p.pp, p.zero, p.sequence_parallel = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
-    p.pp_schedule, p.virtual_stages, p.ep = lay.schedule, lay.virtual, lay.ep
-    cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, lay.micro
-    cfg.train.activation_checkpointing = lay.ac
+    p.dp, p.tp, p.pp, p.zero, p.sequence_parallel = lay.dp, lay.tp, lay.pp, lay.zero, lay.sequence_parallel
+    p.pp_schedule, p.virtual_stages, p.ep = lay.schedule, lay.virtual_stages, lay.ep
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, lay.micro_batch
+    cfg.train.activation_checkpointing = lay.activation_checkpointing
     try:
         check_config(cfg)
     except ConfigError as e:
@@ -67,7 +68,7 @@ def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
                                 continue
                             for ac in (False, True):
                                 for sp in ((False, True) if tp > 1 else (False,)):
-                                    out.append(replace(lay, ac=ac, sp=sp))
+                                    out.append(replace(lay, activation_checkpointing=ac, sequence_parallel=sp))
     return out
 
 

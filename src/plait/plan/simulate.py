@@ -13,8 +13,9 @@ from pathlib import Path
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
 from plait.plan.cost import Hardware, model_flops, predict, predict_time
-from plait.plan.memory import Layout, Shape
+from plait.plan.memory import Shape
 from plait.plan.search import plan, refusal
 from plait.report.plots import plt, save
 
@@ -41,7 +42,8 @@ def scaling(shape: Shape, global_batch: int, hw: Hardware, max_devices: int, fix
         if fixed:
             dp = n // mp
             lay = Layout(dp=dp, tp=fixed.get("tp", 1), pp=fixed.get("pp", 1), zero=fixed.get("zero", 0),
-                         micro=fixed.get("micro", max(1, gb // dp)), schedule="1f1b", ac=bool(fixed.get("ac", 0)))
+                         micro_batch=fixed.get("micro", max(1, gb // dp)), schedule="1f1b",
+                         activation_checkpointing=bool(fixed.get("ac", 0)))
             why = refusal(lay, shape, gb) if check else None
             if why:  # `plait train` would refuse it: no figures for a layout that cannot run
                 rows.append({"devices": n, "layout": lay.label(), "global_batch": gb, "refused": why})
