@@ -80,13 +80,15 @@ def test_nccl_without_a_gpu_is_a_config_error(tmp_path):
 
 
 def test_the_header_names_every_axis_zero_and_compression():
+    from types import SimpleNamespace
+
     from plait.config import load_config
     from plait.parallel.layout import Layout
     from plait.train.telemetry import layout_text
 
     cfg = load_config(None, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
-                             "parallel.compression='fp16'", "train.micro_batch_size=4"])
-    assert layout_text(cfg, Layout.from_config(cfg), "pipeline-1f1b") == \
-        "dp=2 tp=2 pp=2, pipeline-1f1b, ZeRO-1, fp16 compression"
+                             "parallel.ep=2", "train.micro_batch_size=4"])
+    strategy = SimpleNamespace(name="pipeline-1f1b", labels=["fp16 compression"])  # DDP's build adds its label
+    assert layout_text(Layout.from_config(cfg), strategy) == "dp=2 tp=2 pp=2 ep=2, pipeline-1f1b, ZeRO-1, fp16 compression"
     plain = load_config(None, ["parallel.dp=2"])
-    assert layout_text(plain, Layout.from_config(plain), "ddp") == "dp=2, ddp"
+    assert layout_text(Layout.from_config(plain), SimpleNamespace(name="ddp", labels=[])) == "dp=2, ddp"

@@ -99,8 +99,8 @@ def message(*overrides):
 def test_allreduce_needs_plain_ddp_and_no_compression():
     assert message("parallel.allreduce='ring'", "parallel.zero=2") == (
         "parallel.allreduce = 'ring' runs DDP's gradient all-reduce as a comm hook: it needs parallel.sync = 'allreduce' "
-        "and dp >= 2 with tp = pp = 1, zero = 0 and no embedding_sharding (here sync = 'allreduce', dp = 2, tp = 1, "
-        "pp = 1, zero = 2); set parallel.allreduce='native' or change the layout")
+        "and dp >= 2 with tp = pp = ep = 1, zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, "
+        "zero = 2, sync = 'allreduce'); set parallel.allreduce='native' or change the layout")
     assert message("parallel.allreduce='tree'", "parallel.compression='fp16'") == (
         "parallel.allreduce = 'tree' and parallel.compression = 'fp16' are both DDP comm hooks and a model takes one; "
         "set parallel.allreduce='native' (compression makes its own collectives) or parallel.compression='none'")

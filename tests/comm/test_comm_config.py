@@ -31,8 +31,9 @@ def test_compression_on_a_sync_without_all_reduce():
 
 def test_compression_needs_ddp():
     assert message("parallel.compression='int8'", "parallel.dp=2", "parallel.zero=1") == (
-        "parallel.compression = 'int8' runs as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = 1, "
-        "zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, zero = 1); set parallel.compression='none' or "
+        "parallel.compression = 'int8' runs as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = ep = "
+        "1, zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 1, sync = 'allreduce'); set "
+        "parallel.compression='none' or "
         "change the layout")
     assert message("parallel.compression='topk'", "parallel.topk_ratio=0.0") == (
         "parallel.topk_ratio = 0.0 must be in (0, 1] (the share of gradient entries sent, e.g. 0.01); "
@@ -59,8 +60,9 @@ def test_sync_schemes_need_plain_data_parallelism():
     assert message("parallel.sync='gossip'", "parallel.gossip_every=0") == (
         "parallel.gossip_every = 0 must be >= 1 (steps between neighbour averages); set --set parallel.gossip_every=1")
     assert message("parallel.sync='ps'", "parallel.zero=2") == (
-        "parallel.sync = 'ps' replaces DDP's all-reduce and works on plain data parallelism: it needs tp = pp = 1, zero = 0 "
-        "and no embedding_sharding (here dp = 2, tp = 1, pp = 1, zero = 2); set parallel.sync='allreduce' or change the "
+        "parallel.sync = 'ps' replaces DDP's all-reduce and works on plain data parallelism: it needs tp = pp = ep = 1, "
+        "zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 2); set parallel.sync='allreduce' "
+        "or change the "
         "layout")
     assert message("parallel.sync='ps'", "precision.dtype='fp16'") == (
         "parallel.sync = 'ps' does not take fp16 loss scaling; set precision.dtype='bf16' or 'fp32'")

@@ -14,6 +14,7 @@ from helpers import max_diff, params_after, rank0_params
 from plait.config import load_config
 from plait.data import build_data
 from plait.errors import ConfigError, DataError
+from plait.parallel.layout import Layout
 from plait.train.job import check_job, check_user_code
 
 # plain SGD, no clipping or schedule: a wrong gradient scale cannot hide (layout tests' rule)
@@ -127,7 +128,8 @@ def test_train_loss_and_eval_metrics_are_the_users_functions(tmp_path):
     with pytest.raises(ConfigError, match="train.loss = 'user_code:nope': module user_code has no callable 'nope'"):
         check_job(load_config(None, [*FACTORY, "train.loss='user_code:nope'"]))
     with pytest.raises(ConfigError, match="train.eval_metrics are computed on the whole model's outputs"):
-        check_user_code(load_config(None, [*FACTORY, "train.eval_metrics=['user_code:error_rate']", "parallel.pp=2"]))
+        cfg = load_config(None, [*FACTORY, "train.eval_metrics=['user_code:error_rate']", "parallel.pp=2"])
+        check_user_code(cfg, Layout.from_config(cfg))
 
 
 def test_table_errors_name_file_row_column_and_value(tmp_path):

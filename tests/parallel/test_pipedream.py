@@ -114,10 +114,10 @@ def test_a_resume_through_a_drained_checkpoint_keeps_the_trajectory(pool2, pp2, 
     (("parallel.pp=2", "parallel.microbatches=1"), "needs at least parallel.pp (2) micro-batches per step (it has 1)"),
 ])
 def test_what_pipedream_refuses(gpt, overrides, message):
-    from plait.parallel.pipeline import check
+    from plait.parallel import check_config
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check(load_config(None, [*gpt, "parallel.dp=1", *PIPEDREAM, *overrides]))
+        check_config(load_config(None, [*gpt, "parallel.dp=1", *PIPEDREAM, *overrides]))
 
 
 def test_it_converges_with_adamw_within_a_margin_of_1f1b(pool2, tiny_text, tmp_path):

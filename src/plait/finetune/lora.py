@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.errors import ConfigError
-from plait.finetune.freeze import match
+from plait.finetune.freezing import match
 
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's first-level block size; the scales are kept in fp32)
 

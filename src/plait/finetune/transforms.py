@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from plait.errors import ConfigError
-from plait.finetune.freeze import freeze, trainable_params
+from plait.finetune.freezing import freeze, trainable_params
 from plait.finetune.lora import LoRALinear, adapter_state_dict, apply_lora, lora_layers, merge_lora
 from plait.finetune.progressive import ProgressiveFreeze, freeze_steps
 

@@ -130,7 +130,9 @@ class Batcher:
 
     def _take(self, key: Hashable) -> list[Pending]:
         """Up to max_batch_size rows of kind `key`, oldest first; other kinds keep their places."""
-        batch, rest, rows = [], collections.deque(), 0
+        batch: list[Pending] = []
+        rest: collections.deque[Pending] = collections.deque()
+        rows = 0
         for p in self._queue:
             if p.cancelled:
                 continue

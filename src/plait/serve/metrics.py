@@ -10,9 +10,11 @@ import json
 import logging
 import sys
 import time
+from types import ModuleType
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+orjson: ModuleType | None  # None when orjson is not installed
 try:
     import orjson
 except ImportError:

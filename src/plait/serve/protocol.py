@@ -20,11 +20,14 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from plait.errors import PlaitError
 
+orjson: ModuleType | None  # None when orjson is not installed
 try:  # parses and writes JSON several times faster than the standard library (the request path's hot spot)
     import orjson
 except ImportError:
@@ -141,6 +144,7 @@ def _flatten(name: str, data) -> tuple[list, set]:
 def _json_values(name: str, datatype: str, data) -> np.ndarray:
     """The flat (or nested) JSON `data` of a tensor as a numpy array of its datatype."""
     flat, types = _flatten(name, data)
+    allowed: set[type]
     if datatype == "BOOL":
         allowed, kind = {bool}, "true/false"
     elif datatype.startswith(("INT", "UINT")):
@@ -206,7 +210,10 @@ def nesting_depth(data: bytes | str) -> int:
 
 
 def _too_deep(data: bytes | str) -> bool:
-    openings = data.count(b"[" if isinstance(data, bytes) else "[") + data.count(b"{" if isinstance(data, bytes) else "{")
+    if isinstance(data, bytes):
+        openings = data.count(b"[") + data.count(b"{")
+    else:
+        openings = data.count("[") + data.count("{")
     return openings > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH  # fewer openings cannot nest deeper
 
 
@@ -392,7 +399,7 @@ def encode_infer_response(model_name: str, req: InferRequest, outputs: dict[str,
     chunks: list[bytes] = []
     for n in names:
         arr = np.ascontiguousarray(outputs[n], dtype=DATATYPES[known[n].datatype])
-        t = {"name": n, "datatype": known[n].datatype, "shape": list(arr.shape)}
+        t: dict[str, Any] = {"name": n, "datatype": known[n].datatype, "shape": list(arr.shape)}
         if req.binary.get(n, req.binary_default):
             raw = arr.tobytes()
             t["parameters"] = {"binary_data_size": len(raw)}

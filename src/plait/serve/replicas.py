@@ -91,7 +91,7 @@ class ReplicaPool:
         self.autoscale = autoscale_min is not None
         self.target = n if autoscale_min is None else autoscale_min  # replicas wanted (running or starting)
         self.on_cold_start = on_cold_start  # (index, {"process_s", "imports_s", "load_s"})
-        self.on_no_replica = None  # called when a batch arrives and no replica is up (the autoscaler's wake-up)
+        self.on_no_replica: Callable[[], None] | None = None  # called when a batch arrives and no replica is up (the autoscaler's wake-up)
         self.cold_starts: list[tuple[int, dict]] = []
         self.restarts = 0
         self._counter = restart_counter
@@ -134,9 +134,11 @@ class ReplicaPool:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        started: list[asyncio.Future] = []
         for i in range(self.target):
-            self._spawn(i, first=True)
-        started = [r.started for r in self._replicas if r is not None]
+            future = self._spawn(i, first=True).started
+            assert future is not None, "_spawn(first=True) gives the replica its start-up future"
+            started.append(future)
         try:
             await asyncio.wait_for(asyncio.gather(*started), self._timeout)
         except BaseException:
@@ -200,8 +202,8 @@ class ReplicaPool:
                 if r.proc.is_alive():
                     r.proc.kill()
                     await loop.run_in_executor(None, r.proc.join, 10)
-        for t in self._threads:
-            await loop.run_in_executor(None, t.join, 10)
+        for thread in self._threads:
+            await loop.run_in_executor(None, thread.join, 10)
         for r in self._replicas:
             if r is not None:
                 r.conn.close()

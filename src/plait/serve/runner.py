@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from plait.models.gpt import GPT
 from plait.serve.kvcache import generate
 from plait.serve.model import ServedModel
 from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
@@ -63,7 +64,9 @@ class Runner:
     def prepare(self) -> None:
         """Probe the exact batch sizes, on the thread (and with the thread count) that will run the batches."""
         if self.sizes is None:
-            self.sizes = exact_sizes(self.served.module, self.served.spec.input_shape, self.pad_to, device=self.device)
+            pad_to = self.pad_to
+            assert pad_to is not None, "__init__ leaves sizes to probe only when there is a pad_to"
+            self.sizes = exact_sizes(self.served.module, self.served.spec.input_shape, pad_to, device=self.device)
 
     def padded(self, n: int) -> int:
         """Rows a batch of n runs as: the smallest exact size >= n."""
@@ -85,7 +88,9 @@ class Runner:
 
     def generate(self, rows: Sequence[GenRow], emit: Emit | None = None,
                  cancelled: Cancelled | None = None) -> list[list[int] | RowFailed]:
-        return generate(self.served.module, list(rows), emit, cancelled, device=self.device)
+        module = self.served.module
+        assert isinstance(module, GPT), "Service.generate sends Generate tasks only when served.can_generate (a GPT)"
+        return generate(module, list(rows), emit, cancelled, device=self.device)
 
     def run(self, task: Task, emit: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
         match task:
@@ -121,7 +126,11 @@ class LocalExecutor:
 
     async def run(self, task: Task, on_event: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
         loop = asyncio.get_running_loop()
-        emit = None if on_event is None else (lambda *a: loop.call_soon_threadsafe(on_event, *a))
+        emit: Emit | None = None
+        if on_event is not None:
+            def emit_on_loop(row: int, position: int, token: int) -> None:  # on the worker thread: on_event runs on the loop
+                loop.call_soon_threadsafe(on_event, row, position, token)
+            emit = emit_on_loop
         return await loop.run_in_executor(self._pool, self.runner.run, task, emit, cancelled)
 
     async def stop(self) -> None:

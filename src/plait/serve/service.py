@@ -75,6 +75,7 @@ class ServeOptions:
         return max(1, cores - 1) if in_process else max(1, cores // processes)
 
     def validate(self) -> ServeOptions:
+        value: float  # the integer options first, then the float ones
         for flag, value, low in (("--replicas", self.replicas, 1), ("--pp", self.pp, 1), ("--threads", self.threads, 0),
                                  ("--max-batch-size", self.max_batch_size, 1), ("--max-queue", self.max_queue, 1),
                                  ("--max-new-tokens", self.max_new_tokens, 1),
