@@ -533,7 +533,7 @@ class Probe:
         self.records, self.syncs, self.warm = [], {}, warm
 
     def install(self) -> None:
-        import plait.train.trainer as trainer
+        import plait.train.build as trainer  # where the job builds its Telemetry
 
         probe, base = self, trainer.Telemetry
 

@@ -135,6 +135,7 @@ def rss_now_and_peak() -> tuple[int | None, int]:
 
 def plait_run(zero: int, world: int, steps: int, warmup: int, micro: int, run_dir: str, blocking: bool = False) -> dict:
     import plait.parallel.fsdp as fsdp
+    import plait.train.build as build
     import plait.train.trainer as trainer
     from plait.data import build_data
     from plait.train.telemetry import Telemetry
@@ -151,7 +152,7 @@ def plait_run(zero: int, world: int, steps: int, warmup: int, micro: int, run_di
         fsdp.overlap_without_streams = lambda *args: None
     cfg = config(world, warmup + steps, zero, micro)
     bundle = build_data(cfg.data, cfg.model)  # before the RSS baseline, as on the DeepSpeed side
-    trainer.build_data = lambda data_cfg, model_cfg: bundle
+    build.build_data = lambda data_cfg, model_cfg: bundle  # the job builds its data through this name
     base = reset_peak_rss()
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own report lines
         result = trainer.train(cfg, run_dir)

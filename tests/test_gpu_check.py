@@ -152,7 +152,8 @@ def test_the_sync_counter_counts_non_logging_steps_only(monkeypatch, tiny_text):
 
     import torch
 
-    import plait.train.trainer as trainer
+    import plait.train.build as trainer  # where the job builds its Telemetry
+    from plait.train.trainer import train
     from plait.config import load_config
     from plait.parallel.base import Strategy
 
@@ -177,7 +178,7 @@ def test_the_sync_counter_counts_non_logging_steps_only(monkeypatch, tiny_text):
         probe = gpu_check.Probe(types.SimpleNamespace(cuda=True, device=torch.device("cpu")))
         probe.install()
         probe.reset(warm=2)
-        trainer.train(cfg, None)
+        train(cfg, None)
     assert sorted(probe.syncs) == [3, 5, 6, 7]  # steps 1, 4 and 8 log; 2 is warm-up
     assert all(len(sites) == 1 and "test_gpu_check.py" in sites[0] for sites in probe.syncs.values())
     assert modes == ["warn", "default"] * 4
