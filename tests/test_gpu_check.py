@@ -153,9 +153,9 @@ def test_the_sync_counter_counts_non_logging_steps_only(monkeypatch, tiny_text):
     import torch
 
     import plait.train.build as trainer  # where the job builds its Telemetry
-    from plait.train.trainer import train
     from plait.config import load_config
     from plait.parallel.base import Strategy
+    from plait.train.trainer import train
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import gpu_check
