@@ -25,15 +25,19 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import uvicorn
 
+_HTTPBase: type[asyncio.Protocol]  # HttpToolsProtocol or H11Protocol: unrelated classes, both asyncio protocols
 try:  # the protocol uvicorn's "auto" would choose
     import httptools  # noqa: F401
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPBase
 except ImportError:
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPBase
 
+_new_loop: Callable[[], asyncio.AbstractEventLoop]
 try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it always makes asyncio's own)
     import uvloop
 
@@ -87,14 +91,30 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-class _Guarded:
+if TYPE_CHECKING:
+    class _Cycle(Protocol):
+        response_complete: bool
+
+    class _HTTPProtocol(asyncio.Protocol):
+        """What _Guarded uses of the uvicorn class it is mixed into (HttpToolsProtocol and H11Protocol both have
+        these attributes, each with its own request cycle class)."""
+
+        connections: set[asyncio.Protocol]
+        cycle: _Cycle | None
+        loop: asyncio.AbstractEventLoop
+        transport: asyncio.Transport
+else:
+    _HTTPProtocol = object  # at run time a plain mixin: uvicorn's class follows it in the MRO (guarded_protocol)
+
+
+class _Guarded(_HTTPProtocol):
     """Mixin for uvicorn's HTTP protocol classes: a deadline for each request head, and a cap on open connections."""
 
     head_timeout_s: float = 10.0
     max_connections: int = 256
 
     def connection_made(self, transport) -> None:
-        self._head_timer = None
+        self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:

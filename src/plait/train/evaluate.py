@@ -22,6 +22,8 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     parameter server's chief) evaluate every batch themselves.
     """
     batches = eval_batches(dataset, cfg.train.eval_samples, cfg.train.eval_batch_size)
+    if not batches:  # train.eval_samples = 0: no evaluation, so no figures (not a NaN loss)
+        return {}
     losses = torch.zeros(len(batches), dtype=torch.float64)
     correct = torch.zeros(len(batches), dtype=torch.float64)
     names = list(strategy.eval_metrics or {})  # train.eval_metrics: batch means, combined as the loss
