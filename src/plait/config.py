@@ -6,9 +6,8 @@ Usage::
     print(format_config(cfg))          # what `plait config show` prints
     text = dump_config(cfg)            # the resolved TOML written to a run dir
 
-This module is the loader and merger only. The keys belong to the components that read them, each
-declaring a group of them where it lives, in a module that imports no torch (plait/parallel/keys.py,
-plait/train/keys.py, ...)::
+The loader and merger only: the keys belong to the components that read them, each declaring a group
+where it lives, in a module that imports no torch (plait/parallel/keys.py, plait/train/keys.py, ...)::
 
     @keys("parallel")
     class PipelineKeys:
@@ -18,9 +17,8 @@ plait/train/keys.py, ...)::
         def check(self, cfg) -> None:     # its own rules, after the generic ones (choices, minimum, finite)
             ...
 
-A section ([parallel]) is every group registered for it, flat: `cfg.parallel.pp_schedule`, and
-`cfg.keys(PipelineKeys)` gives the group's own view. Unknown keys, wrong types and impossible values
-raise ConfigError before any worker starts; the message names the key, the rule and the fix.
+A section is its groups' keys, flat (`cfg.parallel.pp_schedule`); `cfg.keys(PipelineKeys)` is a group's own
+view. Bad keys, types and values raise ConfigError naming the key, the rule and the fix, before any worker starts.
 """
 
 from __future__ import annotations
@@ -98,6 +96,19 @@ def keys(section: str):
     return register
 
 
+_DERIVED: dict[str, Any] = {}  # name -> fn(cfg): what a component derives from its keys, read as cfg.<name>
+
+
+def derived(name: str):
+    """Function decorator: cfg.<name> is fn(cfg), a figure a component derives from its keys."""
+
+    def register(fn):
+        _DERIVED[name] = fn
+        return fn
+
+    return register
+
+
 def unregister(cls: type) -> None:
     """Take a group's keys out of its section again (tests that declare a toy scheme's keys)."""
     section = _SECTION_OF.pop(cls)
@@ -164,6 +175,8 @@ class Config:
             raise TypeError(f"unknown sections {sorted(sections)}")
 
     def __getattr__(self, name: str) -> Any:
+        if name in _DERIVED:  # a figure a component derives from its keys (launch: cfg.node_range, cfg.elastic)
+            return _DERIVED[name](self)
         if name in _GROUPS:  # a section declared after this config was made: its defaults
             value = section_type(name)()
             setattr(self, name, value)
@@ -181,29 +194,6 @@ class Config:
         section = getattr(self, _SECTION_OF[group])
         return group(**{f.name: getattr(section, f.name) for f in dataclasses.fields(group)})
 
-    @property
-    def node_range(self) -> tuple[int, int]:
-        """(min, max) machines: launch.nnodes = "N" gives (N, N), "MIN:MAX" an elastic range."""
-        text = str(self.launch.nnodes).strip()
-        try:
-            lo, _, hi = text.partition(":")
-            lo_n, hi_n = int(lo), int(hi or lo)
-        except ValueError:
-            raise ConfigError(f"launch.nnodes = {text!r} must be N or MIN:MAX, e.g. 2 or '1:2'") from None
-        if not 1 <= lo_n <= hi_n:
-            raise ConfigError(f"launch.nnodes = {text!r}: need 1 <= MIN <= MAX")
-        return lo_n, hi_n
-
-    @property
-    def max_nodes(self) -> int:
-        return self.node_range[1]
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the world may change size while the job runs (fewer nodes, or restarts after failures)."""
-        lo, hi = self.node_range
-        return lo < hi or self.launch.max_restarts > 0
-
 
 def groups() -> list[tuple[str, type]]:
     """(section, group) for every declared key group, in order."""
@@ -216,24 +206,18 @@ def groups() -> list[tuple[str, type]]:
 def _type_name(tp: Any) -> str:
     if isinstance(tp, types.UnionType):  # int | str: a number or "auto"
         return 'a whole number or "auto"' if set(tp.__args__) == {int, str} else " or ".join(map(_type_name, tp.__args__))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a table"}.get(
-        tp, str(tp)
-    )
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a table"}
+    return names.get(tp, str(tp))
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check a TOML value against a field's type; ints are accepted where floats are expected."""
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if (tp is int or isinstance(tp, types.UnionType) and int in tp.__args__) and isinstance(value, bool):
-        ok = False
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        raise ConfigError(
-            f"{key} = {value!r} has the wrong type: it must be {_type_name(tp)}; "
-            f"fix the value in the config or --set {key}=<{_type_name(tp)}>"
-        )
+    takes_int = tp is int or isinstance(tp, types.UnionType) and int in tp.__args__
+    if not isinstance(value, tp) or (takes_int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r} has the wrong type: it must be {_type_name(tp)}; "
+                          f"fix the value in the config or --set {key}=<{_type_name(tp)}>")
     return value
 
 
@@ -246,9 +230,7 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     cfg = Config()
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ConfigError(
-                f"unknown section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}"
-            )
+            raise ConfigError(f"unknown section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] in {source} must be a table of keys, not {values!r}")
         for key, value in values.items():
@@ -268,10 +250,8 @@ def set_value(cfg: Config, dotted: str, value: Any, source: str = "--set") -> No
     fields = _fields(SECTIONS[section])
     if key not in fields:
         close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-        raise ConfigError(
-            f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(map(toml_key, fields))}"
-            + (f" (did you mean {section}.{close[0]}?)" if close else "")
-        )
+        raise ConfigError(f"unknown key '{dotted}' in {source}; keys of [{section}]: {', '.join(map(toml_key, fields))}"
+                          + (f" (did you mean {section}.{close[0]}?)" if close else ""))
     tp = typing.get_type_hints(SECTIONS[section])[key]
     if isinstance(value, fields[key].metadata.get("accepts") or ()) and not isinstance(value, bool):
         value = tp(value)
@@ -293,11 +273,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `--set section.key=value` overrides in order.
-
-    For string keys an unquoted value is taken literally, so `data.path=2024-01-01`
-    stays a path rather than becoming a TOML date.
-    """
+    """Apply `--set section.key=value` overrides in order; an unquoted string key's value is taken literally (so
+    `data.path=2024-01-01` stays a path rather than becoming a TOML date)."""
     for text in overrides:
         key, value = parse_override(text)
         raw = text.split("=", 1)[1].strip()
@@ -381,12 +358,9 @@ def format_config(cfg: Config) -> str:
 
     lines = []
     for section, section_type in SECTIONS.items():
-        lines.append(f"[{section}]")
         obj = getattr(cfg, section)
-        for f in dataclasses.fields(section_type):
-            assignment = f"{toml_key(f.name)} = {literal(getattr(obj, f.name))}"
-            lines.append(f"{assignment:<36} # {f.metadata.get('doc', '')}")
-        lines.append("")
+        lines += [f"[{section}]", *(f"{toml_key(f.name) + ' = ' + literal(getattr(obj, f.name)):<36} # {f.metadata['doc']}"
+                                    for f in dataclasses.fields(section_type)), ""]
     return "\n".join(lines)
 
 
@@ -411,11 +385,8 @@ def _check_field(dotted: str, value: Any, meta: Mapping) -> None:
 
 
 def validate_config(cfg: Config) -> Config:
-    """Reject impossible values, group by group: the keys' declared rules first, then each group's own `check`.
-
-    Rules that need a model or a scheme (which layouts combine, whether a model can be cut into pipeline
-    stages) are the scheme's or the model's: plait.train.job.check_job runs them.
-    """
+    """Reject impossible values: every key's declared rules, then each group's own `check`. Rules that need a model or
+    a scheme are theirs (plait.train.job.check_job runs them)."""
     for section, group in groups():
         obj = getattr(cfg, section)
         for f in dataclasses.fields(group):

@@ -6,7 +6,7 @@ numbers when the config loads (load_config calls it), before anything launches.
 
 from __future__ import annotations
 
-from plait.config import keys, note_auto, opt
+from plait.config import derived, keys, note_auto, opt
 from plait.errors import ConfigError
 
 
@@ -98,3 +98,30 @@ def local_gpus(device: str = "auto") -> int:
     import torch  # lazily: only an "auto" asks, and plait --help must not import torch
 
     return torch.cuda.device_count()
+
+
+@derived("node_range")
+def node_range(cfg) -> tuple[int, int]:
+    """cfg.node_range: (min, max) machines; launch.nnodes = "N" gives (N, N), "MIN:MAX" an elastic range."""
+    text = str(cfg.launch.nnodes).strip()
+    try:
+        lo, _, hi = text.partition(":")
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"launch.nnodes = {text!r} must be N or MIN:MAX, e.g. 2 or '1:2'") from None
+    if not 1 <= lo_n <= hi_n:
+        raise ConfigError(f"launch.nnodes = {text!r}: need 1 <= MIN <= MAX")
+    return lo_n, hi_n
+
+
+@derived("max_nodes")
+def max_nodes(cfg) -> int:
+    """cfg.max_nodes: the most machines the job may have."""
+    return node_range(cfg)[1]
+
+
+@derived("elastic")
+def elastic(cfg) -> bool:
+    """cfg.elastic: whether the world may change size while the job runs (fewer nodes, or restarts after failures)."""
+    lo, hi = node_range(cfg)
+    return lo < hi or cfg.launch.max_restarts > 0
