@@ -91,7 +91,8 @@ class ReplicaPool:
         self.autoscale = autoscale_min is not None
         self.target = n if autoscale_min is None else autoscale_min  # replicas wanted (running or starting)
         self.on_cold_start = on_cold_start  # (index, {"process_s", "imports_s", "load_s"})
-        self.on_no_replica: Callable[[], None] | None = None  # called when a batch arrives and no replica is up (the autoscaler's wake-up)
+        # called when a batch arrives and no replica is up (the autoscaler's wake-up)
+        self.on_no_replica: Callable[[], None] | None = None
         self.cold_starts: list[tuple[int, dict]] = []
         self.restarts = 0
         self._counter = restart_counter

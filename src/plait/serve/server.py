@@ -30,14 +30,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import uvicorn
 
-_HTTPBase: type[asyncio.Protocol]  # HttpToolsProtocol or H11Protocol: unrelated classes, both asyncio protocols
+if TYPE_CHECKING:  # each of these is one of two unrelated objects below: declared as what the two have in common
+    _HTTPBase: type[asyncio.Protocol]
+    _new_loop: Callable[[], asyncio.AbstractEventLoop]
+
 try:  # the protocol uvicorn's "auto" would choose
     import httptools  # noqa: F401
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPBase
 except ImportError:
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPBase
 
-_new_loop: Callable[[], asyncio.AbstractEventLoop]
 try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it always makes asyncio's own)
     import uvloop
 
