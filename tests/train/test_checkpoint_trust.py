@@ -42,6 +42,8 @@ class _Runtime:
 class _Strategy:
     """What a Checkpointer needs: a state dict with the model's and an optimizer's state."""
 
+    optional_state = ()  # entries a checkpoint of another layout may lack (StepStrategy's member)
+
     def __init__(self, model):
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters())
@@ -128,6 +130,8 @@ def test_a_non_tensor_entry_that_would_run_code_is_refused(tmp_path):
     write_manifest(ckpt)
 
     class Holder:
+        optional_state = ()
+
         def state_dict(self):
             return {"model": {"w": torch.ones(2)}, "extra": 0}
 
