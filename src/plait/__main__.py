@@ -1,5 +1,4 @@
-import sys
-
 from plait.cli import main
+from plait.exiting import exit_now
 
-sys.exit(main())
+exit_now(main())

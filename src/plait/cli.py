@@ -192,5 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `plait` script: main(), then the process ends without tearing its modules down (plait.exiting)."""
+    from plait.exiting import exit_now  # the entry point only: main() itself returns, for callers in-process
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -48,4 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from plait.exiting import exit_now  # the entry point only: main() itself returns, for callers in-process
+
+    exit_now(main())

@@ -20,7 +20,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from plait.parallel.gradsync import align_grads, clip_grad_norm
 
@@ -234,10 +233,14 @@ class Strategy:
         from the config (the lr from the step), so a resumed run takes its current config,
         and the checkpoint holds only tensors, which DCP reads without unpickling objects.
         """
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # lazily: a second of import (DTensor)
+
         model_sd, optim_sd = get_state_dict(self.state_module, self.optimizer)
         return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
 
     def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
         current = get_state_dict(self.state_module, self.optimizer)[1]
         optim_sd = {"state": state["optim"]["state"], "param_groups": current["param_groups"]}
         set_state_dict(self.state_module, self.optimizer, model_state_dict=state["model"],
@@ -250,7 +253,7 @@ class Strategy:
 
     def full_model_state_dict(self) -> dict:
         """The whole model's weights on every rank, plain names (a collective when parameters are sharded)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.state_module, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu().clone() for k, v in sd.items()}

@@ -23,11 +23,15 @@ which is how the flag reaches training workers); `checkpoints/latest` must point
 `checkpoint.async = true` uses DCP's async_save: the step waits only while the state is staged
 to memory; the files are written in the background and published when done (before the next
 checkpoint starts, and at the end of training).
+
+DCP itself is imported where a checkpoint is written or read, not with this module: finding, verifying and
+pruning checkpoints (what the launcher and `plait export --help` need) cost no second of import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -39,17 +43,16 @@ import time
 import warnings
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from plait import faults
 from plait.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -186,6 +189,8 @@ def _read_state(folder: Path) -> dict:
 
 def _metadata_classes() -> dict[tuple[str, str], object]:
     """What a DCP .metadata pickle may name: torch's metadata dataclasses and enums, sizes, dtypes, layouts, paths."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     allowed: dict[tuple[str, str], object] = {}
     for name, value in vars(dcp_metadata).items():
         if isinstance(value, type) and value.__module__ == dcp_metadata.__name__:
@@ -223,6 +228,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(folder: Path) -> dcp_metadata.Metadata:
     """DCP's .metadata of a checkpoint, unpickled with only torch's metadata classes allowed; checked for plain file names."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     path = Path(folder) / METADATA
     try:
         with open(path, "rb") as f:
@@ -252,44 +259,57 @@ def read_metadata(folder: Path) -> dcp_metadata.Metadata:
     return md
 
 
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, handing DCP the metadata `read_metadata` has read and checked (no plain pickle.load)."""
+@functools.cache
+def _safe_reader_and_planner() -> tuple[type, type]:
+    """DCP's file reader and default load planner, made safe (classes built on first use: DCP is imported lazily)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def __init__(self, path: Path, md: dcp_metadata.Metadata):
-        super().__init__(str(path))
-        self._md = md
+    class _SafeReader(FileSystemReader):
+        """DCP's file reader, handing DCP the metadata `read_metadata` has read and checked (no plain pickle.load)."""
 
-    def read_metadata(self, *args, **kwargs):
-        md = self._md
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+        def __init__(self, path: Path, md: dcp_metadata.Metadata):
+            super().__init__(str(path))
+            self._md = md
+
+        def read_metadata(self, *args, **kwargs):
+            md = self._md
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
 
 
-class _SafePlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor entries are read with torch.load(weights_only=True)."""
+    class _SafePlanner(DefaultLoadPlanner):
+        """DCP's default load planner, except that non-tensor entries are read with torch.load(weights_only=True)."""
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._traverse import set_element
 
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"entry {read_item.dest_index.fqn} is not plain data ({type(e).__name__}); "
-                                  "refusing to unpickle it") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:
+                raise CheckpointError(f"entry {read_item.dest_index.fqn} is not plain data ({type(e).__name__}); "
+                                      "refusing to unpickle it") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _SafeReader, _SafePlanner
 
 
 def _dcp_load(state_dict: dict, path: Path) -> None:
     """dcp.load through the safe reader and planner; DCP's failures become one CheckpointError naming the checkpoint."""
-    reader = _SafeReader(path, read_metadata(path))  # checked here, so that a refusal is one clean error on every rank
+    import torch.distributed.checkpoint as dcp  # lazily, as everywhere here: a second of import the launcher never needs
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader_cls, planner_cls = _safe_reader_and_planner()
+    reader = reader_cls(path, read_metadata(path))  # checked here, so that a refusal is one clean error on every rank
     try:
         with _quiet():
-            dcp.load(state_dict, storage_reader=reader, planner=_SafePlanner(), no_dist=_single())
+            dcp.load(state_dict, storage_reader=reader, planner=planner_cls(), no_dist=_single())
     except CheckpointException as e:
         errors = [exc for exc, _ in e.failures.values()] if isinstance(e.failures, dict) else []
         mine = next((x for x in errors if isinstance(x, CheckpointError)), None)
@@ -313,6 +333,8 @@ class Checkpointer:
 
     def save(self, strategy, step: int, trainer_state: dict) -> float:
         """Checkpoint `step`; returns the seconds training was stalled for it."""
+        import torch.distributed.checkpoint as dcp
+
         t0 = time.perf_counter()
         self.finish()  # one checkpoint in flight at a time
         final = self.root / step_name(step)
