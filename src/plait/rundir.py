@@ -21,6 +21,8 @@ from pathlib import Path
 
 from plait.errors import ConfigError
 
+TRUST_ENV = "PLAIT_TRUST_CHECKPOINT"  # "1": accept checkpoints without a manifest (what --trust-checkpoint sets)
+
 CHECKED = ".config.checked"
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from plait.config import Config
 from plait.errors import ConfigError
-from plait.train.checkpoint import latest_checkpoint
 
 # model.* keys that leave every parameter's shape as it was: a resume may change them
 RESUMABLE_MODEL_KEYS = {"dropout", "moe_capacity_factor", "moe_aux_weight"}
@@ -40,6 +39,8 @@ def check_resume_overrides(saved: Config, cfg: Config, run_dir: Path) -> None:
 def fork_run(src: Path, dst: Path) -> Path:
     """`--resume SRC --out DST`: DST becomes a new run with SRC's config.toml, its latest checkpoint and its metrics;
     training then continues in DST and SRC is left as it was."""
+    from plait.train.checkpoint import latest_checkpoint  # lazily: plait train imports this before torch
+
     ckpt = latest_checkpoint(src)
     if ckpt is None:
         raise ConfigError(f"--resume {src} --out {dst}: {src} has no checkpoint yet, so there is nothing to fork; "

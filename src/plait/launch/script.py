@@ -55,7 +55,8 @@ def launch_script(cfg: Config, run_dir: Path, script: str, args: list[str]) -> i
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from plait.launch.torchrun import _quiet_agent, launch_config, report_failure, worker_env  # lazily: as torch above
+    from plait.launch.forkserver import worker_env  # lazily: as torch above
+    from plait.launch.torchrun import _quiet_agent, launch_config, report_failure  # lazily: as torch above
 
     check_script_job(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,11 @@ from pathlib import Path
 
 from plait.config import Config, auto_notes, dump_config, load_config
 from plait.errors import ConfigError
+from plait.launch import forkserver
 from plait.launch.resume import absolute_paths, check_resume_overrides, fork_run
 from plait.launch.role import Role, job_role
 from plait.parallel.layout import Layout
-from plait.rundir import check_writable_run_dir, timestamped, write_checked_config
-from plait.train.checkpoint import TRUST_ENV
-from plait.train.job import check_job, load_job
+from plait.rundir import TRUST_ENV, check_writable_run_dir, timestamped, write_checked_config
 
 
 def start_run(config: str | Path | None = None, overrides: list[str] | None = None, *, out: str | Path | None = None,
@@ -30,12 +29,19 @@ def start_run(config: str | Path | None = None, overrides: list[str] | None = No
     if trust_checkpoint:  # the environment carries it to every worker (the trainer's checkpoint checks read it)
         os.environ[TRUST_ENV] = "1"
     overrides = list(overrides or [])
+    if resume and config:
+        raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
+    try:
+        return _start(config, overrides, out, resume, dry_run, say)
+    finally:
+        forkserver.stop()  # if the job never launched, the fork server warm() started is not left importing
+
+
+def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int:
     if resume:
-        if config:
-            raise ConfigError("pass either CONFIG or --resume RUN_DIR, not both (a resumed run keeps its own config)")
-        role, run_dir = _resumed(Path(resume), overrides, out)
+        role, run_dir = _resumed(Path(resume), overrides, out, warm=not dry_run)
     else:
-        role, run_dir = _new(config, overrides, out)
+        role, run_dir = _new(config, overrides, out, warm=not dry_run)
     cfg = role.cfg
     if cfg.launch.backend == "nccl" and not dry_run:
         import torch  # lazily: plait --help must not import torch
@@ -62,12 +68,29 @@ def start_run(config: str | Path | None = None, overrides: list[str] | None = No
     return launch(cfg, run_dir, resume=bool(resume))
 
 
-def _resumed(run_dir: Path, overrides: list[str], out: str | Path | None) -> tuple[Role, Path]:
+def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Config:
+    """load_job, with the workers' fork server started between reading the job and checking it (both take seconds,
+    on two cores at once) when this process is the one that will launch them."""
+    cfg = load_config(path, overrides)
+    if warm and cfg.launch.launcher == "torchrun":
+        try:
+            launches = not job_role(cfg).worker
+            if launches:
+                forkserver.warm(cfg)
+        except Exception:  # noqa: BLE001 (an unchecked job: check_job, next, names what is wrong with it)
+            pass
+    from plait.train.job import check_job  # lazily: torch, which the fork server imports meanwhile on the other core
+
+    check_job(cfg)
+    return cfg
+
+
+def _resumed(run_dir: Path, overrides: list[str], out: str | Path | None, warm: bool) -> tuple[Role, Path]:
     """--resume RUN_DIR [--out NEW]: the run's own config with the overrides a resume may take; a fork into NEW."""
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
     saved = load_config(run_dir / "config.toml")
-    cfg = load_job(run_dir / "config.toml", overrides)
+    cfg = _load_job(run_dir / "config.toml", overrides, warm)
     check_resume_overrides(saved, cfg, run_dir)
     role = job_role(cfg)  # a rank of a job torchrun, Slurm, MPI, Kubeflow or Ray started, or plait's launcher
     if out and Path(out).resolve() != run_dir.resolve():
@@ -78,9 +101,9 @@ def _resumed(run_dir: Path, overrides: list[str], out: str | Path | None) -> tup
     return role, run_dir
 
 
-def _new(config: str | Path | None, overrides: list[str], out: str | Path | None) -> tuple[Role, Path]:
+def _new(config: str | Path | None, overrides: list[str], out: str | Path | None, warm: bool) -> tuple[Role, Path]:
     """A new run: the job checked whole, its paths absolute, a run directory that overwrites nothing."""
-    cfg = load_job(config, overrides)
+    cfg = _load_job(config, overrides, warm)
     absolute_paths(cfg)
     role = job_role(cfg)
     if out:
@@ -101,6 +124,7 @@ def _new(config: str | Path | None, overrides: list[str], out: str | Path | None
 def launch_checked(cfg: Config, run_dir: Path) -> int:
     """Check a job made in code whole, write its checked config.toml into run_dir and run its workers to the end."""
     from plait.launch import launch  # lazily: launching imports torch.distributed
+    from plait.train.job import check_job  # lazily: it imports torch (this module must not: see _load_job)
 
     layout = check_job(cfg)
     write_checked_config(run_dir, dump_config(cfg), layout.world_size)

@@ -19,36 +19,33 @@ import time
 from pathlib import Path
 
 from plait.config import Config
-from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT
+from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT, forkserver
 from plait.launch.env import resolve
-from plait.parallel.layout import Layout
+from plait.launch.forkserver import nproc_per_node
 from plait.train.checkpoint import latest_checkpoint
 
 _STARTED = time.time()  # when this launcher started (a summary.json older than this is a previous session's)
 SHUTDOWN_TIMEOUT_S = 120  # after SIGTERM, workers finish their step and checkpoint within this, then are killed
 
 
+class _NoTraceback(logging.Filter):
+    """The agent's line about a failed worker, without the agent's own traceback (which says only that a process
+    exited: report_failure names the rank, and the worker printed why)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _quiet_agent() -> None:
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    api_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoTraceback) for f in api_log.filters):
+        api_log.addFilter(_NoTraceback())
 
 
-def nproc_per_node(cfg: Config) -> int:
-    """Worker processes on this machine: launch.nproc_per_node, or the layout's processes spread over the nodes."""
-    return Layout.from_config(cfg).procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)
-
-
-def worker_env(cfg: Config) -> dict[str, str]:
-    """Environment defaults for workers (only where the user has not set them)."""
-    env = {}
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node(cfg)))
-    if cfg.max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
-    return env
-
-
-def launch_config(cfg: Config, run_dir: Path):
+def launch_config(cfg: Config, run_dir: Path, start_method: str = "spawn"):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -78,7 +75,7 @@ def launch_config(cfg: Config, run_dir: Path):
         rdzv_configs=rdzv_configs,
         max_restarts=lc.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         local_addr=local_addr(cfg),
@@ -101,27 +98,41 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     _quiet_agent()
-    os.environ.update(worker_env(cfg))
-    if cfg.node_range[0] < cfg.node_range[1]:
-        # A node joining a running elastic job restarts the workers with more ranks. With the agent's rendezvous
-        # store shared with the workers (torch's default), that restart waits forever on keys each agent wrote
-        # where the other does not look (torch 2.13; plain torchrun --nnodes 1:2 does the same): give the workers
-        # a store of their own.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = ["-m", "plait.worker", str(run_dir)] + (["--resume"] if resume else [])
+    forkserver.warm(cfg)  # the workers' environment; the fork server, if `plait train` has not started it already
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
     mp_api._terminate_process_handler = _interrupt_handler(mp_api._terminate_process_handler, run_dir)
-    p = cfg.parallel
-    if p.sync == "ps" and p.ps_mode in ("async", "ssp") and p.ps_placement == "dedicated":
-        _tolerate_dead_workers(mp_api.SubprocessContext, p.ps_servers)
     try:
-        elastic_launch(launch_config(cfg, run_dir), sys.executable)(*args)
+        if forkserver.forks_workers(cfg):
+            _release_finished_workers(mp_api.MultiprocessContext)
+            elastic_launch(launch_config(cfg, run_dir, "forkserver"), forkserver.run_worker)(str(run_dir), resume)
+        else:
+            _tolerate_dead_workers(mp_api.SubprocessContext, cfg.parallel.ps_servers)
+            elastic_launch(launch_config(cfg, run_dir), sys.executable)(
+                "-m", "plait.worker", str(run_dir), *(["--resume"] if resume else []))
     except ChildFailedError as e:
         return report_failure(e)
     except mp_api.SignalException as e:
         return report_preemption(run_dir, e)
+    finally:
+        forkserver.stop()
     return 0
+
+
+def _release_finished_workers(context_cls) -> None:
+    """A forked worker that has finished waits until the agent has read its result. An agent that is stopping its
+    workers (SIGTERM, Ctrl-C) signals them and waits for them to exit, reading nothing: the workers that checkpointed
+    and finished would sit out the whole shutdown timeout. Stopping, the agent first lets them go."""
+    if getattr(context_cls._close, "__plait_releases__", False):
+        return
+    close = context_cls._close
+
+    def releasing(self, death_sig, timeout: int = 30) -> None:
+        self._worker_finished_event.set()
+        close(self, death_sig, timeout)
+
+    releasing.__plait_releases__ = True
+    context_cls._close = releasing
 
 
 def _tolerate_dead_workers(context_cls, servers: int) -> None:
@@ -160,9 +171,11 @@ def _interrupt_handler(torch_handler, run_dir: Path):
         if signum == signal.SIGINT:
             interrupts += 1
             if interrupts > 1:
-                for pid in _children():
+                for pid in _descendants():  # forked workers are the fork server's children, in sessions of their own
                     with contextlib.suppress(OSError):
                         os.killpg(pid, signal.SIGKILL)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
                 ckpt = latest_checkpoint(run_dir)
                 print("\ninterrupted again: workers killed" + (f"; the latest checkpoint is {ckpt.name}, continue with "
                       f"plait train --resume {run_dir}" if ckpt else ""), file=sys.stderr, flush=True)
@@ -174,13 +187,16 @@ def _interrupt_handler(torch_handler, run_dir: Path):
     return handler
 
 
-def _children() -> list[int]:
-    """This process's child processes (Linux /proc; empty elsewhere)."""
-    me, out = os.getpid(), []
+def _descendants() -> list[int]:
+    """This process's children, their children and so on (Linux /proc; empty elsewhere)."""
+    parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
-                out.append(int(stat.parent.name))
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    out, frontier = [], {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier}
+        out += sorted(frontier)
     return out
 
 

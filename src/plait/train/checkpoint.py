@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from plait import faults
 from plait.errors import CheckpointError
+from plait.rundir import TRUST_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
-TRUST_ENV = "PLAIT_TRUST_CHECKPOINT"  # "1": accept checkpoints without a manifest (what --trust-checkpoint sets)
 STEP_RE = re.compile(r"^step_\d{7}$")
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^\.metadata$")
 

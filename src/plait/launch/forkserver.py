@@ -1,0 +1,98 @@
+"""Workers forked from a warm interpreter, started while the launcher checks the job.
+
+Spawned, a worker is a new interpreter that spends about 3.5 s (2 cores) importing torch and plait before it trains,
+and every worker of every start and restart pays it. Instead, `warm(cfg)` starts multiprocessing's fork server as
+soon as the launcher has read the job: it imports plait.worker (torch, the trainer) on one core while the launcher
+checks the job on the other, and torchrun's agent then starts each worker by forking it (start method
+"forkserver"), ready in a fraction of a second. A fork server rather than a fork of the launcher: it is a fresh,
+single-threaded interpreter that never touched CUDA, so its children may use the GPU and hold none of the agent's
+locks.
+
+Its environment is the launcher's at `warm` (the workers' defaults, `worker_env`, are set just before), and `stop()`
+ends it with the launch, so that a later launch in the same process (plait.train in a notebook) starts one with the
+environment of then. This module imports no torch: `warm` must run before the launcher has imported it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import forkserver
+
+from plait.config import Config
+from plait.parallel.layout import Layout
+
+PRELOAD = ["plait.worker", "plait.train.trainer", "torch._dynamo"]  # what every worker imports before it trains (DDP: dynamo)
+
+
+def nproc_per_node(cfg: Config) -> int:
+    """Worker processes on this machine: launch.nproc_per_node, or the layout's processes spread over the nodes."""
+    return Layout.from_config(cfg).procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    """Environment defaults for workers (only where the user has not set them)."""
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node(cfg)))
+    if cfg.max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
+    if cfg.node_range[0] < cfg.node_range[1]:
+        # A node joining a running elastic job restarts the workers with more ranks. With the agent's rendezvous
+        # store shared with the workers (torch's default), that restart waits forever on keys each agent wrote
+        # where the other does not look (torch 2.13; plain torchrun --nnodes 1:2 does the same): give the workers
+        # a store of their own.
+        if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def forks_workers(cfg: Config) -> bool:
+    """Whether this job's workers are forked from the fork server. Not for an asynchronous parameter-server job with
+    dedicated servers: it outlives a dead worker, which the launcher tolerates only for spawned ones
+    (plait.launch.torchrun)."""
+    p = cfg.parallel
+    return not (p.sync == "ps" and p.ps_mode in ("async", "ssp") and p.ps_placement == "dedicated")
+
+
+def warm(cfg: Config) -> None:
+    """Set the workers' environment and start the fork server importing plait.worker, if this job forks its workers
+    (a no-op when it is running already)."""
+    os.environ.update(worker_env(cfg))
+    if not forks_workers(cfg):
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
+def run_worker(run_dir: str, resume: bool) -> None:
+    """One worker, forked from the fork server: what `python -m plait.worker RUN_DIR [--resume]` does."""
+    os.setsid()  # a session of its own, as a spawned worker's: a terminal's Ctrl-C reaches only the launcher
+    from plait.worker import main  # lazily: the fork server imported it (PRELOAD); the launcher never does
+
+    code = main([run_dir, *(["--resume"] if resume else [])])
+    atexit._run_exitfuncs()  # a forked child's end runs no atexit handlers: the trackers' and the user's run here
+    if code:
+        sys.exit(code)
+
+
+def stop() -> None:
+    """End the fork server, if one runs (its children, the workers, have ended with the launch)."""
+    server = forkserver._forkserver  # the stdlib's one fork server per process, which torch's agent forks from
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # it only waits for fork requests: nothing of it is left to finish
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        with contextlib.suppress(OSError, TypeError, ValueError):  # ValueError: an abstract socket's name
+            os.unlink(server._forkserver_address)
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
