@@ -21,11 +21,13 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from multiprocessing import forkserver
 
 from plait.config import Config
 from plait.parallel.layout import Layout
 
+_OUTLIVED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the fork server ignores (see warm)
 PRELOAD = ["plait.worker", "plait.train.trainer", "torch._dynamo"]  # what every worker imports before it trains (DDP: dynamo)
 
 
@@ -66,12 +68,23 @@ def warm(cfg: Config) -> None:
     if not forks_workers(cfg):
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    # The agent hears of its workers' ends through the fork server: it must outlive a signal to the launcher's
+    # process group (Slurm's SIGTERM to a job step, a terminal's hangup), which the agent forwards to the workers
+    # itself. Ignored signals stay ignored across exec; the workers take the default back (run_worker).
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _OUTLIVED} if main else {}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def run_worker(run_dir: str, resume: bool) -> None:
     """One worker, forked from the fork server: what `python -m plait.worker RUN_DIR [--resume]` does."""
     os.setsid()  # a session of its own, as a spawned worker's: a terminal's Ctrl-C reaches only the launcher
+    for sig in _OUTLIVED:
+        signal.signal(sig, signal.SIG_DFL)
     from plait.worker import main  # lazily: the fork server imported it (PRELOAD); the launcher never does
 
     code = main([run_dir, *(["--resume"] if resume else [])])
