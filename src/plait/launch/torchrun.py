@@ -4,8 +4,11 @@ One machine: `launch_torchrun(cfg, run_dir)` starts `nproc_per_node(cfg)` worker
 rendezvous on a free local port. Several machines: run the same `plait train` on each
 with launch.nnodes, launch.node_rank and launch.rdzv_endpoint = node 0's host:port (under Slurm
 or Kubernetes plait.launch.role fills them in from the manager's variables).
-Each worker runs `python -m plait.worker RUN_DIR`; the launcher passes only the run
-directory (which holds the resolved config.toml) and torchrun's usual environment.
+Each worker does what `python -m plait.worker RUN_DIR` does, forked from a fork server that `plait train` starts
+while it checks the job (plait.launch.forkserver: the workers start ready instead of importing torch each); an
+asynchronous parameter-server job's workers are spawned as `python -m plait.worker RUN_DIR` (see
+_tolerate_dead_workers). The launcher passes only the run directory (which holds the resolved config.toml) and
+torchrun's usual environment.
 """
 
 from __future__ import annotations
