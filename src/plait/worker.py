@@ -10,14 +10,11 @@ it resumes from the run's latest checkpoint.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from plait.errors import PlaitError
-from plait.launch.job import fit_to_world, run_worker_dir
+from plait.launch.job import fit_to_world, run_worker_dir, worker_process
 
 __all__ = ["fit_to_world", "main", "run_worker"]
 
@@ -32,19 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--resume", action="store_true")
     a = p.parse_args(argv)
-    try:
-        run_worker(a.run_dir, a.resume)
-    except PlaitError as e:
-        rank = int(os.environ.get("RANK", "0") or 0)
-        prefix = f"[rank {rank}] " if rank else ""
-        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        return getattr(e, "exit_code", 2)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return worker_process(a.run_dir, a.resume)
 
 
 if __name__ == "__main__":

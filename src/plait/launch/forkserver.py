@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 from multiprocessing import forkserver
+from pathlib import Path
 
 from plait.config import Config
 from plait.parallel.layout import Layout
@@ -85,9 +86,9 @@ def run_worker(run_dir: str, resume: bool) -> None:
     os.setsid()  # a session of its own, as a spawned worker's: a terminal's Ctrl-C reaches only the launcher
     for sig in _OUTLIVED:
         signal.signal(sig, signal.SIG_DFL)
-    from plait.worker import main  # lazily: the fork server imported it (PRELOAD); the launcher never does
+    from plait.launch.job import worker_process  # lazily: the fork server imported it (PRELOAD); the launcher does not
 
-    code = main([run_dir, *(["--resume"] if resume else [])])
+    code = worker_process(Path(run_dir), resume)
     atexit._run_exitfuncs()  # a forked child's end runs no atexit handlers: the trackers' and the user's run here
     if code:
         sys.exit(code)

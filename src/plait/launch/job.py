@@ -1,7 +1,8 @@
 """One worker of a job, whatever started it: fit the config to the world the manager gives, then train.
 
     run_worker(cfg, run_dir, resume, env)     # env: plait.launch.env.resolve() (torchrun, Slurm, MPI, Ray, ...)
-    run_worker_dir(run_dir, resume)           # the same with RUN_DIR/config.toml (python -m plait.worker)
+    run_worker_dir(run_dir, resume)           # the same with RUN_DIR/config.toml
+    code = worker_process(run_dir, resume)    # a worker process's whole life: python -m plait.worker, a forked one
 
 A manager other than torchrun states rank, world size and rank 0's address in its own variables; they are
 exported as torch's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT before the process group forms
@@ -14,12 +15,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from plait.config import Config, load_config
 from plait.data import build_data
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 from plait.launch.env import ClusterEnv, resolve
 from plait.parallel.layout import Layout
 from plait.plan.replan import describe, layout_of, replan
@@ -160,3 +164,19 @@ def run_worker_dir(run_dir: Path, resume: bool = False, env: ClusterEnv | None =
     env = env or resolve()
     checked = checked_config(run_dir, env.world_size or 1)
     return run_worker(load_config(run_dir / "config.toml"), run_dir, resume, env, own_process_group, checked=checked)
+
+
+def worker_process(run_dir: Path, resume: bool = False) -> int:
+    """A worker process's whole life (`python -m plait.worker`, or forked by plait.launch.forkserver): train from
+    RUN_DIR; an error the user can fix as one line on stderr and its exit code; the process group destroyed."""
+    try:
+        run_worker_dir(run_dir, resume)
+    except PlaitError as e:
+        rank = int(os.environ.get("RANK", "0") or 0)
+        prefix = f"[rank {rank}] " if rank else ""
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return getattr(e, "exit_code", 2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
