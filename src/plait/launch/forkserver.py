@@ -8,8 +8,12 @@ checks the job on the other, and torchrun's agent then starts each worker by for
 single-threaded interpreter that never touched CUDA, so its children may use the GPU and hold none of the agent's
 locks.
 
-Its environment is the launcher's at `warm` (the workers' defaults, `worker_env`, are set just before), and `stop()`
-ends it with the launch, so that a later launch in the same process (plait.train in a notebook) starts one with the
+Only where plait owns the process (`plait train`, `python -m plait`): multiprocessing runs the parent's __main__
+in every child it starts, and a user's script calling plait.train would run again there, so plait.train in a
+script keeps spawned workers (forks_workers).
+
+The fork server's environment is the launcher's at `warm` (the workers' defaults, `worker_env`, are set just
+before), and `stop()` ends it with the launch, so that a later launch in the same process starts one with the
 environment of then. This module imports no torch: `warm` must run before the launcher has imported it.
 """
 
@@ -57,9 +61,21 @@ def worker_env(cfg: Config) -> dict[str, str]:
 def forks_workers(cfg: Config) -> bool:
     """Whether this job's workers are forked from the fork server. Not for an asynchronous parameter-server job with
     dedicated servers: it outlives a dead worker, which the launcher tolerates only for spawned ones
-    (plait.launch.torchrun)."""
+    (plait.launch.torchrun). Nor when this process runs a user's script (plait.train(...) in it): multiprocessing
+    runs the parent's __main__ in each child before it starts, and the script would train again."""
     p = cfg.parallel
-    return not (p.sync == "ps" and p.ps_mode in ("async", "ssp") and p.ps_placement == "dedicated")
+    return _main_is_plait() and not (p.sync == "ps" and p.ps_mode in ("async", "ssp") and p.ps_placement == "dedicated")
+
+
+def _main_is_plait() -> bool:
+    """Whether a forked child would run no user code as __main__: `python -m plait`, the `plait` script (its body is
+    under `if __name__ == "__main__"`), or an interpreter with no main file (a REPL, `python -c`)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name == "plait.__main__"
+    path = getattr(main, "__file__", None)
+    return path is None or Path(path).resolve() == (Path(sys.executable).parent / "plait").resolve()
 
 
 def warm(cfg: Config) -> None:
