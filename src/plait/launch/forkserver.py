@@ -43,18 +43,19 @@ def nproc_per_node(cfg: Config) -> int:
 
 def worker_env(cfg: Config) -> dict[str, str]:
     """Environment defaults for workers (only where the user has not set them)."""
+    layout = Layout.from_config(cfg)
     env = {}
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node(cfg)))
+        procs = layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // procs))
     if cfg.max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # interface choice by hostname is flaky; one machine needs only loopback
-    if cfg.node_range[0] < cfg.node_range[1]:
+    if layout.elastic and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # A node joining a running elastic job restarts the workers with more ranks. With the agent's rendezvous
         # store shared with the workers (torch's default), that restart waits forever on keys each agent wrote
         # where the other does not look (torch 2.13; plain torchrun --nnodes 1:2 does the same): give the workers
         # a store of their own.
-        if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
