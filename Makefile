@@ -34,9 +34,14 @@ endif
 run: $(STAMP)
 	$(BIN)/plait train
 
+# The suite on WORKERS pytest-xdist processes, a test file at a time (its fixtures built once, on one worker), the
+# longest files first (tests/conftest.py). Much of a serial run waits (heartbeats, requeues, readiness): one worker per
+# core fills that time. WORKERS=0 runs it in this process, serially.
+WORKERS ?= 2
+
 test: $(DEVSTAMP)
 	$(BIN)/lint-imports --no-cache
-	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q --durations=25
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(DEVSTAMP)
 	$(BIN)/python benchmarks/overhead.py

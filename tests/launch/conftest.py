@@ -123,7 +123,8 @@ class SlurmCluster:
 SLURM_DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 
 
-@pytest.fixture(scope="session")
+# module scope: only test_slurm.py uses the cluster, and daemons idling through the rest of the suite cost CPU
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     missing = [d for d in SLURM_DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
     if os.geteuid() != 0 or missing:
@@ -243,7 +244,9 @@ def wait_ray_ready(ray_bin: Path, address: str, env: dict, head: subprocess.Pope
                 f"the last: {last})\nray start printed:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="session")
+# module scope: a Ray head (GCS, raylet, agents) idles at ~10 % of a core; kept for the whole session it cost the suite
+# about 150 CPU seconds (counted with RUSAGE_CHILDREN at its teardown)
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray.train.torch", reason="needs Ray Train: pip install 'plait[ray]'")
     ray_bin = Path(sys.executable).parent / "ray"

@@ -80,16 +80,29 @@ def _trajectory(run_dir):
     return [r["loss"] for r in steps], [r["grad_norm"] for r in steps], rows
 
 
+# auto measures wall-clock compute: at width 32 a rank computes a step in ~2 ms, so one 10 ms preemption of the fast
+# rank (a loaded machine) reads as the slower device; at width 1024 (~40 ms a step) the factor of 3 stands out.
+WIDE = ["model.width=1024", "model.depth=3"]
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    run = tmp_path_factory.mktemp("single")
-    return params_after(load_config(None, [*MLP, "parallel.dp=1"]), run), run
+    """The one-process reference run for each model the cases train (computed on first use)."""
+    runs = {}
+
+    def get(*sets: str):
+        if sets not in runs:
+            run = tmp_path_factory.mktemp("single")
+            runs[sets] = params_after(load_config(None, [*MLP, *sets, "parallel.dp=1"]), run), run
+        return runs[sets]
+
+    return get
 
 
-@pytest.mark.parametrize("hetero, faults", [("'1,3'", ""), ("'auto'", "slow:rank=1:factor=3")])
-def test_unequal_shares_keep_the_single_process_trajectory(pool2, single, tmp_path, hetero, faults):
-    ref_params, ref_run = single
-    cfg = load_config(None, [*MLP, "parallel.dp=2", f"parallel.hetero={hetero}", "parallel.hetero_every=4"])
+@pytest.mark.parametrize("hetero, faults, sets", [("'1,3'", "", ()), ("'auto'", "slow:rank=1:factor=3", tuple(WIDE))])
+def test_unequal_shares_keep_the_single_process_trajectory(pool2, single, tmp_path, hetero, faults, sets):
+    ref_params, ref_run = single(*sets)
+    cfg = load_config(None, [*MLP, *sets, "parallel.dp=2", f"parallel.hetero={hetero}", "parallel.hetero_every=4"])
     params = pool2.run(_run, cfg, tmp_path, faults)[0]
     loss, gnorm, rows = _trajectory(tmp_path)
     ref_loss, ref_gnorm, _ = _trajectory(ref_run)
