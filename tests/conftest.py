@@ -4,6 +4,15 @@ from pathlib import Path
 # Before anything imports torch: its thread pool reads OMP_NUM_THREADS once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
+# what an earlier session left, and the processes of this one share one copy.
+if "PLAIT_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["PLAIT_CACHE"] = tempfile.mkdtemp(prefix="plait-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PLAIT_CACHE"], True)
 
 import pytest  # noqa: E402
 

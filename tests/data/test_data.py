@@ -226,6 +226,22 @@ def test_digits_source():
     assert (len(quarter.train), len(quarter.val)) == (1348, 449)
 
 
+def test_digits_read_without_scikit_learn_are_load_digits(monkeypatch):
+    """The shipped CSV, read directly, is load_digits() exactly; with the file gone, load_digits() is the source."""
+    import importlib.util
+
+    from sklearn.datasets import load_digits
+
+    from plait.data import sources
+
+    d = load_digits()
+    images, labels = sources.digits_arrays()
+    assert np.array_equal(images, d.images) and np.array_equal(labels, d.target) and labels.dtype == d.target.dtype
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    images, labels = sources.digits_arrays()
+    assert np.array_equal(images, d.images) and np.array_equal(labels, d.target)
+
+
 def test_synthetic_source_is_labelled_by_a_fixed_teacher():
     cfg = cfg_for(name="synthetic", synthetic_samples=200, synthetic_features=6, synthetic_classes=4)
     a, b = build(cfg), build(cfg)
@@ -474,3 +490,27 @@ def test_loader_is_layout_independent():
     assert ref == [sampler.global_batch(s).tolist() for s in range(5)]
     assert samples(2, 3) == ref and samples(3, 2) == ref and samples(4, 1) == ref
 
+
+
+def test_the_stdlib_corpus_is_tokenized_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """A cached corpus is the tokenized one exactly; a torn cache file is rebuilt; a changed split is its own entry."""
+    from plait.data import sources
+
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path))
+    cfg = cfg_for(name="stdlib-text")
+    built = build(cfg)
+    (entry,) = tmp_path.glob("stdlib-text-*.npz")
+    calls = []
+    monkeypatch.setattr(sources, "_read", lambda files: calls.append(len(files)) or "")  # a cache miss would read
+    cached = build(cfg)
+    assert calls == [] and cached.tokenizer.chars == built.tokenizer.chars
+    assert cached.unigram_val_loss == built.unigram_val_loss and cached.spec == built.spec
+    for part in ("train", "val"):
+        assert torch.equal(getattr(cached, part).tokens, getattr(built, part).tokens)
+    monkeypatch.undo()
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path))
+    entry.write_bytes(entry.read_bytes()[:1000])  # a write cut short (a full disk, a killed process)
+    again = build(cfg)
+    assert torch.equal(again.train.tokens, built.train.tokens) and entry.stat().st_size > 1000
+    build(cfg_for(name="stdlib-text", val_fraction=0.2))
+    assert len(list(tmp_path.glob("stdlib-text-*.npz"))) == 2 and not list(tmp_path.glob(".*.tmp"))

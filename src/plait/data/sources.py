@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import pickle
 import sysconfig
+import zipfile
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -68,6 +71,14 @@ def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: i
     else:
         tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
     train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
+    # The baseline is measured on the tokens the validation loss is measured on.
+    n = max(0, (len(val_ids) - 1) // context) * context + 1
+    baseline = unigram_loss(train_ids, val_ids[1:n], tok.vocab_size) if n > 1 else float("nan")  # n = 1: refused below
+    return _token_bundle(name, tok, train_ids, val_ids, context, baseline)
+
+
+def _token_bundle(name: str, tok, train_ids: np.ndarray, val_ids: np.ndarray, context: int,
+                  baseline: float) -> DataBundle:
     train, val = TokenWindows(train_ids, context), TokenWindows(val_ids, context)
     if len(val) == 0 or len(train) == 0:
         raise DataError(
@@ -75,15 +86,57 @@ def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: i
             f"window of model.context + 1 = {context + 1} characters; add text or lower model.context"
         )
     spec = DataSpec(name=name, task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context)
-    # The baseline is measured on the tokens the validation loss is measured on.
-    n = len(val) * context + 1
-    return DataBundle(train, val, spec, tok, unigram_loss(train_ids, val_ids[1:n], tok.vocab_size))
+    return DataBundle(train, val, spec, tok, baseline)
+
+
+def cache_dir() -> Path:
+    """Where plait keeps what it can rebuild: $PLAIT_CACHE, else ~/.cache/plait."""
+    return Path(os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")
+
+
+def _stdlib_key(root: Path, train: list[Path], val: list[Path], min_count: int) -> str:
+    h = hashlib.sha256(f"{CORPUS_CACHE_VERSION}|{root}|{min_count}".encode())
+    for part, files in (("train", train), ("val", val)):
+        h.update(part.encode())
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
+
+
+CORPUS_CACHE_VERSION = 1  # bump when the tokenizer or the split changes what a cached corpus holds
 
 
 def stdlib_text(data_cfg, model_cfg) -> DataBundle:
+    """The standard library as text. Its tokens are cached (cache_dir(), ~60 MB, keyed by every file's size and
+    mtime, the split and min_char_count): reading and tokenizing 29 MB of text cost every run's workers 2.5 s."""
     root, files = stdlib_files()
     train, val = split_files(root, files, data_cfg.val_fraction)
-    return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context)
+    if data_cfg.tokenizer:
+        return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context)
+    path = cache_dir() / f"stdlib-text-{_stdlib_key(root, train, val, data_cfg.min_char_count)}.npz"
+    try:
+        with np.load(path) as z:
+            tok = CharTokenizer([str(c) for c in z["chars"]])
+            train_ids, val_ids, baseline = z["train"], z["val"], float(z["unigram"])
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or a partial write of another
+        bundle = _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context)
+        _save_corpus(path, bundle)
+        return bundle
+    return _token_bundle("stdlib-text", tok, train_ids, val_ids, model_cfg.context, baseline)
+
+
+def _save_corpus(path: Path, bundle: DataBundle) -> None:
+    """Written whole or not at all (a temporary file renamed); a cache that cannot be written is only skipped."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, chars=np.array(bundle.tokenizer.chars[1:]), train=bundle.train.tokens.numpy(),
+                     val=bundle.val.tokens.numpy(), unigram=np.float64(bundle.unigram_val_loss))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def user_text(data_cfg, model_cfg) -> DataBundle:
@@ -116,13 +169,29 @@ def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: flo
     return DataBundle(train, val, spec)
 
 
-def digits(data_cfg, model_cfg) -> DataBundle:
-    """scikit-learn's bundled 8x8 handwritten digits (1797 images), scaled to [0, 1], shape (1, 8, 8)."""
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits: images (1797, 8, 8) in 0..16 and labels, as `load_digits()` gives them.
+
+    Read from the CSV that scikit-learn ships, found without importing scikit-learn: that import costs a process
+    1.3 s and every worker of an mlp/digits job paid it. `load_digits()` itself where the file is not there."""
+    spec = importlib.util.find_spec("sklearn")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            rows = np.loadtxt(path, delimiter=",")
+            if rows.ndim == 2 and rows.shape[1] == 65:
+                return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    x = torch.from_numpy(d.images).float().div(16.0).unsqueeze(1)
-    return _class_bundle("digits", x, torch.from_numpy(d.target), data_cfg.val_fraction)
+    return d.images, d.target
+
+
+def digits(data_cfg, model_cfg) -> DataBundle:
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images), scaled to [0, 1], shape (1, 8, 8)."""
+    images, labels = digits_arrays()
+    x = torch.from_numpy(images).float().div(16.0).unsqueeze(1)
+    return _class_bundle("digits", x, torch.from_numpy(labels), data_cfg.val_fraction)
 
 
 def synthetic(data_cfg, model_cfg) -> DataBundle:
