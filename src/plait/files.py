@@ -1,4 +1,5 @@
-"""Publishing a finished file: written under a temporary name, given the mode the user's umask asks for, renamed.
+"""Publishing a finished file: written under a temporary name, given the mode the user's umask asks for, renamed;
+and the folder plait caches what it can rebuild in (`cache_dir()`: the tokenized corpus, the device profile).
 
 Libraries that write through a private temporary file (safetensors does) leave it 0600; a model a user exports is
 meant to be read by others on the machine as any file they create would be.
@@ -17,3 +18,8 @@ def publish(tmp: Path, out: Path) -> Path:
     os.chmod(tmp, 0o666 & ~mask)
     os.replace(tmp, out)
     return out
+
+
+def cache_dir() -> Path:
+    """Where plait keeps what it can rebuild or measure again: $PLAIT_CACHE, else ~/.cache/plait."""
+    return Path(os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")

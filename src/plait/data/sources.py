@@ -26,6 +26,7 @@ from plait.data.table import table_source
 from plait.data.tokenizer import CharTokenizer
 from plait.data.user import factory_source
 from plait.errors import DataError
+from plait.files import cache_dir, publish
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -89,9 +90,7 @@ def _token_bundle(name: str, tok, train_ids: np.ndarray, val_ids: np.ndarray, co
     return DataBundle(train, val, spec, tok, baseline)
 
 
-def cache_dir() -> Path:
-    """Where plait keeps what it can rebuild: $PLAIT_CACHE, else ~/.cache/plait."""
-    return Path(os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")
+CORPUS_CACHE_VERSION = 1  # bump when the tokenizer or the split changes what a cached corpus holds
 
 
 def _stdlib_key(root: Path, train: list[Path], val: list[Path], min_count: int) -> str:
@@ -102,9 +101,6 @@ def _stdlib_key(root: Path, train: list[Path], val: list[Path], min_count: int) 
             st = f.stat()
             h.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:20]
-
-
-CORPUS_CACHE_VERSION = 1  # bump when the tokenizer or the split changes what a cached corpus holds
 
 
 def stdlib_text(data_cfg, model_cfg) -> DataBundle:
@@ -134,7 +130,7 @@ def _save_corpus(path: Path, bundle: DataBundle) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, chars=np.array(bundle.tokenizer.chars[1:]), train=bundle.train.tokens.numpy(),
                      val=bundle.val.tokens.numpy(), unigram=np.float64(bundle.unigram_val_loss))
-        os.replace(tmp, path)
+        publish(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
 

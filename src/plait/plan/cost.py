@@ -32,10 +32,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from plait.files import cache_dir
 from plait.parallel.layout import Layout
 from plait.plan.memory import Shape, predict_memory
 
-PROFILE_PATH = Path.home() / ".cache" / "plait" / "device_profile.json"
+PROFILE_PATH = cache_dir() / "device_profile.json"
 
 
 @dataclass
