@@ -1,4 +1,7 @@
-"""Hugging Face GPT-2-family checkpoints on plait's GPT: a directory with config.json and model.safetensors.
+"""Hugging Face checkpoints on plait's models: a directory with config.json and model.safetensors (or shards).
+
+GPT-2 checkpoints load into plait's GPT; Llama, Qwen2, Mistral and Mixtral into plait's llama
+(plait.models.hf_llama holds their mapping and the way back out).
 
     is_hf_dir(path)                          # config.json and no plait config.toml
     apply_hf_config(cfg.model, cfg.data, d)  # [model] from config.json (an override that conflicts is an error)
@@ -23,7 +26,8 @@ from plait.config import DataConfig, ModelConfig
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
-from plait.models.gpt import build_gpt
+from plait.models.hf_llama import FAMILY, MODEL_TYPES, llama_model_keys, llama_state_dict
+from plait.models.registry import build_model
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -56,9 +60,13 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
         raise ConfigError(f"{where}: config.json must be a JSON object")
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else raw.get("model_type", "(none given)")
+    if arch in FAMILY or (not archs and arch in MODEL_TYPES):
+        raw["_plait"] = "llama"
+        llama_model_keys(raw, where)  # refuses a flag plait's llama lacks
+        return raw
     if arch not in ARCHITECTURES and not (not archs and arch == "gpt2"):
-        raise ConfigError(f"{where}: architecture {arch!r} is not supported; plait loads GPT-2-family checkpoints "
-                          f"({', '.join(ARCHITECTURES)}: gpt2, distilgpt2, ...)")
+        raise ConfigError(f"{where}: architecture {arch!r} is not supported; plait loads {', '.join(FAMILY)} and "
+                          f"GPT-2-family checkpoints ({', '.join(ARCHITECTURES)}: gpt2, distilgpt2, ...)")
     cfg = {**DEFAULTS, **raw}
     act = cfg["activation_function"]
     if act not in ACTIVATIONS:
@@ -76,6 +84,8 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
 
 def hf_model_keys(hf: dict) -> dict:
     """The [model] keys config.json fixes: {key: (value, the config.json name it comes from)}."""
+    if hf.get("_plait") == "llama":
+        return llama_model_keys(hf, "config.json")
     return {"name": ("gpt", "architecture"), "layers": (hf["n_layer"], "n_layer"), "heads": (hf["n_head"], "n_head"),
             "width": (hf["n_embd"], "n_embd"), "vocab_size": (hf["vocab_size"], "vocab_size"),
             "tie_embeddings": (bool(hf["tie_word_embeddings"]), "tie_word_embeddings"),
@@ -92,24 +102,25 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
     hf = read_hf_config(path, key)
     where = _where(key, path)
     default = ModelConfig()
+    llama = hf.get("_plait") == "llama"
     if model_cfg.factory:
-        raise ConfigError(f"{where} is a GPT-2 checkpoint, but model.factory = {model_cfg.factory!r} builds another "
-                          "model; unset model.factory")
-    if model_cfg.moe_experts:
+        raise ConfigError(f"{where} is a {hf.get('architectures', ['GPT-2'])[0]} checkpoint, but model.factory = "
+                          f"{model_cfg.factory!r} builds another model; unset model.factory")
+    if model_cfg.moe_experts and not llama:
         raise ConfigError(f"{where} is a dense GPT-2 checkpoint; set model.moe_experts=0")
     for name, (value, hf_name) in hf_model_keys(hf).items():
         have = getattr(model_cfg, name)
         if have != value and have != getattr(default, name):
-            shown = (hf.get("architectures") or ["GPT2LMHeadModel"])[0] if name == "name" else hf[hf_name]
+            shown = (hf.get("architectures") or ["GPT2LMHeadModel"])[0] if name == "name" else hf.get(hf_name, value)
             raise ConfigError(f"model.{name} = {have!r} conflicts with {hf_name} = {shown!r} in {Path(path) / 'config.json'}"
                               f"; drop the model.{name} override (the checkpoint sets it)")
         setattr(model_cfg, name, value)
-    n_pos = int(hf["n_positions"])
+    n_pos = int(hf["max_position_embeddings"] if llama else hf["n_positions"])
     if model_cfg.context == default.context:
         model_cfg.context = n_pos
     elif model_cfg.context > n_pos:
         raise ConfigError(f"model.context = {model_cfg.context} conflicts with n_positions = {n_pos} in "
-                          f"{Path(path) / 'config.json'}: the checkpoint has no positions beyond it; set "
+                          f"{Path(path) / 'config.json'}: the checkpoint was not trained beyond it; set "
                           f"model.context <= {n_pos}")
     tok = Path(path) / "tokenizer.json"
     if tok.is_file() and not data_cfg.tokenizer:
@@ -131,11 +142,15 @@ def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
     raise ConfigError(f"{where} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
 
 
-def hf_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from") -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors renamed and reshaped to plait's GPT (positions cut to `context` when given)."""
+def hf_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from",
+                  rows: int | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors renamed and reshaped to plait's model (GPT positions cut to `context` when given;
+    a llama's vocabulary padded to `rows`)."""
     path = Path(path)
     where = _where(key, path)
     hf = read_hf_config(path, key)
+    if hf.get("_plait") == "llama":
+        return _llama_tensors(path, where, hf, rows or int(hf["vocab_size"]))
     src = {k.removeprefix("transformer."): v for k, v in _load_tensors(path, where).items() if not IGNORED.search(k)}
 
     def take(name: str) -> torch.Tensor:
@@ -170,15 +185,34 @@ def hf_state_dict(path: str | Path, context: int | None = None, key: str = "trai
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, torch.Tensor]:
+    src = _load_tensors(path, where)
+    src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq")}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ConfigError(f"{where} does not hold a {hf['architectures'][0]} checkpoint: tensor {name} is missing "
+                              f"(it has {len(src)} tensors, e.g. {list(src)[:3]})")
+        return src.pop(name)
+
+    out = llama_state_dict(take, src.__contains__, hf, rows)
+    if src:
+        raise ConfigError(f"{where} has tensors plait's llama does not, first {next(iter(src))}; does config.json "
+                          "describe these weights?")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def load_hf_model(path: str | Path, key: str = "plait serve"):
-    """(model config, spec, GPT with the checkpoint's weights, tokenizer or None) for serving the directory."""
+    """(model config, spec, model with the checkpoint's weights, tokenizer or None) for serving the directory."""
+
     path = Path(path)
     model_cfg, data_cfg = ModelConfig(), DataConfig()
     apply_hf_config(model_cfg, data_cfg, path, key)
     spec = DataSpec(name="huggingface", task="lm", input_shape=[model_cfg.context], vocab_size=model_cfg.vocab_size,
                     tokens_per_sample=model_cfg.context)
-    model = build_gpt(model_cfg, spec)
-    model.load_state_dict(hf_state_dict(path, model_cfg.context, key))
+    model = build_model(model_cfg, spec)
+    rows = model.tok_emb.weight.shape[0]
+    model.load_state_dict(hf_state_dict(path, model_cfg.context, key, rows))
     tokenizer = None
     if data_cfg.tokenizer:
         tok = Path(data_cfg.tokenizer)

@@ -10,7 +10,7 @@ from plait.config import keys, opt
 from plait.errors import ConfigError
 
 MODELS = {"gpt": "plait.models.gpt:build_gpt", "mlp": "plait.models.mlp:build_mlp", "cnn": "plait.models.cnn:build_cnn",
-          "deepfm": "plait.models.deepfm:build_deepfm"}
+          "deepfm": "plait.models.deepfm:build_deepfm", "llama": "plait.models.llama:build_llama"}
 
 
 @keys("model")
@@ -36,6 +36,31 @@ class GPTKeys:
     def check(self, cfg) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1)")
+
+
+@keys("model")
+class LlamaKeys:
+    kv_heads: int = opt(0, "llama: key/value heads (grouped-query attention; 1: multi-query; 0: model.heads)", minimum=0)
+    hidden: int = opt(0, "llama: SwiGLU feed-forward width (intermediate_size; 0: 4 * width)", minimum=0)
+    rope_theta: float = opt(10000.0, "llama: rotary base", above=0.0, finite=True)
+    rope_scaling: dict = opt({}, "llama: Hugging Face's rope scaling, {rope_type = 'linear' | 'dynamic' | 'llama3', "
+                                 "factor = ..., ...} ({}: none)")
+    attn_bias: str = opt("none", "llama: biases of the attention projections (qkv: Qwen2; all: q/k/v/o)",
+                         ("none", "qkv", "all"))
+    sliding_window: int = opt(0, "llama: each token attends to at most this many positions back (Mistral; 0: all)",
+                              minimum=0)
+    vocab_multiple: int = opt(64, "llama: the embedding and head are padded to a multiple of this (every tp degree "
+                                  "that divides it splits them; the padding is never in a loss or sampled)", minimum=1)
+
+    def check(self, cfg) -> None:
+        kind = self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"
+        need = {"linear": ("factor",), "dynamic": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        if kind not in ("default", *need):
+            raise ConfigError(f"model.rope_scaling.rope_type = {kind!r} is not supported; choose linear, dynamic or llama3")
+        missing = [k for k in need.get(kind, ()) if k not in self.rope_scaling]
+        if missing:
+            raise ConfigError(f"model.rope_scaling with rope_type = {kind!r} needs {', '.join(missing)}")
 
 
 @keys("model")

@@ -49,7 +49,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-EXPERT_PARAMS = ("w1", "b1", "w2", "b2")  # stacked per expert on dim 0: what expert parallel shards
+# Stacked per expert on dim 0: what expert parallel shards (a layer has those of its kind, MoE.expert_params):
+# w1/b1 -> GELU -> w2/b2, or SwiGLU (Mixtral) silu(x w1) * (x w3) -> w2 without biases.
+EXPERT_PARAMS = ("w1", "b1", "w2", "b2", "w3")
 
 # The layer's window statistics, one float64 vector: kept assignments per expert (E entries), then these TAIL.
 DROPPED, ASSIGNED, AUX, FORWARDS, A2A_BYTES, A2A_S = range(6)
@@ -106,9 +108,11 @@ def expert_major(counts: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """Top-k routed expert MLPs (width -> hidden -> width, GELU), optionally with a per-sequence capacity."""
+    """Top-k routed expert MLPs (width -> hidden -> width, GELU; SwiGLU without biases when glu), optionally with a
+    per-sequence capacity."""
 
-    def __init__(self, width: int, hidden: int, experts: int, top_k: int = 1, capacity_factor: float = 0.0):
+    def __init__(self, width: int, hidden: int, experts: int, top_k: int = 1, capacity_factor: float = 0.0,
+                 glu: bool = False):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k = {top_k} must be between 1 and experts = {experts}")
@@ -116,11 +120,17 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor = {capacity_factor} must be >= 0 (0: dropless)")
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.router = nn.Linear(width, experts, bias=False)
+        self.glu = glu
         self.w1 = nn.Parameter(torch.empty(experts, width, hidden))
-        self.b1 = nn.Parameter(torch.zeros(experts, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))
-        self.b2 = nn.Parameter(torch.zeros(experts, width))
-        for p in (self.router.weight, self.w1, self.w2):
+        if glu:
+            self.w3 = nn.Parameter(torch.empty(experts, width, hidden))
+            self.expert_params: tuple[str, ...] = ("w1", "w2", "w3")
+        else:
+            self.b1 = nn.Parameter(torch.zeros(experts, hidden))
+            self.b2 = nn.Parameter(torch.zeros(experts, width))
+            self.expert_params = ("w1", "b1", "w2", "b2")
+        for p in (self.router.weight, self.w1, self.w2, *([self.w3] if glu else [])):
             nn.init.normal_(p, std=0.02)
         self.ep_group, self.ep_rank, self.ep_size = None, 0, 1
         self.aux_loss: torch.Tensor | None = None
@@ -195,8 +205,12 @@ class MoE(nn.Module):
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The local experts on rows sorted expert-major, counts[l] rows for local expert l."""
-        w1, b1, w2, b2 = (_local(getattr(self, name)) for name in EXPERT_PARAMS)
-        outs = [F.gelu(chunk @ w1[e] + b1[e]) @ w2[e] + b2[e] for e, chunk in enumerate(rows.split(counts))]
+        if self.glu:
+            w1, w2, w3 = (_local(getattr(self, name)) for name in self.expert_params)
+            outs = [(F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e] for e, chunk in enumerate(rows.split(counts))]
+        else:
+            w1, b1, w2, b2 = (_local(getattr(self, name)) for name in self.expert_params)
+            outs = [F.gelu(chunk @ w1[e] + b1[e]) @ w2[e] + b2[e] for e, chunk in enumerate(rows.split(counts))]
         return torch.cat(outs) if outs else rows
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor, stats) -> torch.Tensor:

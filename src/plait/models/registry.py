@@ -96,9 +96,10 @@ def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
 
 
 # What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).
-CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"})}
+CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
+                                           "llama": frozenset({"pipeline", "tensor_parallel"})}
 # The data each registered model trains on.
-DATA_FOR = {"gpt": ("stdlib-text", "text"), "deepfm": ("clicks",)}
+DATA_FOR = {"gpt": ("stdlib-text", "text"), "llama": ("stdlib-text", "text"), "deepfm": ("clicks",)}
 
 
 def capabilities(model_cfg) -> frozenset[str]:
@@ -129,7 +130,7 @@ def check_config(model_cfg, data_name: str) -> None:
         raise ConfigError(
             f"model.name = {model_cfg.name!r} is not a registered model; choose one of: {', '.join(sorted(MODELS))}, "
             "or set model.factory = 'package.module:function'")
-    if model_cfg.name == "gpt":
+    if model_cfg.name in ("gpt", "llama"):
         for key in ("layers", "heads", "width", "context"):
             if getattr(model_cfg, key) < 1:
                 raise ConfigError(f"model.{key} = {getattr(model_cfg, key)} must be >= 1; set --set model.{key}=<value >= 1>")
@@ -137,13 +138,16 @@ def check_config(model_cfg, data_name: str) -> None:
             raise ConfigError(
                 f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
                 f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
+        if model_cfg.name == "llama" and model_cfg.kv_heads and model_cfg.heads % model_cfg.kv_heads:
+            raise ConfigError(f"model.heads ({model_cfg.heads}) must be a multiple of model.kv_heads "
+                              f"({model_cfg.kv_heads}): each kv head serves a group of query heads")
         check_moe(model_cfg)
     elif model_cfg.moe_experts:
         raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
                           f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
                           "use plait.models.moe.MoE through model.factory)")
     token_data = data_name in ("stdlib-text", "text")
-    wants = {"gpt": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
+    wants = {"gpt": "a text source (stdlib-text or text)", "llama": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
         model_cfg.name, "digits, synthetic or tensors")
     fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"
     if not fits:
@@ -179,7 +183,7 @@ def expert_counts(model_cfg) -> list[int]:
         with torch.device("meta"):
             model = load_factory(model_cfg.factory)(**model_cfg.options)
         return [m.experts for m in moe_layers(model)]
-    if model_cfg.name != "gpt" or model_cfg.moe_experts <= 0 or model_cfg.moe_every < 1:
+    if model_cfg.name not in ("gpt", "llama") or model_cfg.moe_experts <= 0 or model_cfg.moe_every < 1:
         return []
     return [model_cfg.moe_experts] * (model_cfg.layers // model_cfg.moe_every)
 

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.errors import ConfigError
 from plait.models import expert_counts
-from plait.models.moe import EXPERT_PARAMS, MoE, moe_layers
+from plait.models.moe import MoE, moe_layers
 from plait.parallel.base import Strategy
 from plait.parallel.fsdp import apply_fsdp
 from plait.parallel.gradsync import allreduce_grads
@@ -58,7 +58,7 @@ def shard_experts(model: nn.Module, mesh) -> list[str]:
         if not isinstance(layer, MoE):
             continue
         n = layer.experts // k
-        for name in EXPERT_PARAMS:
+        for name in layer.expert_params:
             # Every rank starts from the same full weights (same seed): slicing needs no communication.
             local = getattr(layer, name).detach()[rank * n:(rank + 1) * n].clone()
             setattr(layer, name, nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)))
@@ -159,7 +159,7 @@ def build(b: Build) -> Strategy:
     layout = b.layout
     # This transform, activation checkpointing, compile and DDP in SCHEMES order; FSDP2 below, told about the experts.
     model = b.parallelize(b.module, skip=("fsdp",))
-    experts = [getattr(layer, name) for layer in moe_layers(b.module) for name in EXPERT_PARAMS]
+    experts = [getattr(layer, name) for layer in moe_layers(b.module) for name in layer.expert_params]
     if layout.shards_gradients:
         offload = layout.offload != "none" and b.rt.device.type != "cpu"
         model = apply_fsdp(model, b.rt.mesh["dp"], layout.zero, b.cfg.precision.dtype, offload,

@@ -74,8 +74,9 @@ def init_from(model: nn.Module, source: str | Path) -> None:
     GPT-2 directory into `model`."""
     path = Path(source)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if is_hf_dir(path):  # a Hugging Face GPT-2 directory: renamed and reshaped to plait's GPT (plait.models.hf)
-        tensors = hf_state_dict(path, getattr(model, "context", None))
+    if is_hf_dir(path):  # a Hugging Face directory: renamed and reshaped to plait's GPT (plait.models.hf)
+        emb = getattr(model, "tok_emb", None)
+        tensors = hf_state_dict(path, getattr(model, "context", None), rows=emb.weight.shape[0] if emb is not None else None)
     elif path.is_dir():
         _, _, src = load_run_model(path)
         tensors = src.state_dict()
