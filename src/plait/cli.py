@@ -43,6 +43,19 @@ def cmd_config_show(a) -> int:
 
 
 def cmd_export(a) -> int:
+    if a.format == "hf":
+        if a.output is None:
+            raise ConfigError("--format hf writes a Hugging Face model directory: name it with -o DIR")
+        if a.batch is not None or a.edge_quantize or a.aoti or a.adapters_only:
+            raise ConfigError("--format hf writes the whole model (adapters merged); drop --batch, --quantize, --aoti "
+                              "and --adapters-only")
+        from plait.export import export_hf  # lazily: plait --help must not import torch
+
+        best = a.run_dir / "checkpoints" / "best"
+        if a.best and not best.exists():
+            raise ConfigError(f"{a.run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
+        print(f"wrote {export_hf(a.run_dir, a.output, best if a.best else None, trust_checkpoint=a.trust_checkpoint)}")
+        return 0
     if a.output is not None and a.output.suffix in (".onnx", ".pt2", ".pte"):
         return cmd_export_edge(a)
     if a.output is not None and a.output.is_dir():
@@ -140,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--aoti", action="store_true", help="-o model.pt2: also compile with AOTInductor (needs a C++ compiler)")
     e.add_argument("--best", action="store_true",
                    help="the checkpoint checkpoint.keep_best kept (checkpoints/best) instead of the latest")
+    e.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="hf: a Hugging Face model directory (config.json, safetensors shards, tokenizer) that "
+                        "transformers' from_pretrained loads")
     e.add_argument("--adapters-only", action="store_true",
                    help="a LoRA run: write its adapters alone (default: merged into the weights they adapt)")
     e.set_defaults(fn=cmd_export)

@@ -24,7 +24,7 @@ import torch.nn as nn
 from plait import CallableModule
 from plait.config import ModelConfig
 from plait.data.spec import DataSpec
-from plait.errors import CheckpointError, PlaitError
+from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.files import publish
 from plait.finetune import adapter_state_dict, lora_layers, merge_lora
 from plait.finetune.lowrank import with_low_rank_structure
@@ -236,3 +236,88 @@ __all__ = ["export", "load_exported", "rebuild_model"]
 
 # plait.export(run_dir, out) calls the API's export (docs/api.md): this module is the package's `export` attribute.
 sys.modules[__name__].__class__ = CallableModule
+
+
+def _gpt2_to_hf(m, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """GPT2LMHeadModel's config.json and tensors of plait's GPT (the inverse of plait.models.hf.hf_state_dict)."""
+    if m.moe_experts:
+        raise ConfigError("a GPT with mixture-of-experts blocks has no transformers class; export it with "
+                          "--format safetensors")
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[m.activation]
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.width, "n_layer": m.layers,
+              "n_head": m.heads, "n_positions": m.context, "n_ctx": m.context, "vocab_size": state["tok_emb.weight"].shape[0],
+              "activation_function": act, "layer_norm_epsilon": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
+    out = {"transformer.wte.weight": state["tok_emb.weight"], "transformer.wpe.weight": state["pos_emb.weight"],
+           "transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": state["ln_f.bias"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = state["head.weight"]
+    for i in range(m.layers):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        out[h + "attn.c_attn.weight"] = torch.cat([state[b + f"attn.{p}.weight"] for p in "qkv"]).t()
+        out[h + "attn.c_attn.bias"] = torch.cat([state[b + f"attn.{p}.bias"] for p in "qkv"])
+        for hf_name, name, transpose in (("ln_1", "ln1", False), ("ln_2", "ln2", False), ("attn.c_proj", "attn.proj", True),
+                                         ("mlp.c_fc", "mlp.up", True), ("mlp.c_proj", "mlp.down", True)):
+            w = state[b + name + ".weight"]
+            out[h + hf_name + ".weight"] = w.t() if transpose else w
+            out[h + hf_name + ".bias"] = state[b + name + ".bias"]
+    return config, {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None, trust_checkpoint: bool = False,
+              max_shard_bytes: int = 2 << 30) -> Path:
+    """Write the run as a Hugging Face model directory (LoRA adapters merged): config.json, generation_config.json,
+    safetensors shards with model.safetensors.index.json, and the tokenizer files; returns the directory.
+
+    `transformers.AutoModelForCausalLM.from_pretrained(out)` then gives the run's logits. A llama becomes
+    LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM or MixtralForCausalLM by its keys; a GPT, GPT2LMHeadModel.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from plait.models.hf_llama import to_hf
+
+    run_dir, out = Path(run_dir), Path(out)
+    cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)
+    if cfg.model.factory or cfg.model.name not in ("llama", "gpt"):
+        raise ConfigError(f"--format hf writes plait's llama and gpt models; {run_dir} trained "
+                          f"{cfg.model.factory or cfg.model.name!r}: export it with --format safetensors")
+    state = {k: v.detach().to("cpu") for k, v in merge_lora(model).state_dict().items()}
+    m = dataclasses.replace(cfg.model, vocab_size=getattr(model, "vocab_size", 0) or cfg.model.vocab_size)
+    config, tensors = to_hf(m, state) if m.name == "llama" else _gpt2_to_hf(m, state)
+    config["plait_checkpoint"] = ckpt.name
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"-o {out} is a file; --format hf writes a directory: name a new or existing folder")
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.clone()
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tmp = out / (fname + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        publish(tmp, out / fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    files = {"model.safetensors.index.json": index, "config.json": config,
+             "generation_config.json": {"do_sample": False, "max_length": cfg.model.context}}
+    for fname, obj in files.items():
+        tmp = out / (fname + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        publish(tmp, out / fname)
+    source = Path(cfg.train.init_from) if cfg.train.init_from else None
+    for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        for where in (run_dir, source):
+            if where is not None and where.is_dir() and (where / fname).is_file():
+                shutil.copyfile(where / fname, out / fname)
+                break
+    return out

@@ -103,12 +103,13 @@ def test_a_missing_tokenizer_is_refused_before_launch(tmp_path):
 def test_unsupported_architecture_is_one_line_and_exit_2(hf, tmp_path, monkeypatch, capsys):
     from plait.cli import main
 
-    llama = tmp_path / "llama"
+    llama = tmp_path / "falcon"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (llama / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
     monkeypatch.chdir(tmp_path)
-    message = (f"train.init_from = '{llama}': architecture 'LlamaForCausalLM' is not supported; plait loads "
-               "GPT-2-family checkpoints (GPT2LMHeadModel, GPT2Model: gpt2, distilgpt2, ...)")
+    message = (f"train.init_from = '{llama}': architecture 'FalconForCausalLM' is not supported; plait loads "
+               "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM and GPT-2-family "
+               "checkpoints (GPT2LMHeadModel, GPT2Model: gpt2, distilgpt2, ...)")
     assert main(["train", "--set", f"train.init_from={llama}", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"error: {message}"

@@ -26,12 +26,17 @@ def closest(pattern: str, names: list[str], n: int = 3) -> list[str]:
 
 
 def match(patterns: list[str], names: list[str], key: str, what: str = "parameter") -> list[str]:
-    """Names matching any pattern; a pattern matching none raises ConfigError (key: the config key, for the message)."""
+    """Names matching any pattern; a pattern matching none raises ConfigError (key: the config key, for the message).
+
+    A pattern without a dot also matches the names that end in it ('q_proj' is '*.q_proj', as peft's target_modules).
+    """
     out: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise ConfigError(f"{key}: {pattern!r} is not a glob pattern; give strings such as 'blocks.0.*'")
         hits = fnmatch.filter(names, pattern)
+        if "." not in pattern:
+            hits += fnmatch.filter(names, "*." + pattern)
         if not hits:
             near = ", ".join(closest(pattern, names))
             raise ConfigError(f"{key}: pattern {pattern!r} matches no {what} name; the closest are: {near}; "

@@ -120,7 +120,7 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
         model_cfg.context = n_pos
     elif model_cfg.context > n_pos:
         raise ConfigError(f"model.context = {model_cfg.context} conflicts with n_positions = {n_pos} in "
-                          f"{Path(path) / 'config.json'}: the checkpoint was not trained beyond it; set "
+                          f"{Path(path) / 'config.json'}: the checkpoint has no positions beyond it; set "
                           f"model.context <= {n_pos}")
     tok = Path(path) / "tokenizer.json"
     if tok.is_file() and not data_cfg.tokenizer:

@@ -147,7 +147,8 @@ def check_config(model_cfg, data_name: str) -> None:
                           f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
                           "use plait.models.moe.MoE through model.factory)")
     token_data = data_name in ("stdlib-text", "text")
-    wants = {"gpt": "a text source (stdlib-text or text)", "llama": "a text source (stdlib-text or text)", "deepfm": "data.name = 'clicks'"}.get(
+    text = "a text source (stdlib-text or text)"
+    wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'"}.get(
         model_cfg.name, "digits, synthetic or tensors")
     fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"
     if not fits:

@@ -8,7 +8,8 @@ own seeded generator).
 GPT uses learned absolute positions, so once a sequence outgrows the context window every
 position shifts and cached keys are stale: from there on each step recomputes the last
 `context` tokens, exactly as `GPT.generate` does. The cache pays off while a prompt plus its
-continuation fits the context.
+continuation fits the context. plait's llama has rotary positions: its cache is exact at any length and
+is never recomputed.
 
 A row whose sampling fails (its parameters, not the model) is answered with a `RowFailed` in its
 place and dropped from the batch; the other rows go on (one bad request fails alone).
@@ -27,10 +28,14 @@ from collections.abc import Callable
 import torch
 
 from plait.models.gpt import GPT, KVCache
+from plait.models.llama import Llama
 from plait.models.sampling import sample
 from plait.serve.tasks import GenRow, RowFailed
 
-__all__ = ["GenRow", "RowFailed", "generate", "sample_row"]  # GenRow and RowFailed live in plait.serve.tasks
+__all__ = ["DECODERS", "GenRow", "RowFailed", "generate", "sample_row"]  # GenRow and RowFailed live in plait.serve.tasks
+
+
+DECODERS = (GPT, Llama)  # the models whose cached forward (idx, cache, pad) generation drives
 
 
 def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +53,7 @@ def sample_row(logits: torch.Tensor, row: GenRow, generator: torch.Generator) ->
 
 
 @torch.inference_mode()
-def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], None] | None = None,
+def generate(model: GPT | Llama, rows: list[GenRow], emit: Callable[[int, int, int], None] | None = None,
              cancelled: Callable[[int], bool] | None = None, use_cache: bool = True,
              device: torch.device | str | None = None) -> list[list[int] | RowFailed]:
     """New tokens for every row; emit(row, position, token) is called as each token is chosen.
@@ -57,7 +62,7 @@ def generate(model: GPT, rows: list[GenRow], emit: Callable[[int, int, int], Non
     generation stops when every row is done. `device`: where the model is (default: where its first parameter is).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    ctx = model.context
+    ctx = model.context if isinstance(model, GPT) else 1 << 62  # rotary positions: the cache never goes stale
     seqs = [list(r.prompt) for r in rows]
     out: list[list[int]] = [[] for _ in rows]
     gens = [torch.Generator().manual_seed(int(r.seed)) for r in rows]

@@ -22,8 +22,8 @@ from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
 from plait.edge import EDGE_SUFFIXES, load_edge
 from plait.export import load_exported, rebuild_model
-from plait.models.gpt import GPT
 from plait.models.hf import is_hf_dir, load_hf_model
+from plait.serve.kvcache import DECODERS
 from plait.serve.protocol import ServeError, TensorSpec
 from plait.serve.quantize import quantize_int8
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
@@ -56,8 +56,8 @@ class ServedModel:
 
     @property
     def can_generate(self) -> bool:
-        """Text generation needs a tokenizer and a GPT built from plait's blocks (see plait.serve.kvcache)."""
-        return self.is_lm and self.tokenizer is not None and isinstance(self.module, GPT)
+        """Text generation needs a tokenizer and plait's GPT or llama (see plait.serve.kvcache)."""
+        return self.is_lm and self.tokenizer is not None and isinstance(self.module, DECODERS)
 
     @property
     def context(self) -> int:
@@ -126,9 +126,9 @@ def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
 def load_model(ref: ModelRef) -> ServedModel:
     """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
     path = Path(ref.path)
-    if is_hf_dir(path):  # a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer.json)
-        _, spec, module, tokenizer = load_hf_model(path)
-        served = ServedModel(module, "gpt", spec, tokenizer, "")
+    if is_hf_dir(path):  # a Hugging Face directory (config.json, model.safetensors, tokenizer.json)
+        hf_cfg, spec, module, tokenizer = load_hf_model(path)
+        served = ServedModel(module, hf_cfg.name, spec, tokenizer, "")
     elif path.is_dir():
         if not (path / "config.toml").is_file():
             raise ServeError(f"{path} is not a plait run directory (no config.toml); pass a run's --out or a model.safetensors")

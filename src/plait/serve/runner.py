@@ -28,8 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from plait.models.gpt import GPT
-from plait.serve.kvcache import generate
+from plait.serve.kvcache import DECODERS, generate
 from plait.serve.model import ServedModel
 from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
 
@@ -89,7 +88,7 @@ class Runner:
     def generate(self, rows: Sequence[GenRow], emit: Emit | None = None,
                  cancelled: Cancelled | None = None) -> list[list[int] | RowFailed]:
         module = self.served.module
-        assert isinstance(module, GPT), "Service.generate sends Generate tasks only when served.can_generate (a GPT)"
+        assert isinstance(module, DECODERS), "Service.generate sends Generate tasks only when served.can_generate"
         return generate(module, list(rows), emit, cancelled, device=self.device)
 
     def run(self, task: Task, emit: Emit | None = None, cancelled: Cancelled | None = None) -> Result:
