@@ -1,0 +1,83 @@
+"""plait's llama keeps the single process's trajectory at every layout, with plain SGD (tests/parallel/test_equivalence.py
+says why SGD): per-step loss and gradient norm within 1e-5 relative, final weights within 1e-5.
+
+The llama here has grouped-query attention (4 query heads over 2 kv heads, which tensor parallel splits as groups),
+an untied head, and a vocabulary of the corpus's 159 characters padded to 192 rows (model.vocab_multiple = 64):
+tensor parallel splits the padded rows, and the padding is never in the loss. The Mixtral-style variant (top-2 of
+4 SwiGLU experts) is checked at expert parallel.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import TINY_GPT
+from plait.config import load_config
+
+STEPS = 4
+SGD = ("optim.name='sgd'", "optim.lr=0.3", "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0",
+       "optim.schedule='constant'", "optim.warmup_steps=0", "log.every=1", f"train.steps={STEPS}", "checkpoint.every=0")
+LLAMA = ("model.name='llama'", "data.name='text'", "model.vocab_size=0", "model.layers=4", "model.heads=4",
+         "model.kv_heads=2", "model.hidden=48", "model.tie_embeddings=false", "model.rope_theta=500.0",
+         "train.global_batch_size=8", "train.micro_batch_size=2")
+MIXTRAL = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_aux_weight=0.01", "model.layers=2")
+RTOL = ATOL = 1e-5
+
+TWO = {
+    "dp2": ("parallel.dp=2",),
+    "dp2-zero3-ckpt": ("parallel.dp=2", "parallel.zero=3", "train.activation_checkpointing=true"),
+    "tp2": ("parallel.dp=1", "parallel.tp=2"),
+    "tp2-sp": ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"),
+    "pp2-1f1b": ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='1f1b'"),
+}
+FOUR = {"dp2xtp2": ("parallel.dp=2", "parallel.tp=2")}
+
+
+@pytest.fixture(scope="module")
+def eq():
+    """test_equivalence's trajectory helpers (imported here, not at the top, so its tests are not collected twice)."""
+    import importlib
+
+    return importlib.import_module("test_equivalence")
+
+
+@pytest.fixture(scope="module")
+def base(tiny_text):
+    return (*TINY_GPT, *LLAMA, f"data.path='{tiny_text}'", *SGD)
+
+
+@pytest.fixture(scope="module")
+def reference(base, eq, tmp_path_factory):
+    cache: dict = {}
+
+    def get(*more: str):
+        if more not in cache:
+            cache[more] = eq.trajectory(load_config(None, [*base, "parallel.dp=1", *more]),
+                                        tmp_path_factory.mktemp("ref") / "run")
+        return cache[more]
+
+    return get
+
+
+def test_the_llama_reference_learns_and_a_2x_gradient_error_shows(reference, eq):
+    ref = reference()
+    assert ref.loss[-1] < ref.loss[0] - 0.3, ref.loss
+    e = eq.errors(ref, reference("optim.lr=0.15"))
+    assert e["loss"] > 100 * RTOL and e["grad_norm"] > 100 * RTOL and e["weights"] > 100 * ATOL, e
+
+
+@pytest.mark.parametrize("name", list(TWO))
+def test_llama_two_rank_layouts(pool2, reference, base, eq, tmp_path, name):
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *TWO[name]]), tmp_path)[0]
+    eq.assert_same_trajectory(reference(), got)
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_llama_four_rank_layouts(pool4, reference, base, eq, tmp_path, name):
+    got = pool4.run(eq.trajectory, load_config(None, [*base, *FOUR[name]]), tmp_path)[0]
+    eq.assert_same_trajectory(reference(), got)
+
+
+def test_mixtral_at_expert_parallel(pool2, reference, base, eq, tmp_path):
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *MIXTRAL, "parallel.dp=2", "parallel.ep=2"]), tmp_path)[0]
+    eq.assert_same_trajectory(reference(*MIXTRAL), got)
