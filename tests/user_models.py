@@ -57,3 +57,17 @@ def transformer(width: int = 32, head_dim: int = 8) -> Transformer:
 def flat() -> nn.Module:
     """Neither an nn.Sequential nor pipeline_parts(): it cannot be cut into stages."""
     return nn.Linear(64, 10)
+
+
+def hf_llama(layers: int = 2, vocab: int = 160, seed: int = 0):
+    """A transformers LlamaForCausalLM (as a user hands one over): its forward returns a ModelOutput, its FSDP units
+    are its _no_split_modules (LlamaDecoderLayer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)

@@ -81,3 +81,26 @@ def test_llama_four_rank_layouts(pool4, reference, base, eq, tmp_path, name):
 def test_mixtral_at_expert_parallel(pool2, reference, base, eq, tmp_path):
     got = pool2.run(eq.trajectory, load_config(None, [*base, *MIXTRAL, "parallel.dp=2", "parallel.ep=2"]), tmp_path)[0]
     eq.assert_same_trajectory(reference(*MIXTRAL), got)
+
+
+HF_FACTORY = ("model.factory='user_models:hf_llama'", "model.name='gpt'")
+
+
+def test_a_transformers_model_trains_by_its_no_split_modules(pool2, base, eq, tmp_path_factory):
+    """transformers' LlamaForCausalLM through model.factory: its ModelOutput unwrapped to .logits, its ZeRO-3 and
+    activation-checkpointing units its LlamaDecoderLayers; dp2 + ZeRO-3 keeps the one-process trajectory."""
+    import user_models
+
+    from plait.models.protocols import megatron_plan
+    from plait.parallel.base import model_blocks
+
+    model = user_models.hf_llama(layers=3)
+    assert [type(b).__name__ for b in model_blocks(model)] == ["LlamaDecoderLayer"] * 3
+    plan = megatron_plan(model)
+    assert {n.rsplit(".", 1)[-1] for n in plan if n.startswith("model.layers.0.")} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    ref = eq.trajectory(load_config(None, [*base, *HF_FACTORY, "parallel.dp=1"]), tmp_path_factory.mktemp("hf") / "r")
+    assert ref.loss[-1] < ref.loss[0] - 0.3, ref.loss
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, "parallel.dp=2", "parallel.zero=3",
+                                                      "train.activation_checkpointing=true"]), tmp_path_factory.mktemp("z3"))[0]
+    eq.assert_same_trajectory(ref, got)

@@ -133,6 +133,8 @@ def megatron_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
         for up, down in MLP_NAMES:
             if _linear(children.get(up)) and _linear(children.get(down)):
                 pair(at + up, at + down)
+                if up == "up_proj" and _linear(children.get("gate_proj")):  # SwiGLU: the gate splits as up does
+                    plan[at + "gate_proj"] = ColwiseParallel()
         if isinstance(mod, nn.Sequential):
             pending = None
             for name, child in children.items():

@@ -72,10 +72,25 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
         model = load_factory(model_cfg.factory)(**model_cfg.options)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model.factory = {model_cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
-        return model
+        return unwrap_outputs(model)
     if model_cfg.name not in MODELS:
         raise ConfigError(f"model.name = {model_cfg.name!r} is not one of: {', '.join(sorted(MODELS))}")
     return MODELS[model_cfg.name](model_cfg, spec)
+
+
+def _logits(module: nn.Module, args, output):
+    return output.logits
+
+
+def unwrap_outputs(model: nn.Module) -> nn.Module:
+    """A transformers model (a PreTrainedModel: its forward returns a ModelOutput) returns its `.logits` instead.
+
+    A forward hook, so the parameter names stay the model's own (a checkpoint of it is its state dict).
+    """
+    transformers = sys.modules.get("transformers")  # a PreTrainedModel was built by an imported transformers
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        model.register_forward_hook(_logits)
+    return model
 
 
 def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:

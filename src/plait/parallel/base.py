@@ -73,11 +73,25 @@ class Precision:
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (`model.blocks`, a ModuleList or ModuleDict), or none."""
+    """The model's repeated blocks (`model.blocks`, a ModuleList or ModuleDict), or none.
+
+    A transformers model has no `blocks`: its units are the modules of the classes its `_no_split_modules` names
+    (LlamaDecoderLayer, BertLayer, ...), outermost first, in order, as Accelerate and the HF Trainer take them.
+    """
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleDict):
         return list(blocks.values())
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    units: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside or type(m).__name__ not in names:
+            continue
+        units.append(m)
+        inside.update(id(x) for x in m.modules())
+    return units
 
 
 @runtime_checkable
