@@ -128,7 +128,8 @@ def test_tp_check_names_the_key_that_does_not_split():
 
     with pytest.raises(ConfigError, match=r"^model.kv_heads \(1\) is not divisible by parallel.tp = 2"):
         Llama(100, 16, 32, 4, 1, kv_heads=1).tp_check(2)
-    with pytest.raises(ConfigError, match=r"^model.vocab_multiple \(the padded vocabulary\) \(102\) is not divisible by parallel.tp = 4"):
+    with pytest.raises(ConfigError, match=r"^model.vocab_multiple \(the padded vocabulary\) \(102\) is not divisible "
+                                          r"by parallel.tp = 4"):
         Llama(101, 16, 32, 4, 1, vocab_multiple=3).tp_check(4)
     Llama(101, 16, 64, 8, 1).tp_check(8)  # 101 -> 128 rows
 

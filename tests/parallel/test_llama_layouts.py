@@ -90,7 +90,6 @@ def test_a_transformers_model_trains_by_its_no_split_modules(pool2, base, eq, tm
     """transformers' LlamaForCausalLM through model.factory: its ModelOutput unwrapped to .logits, its ZeRO-3 and
     activation-checkpointing units its LlamaDecoderLayers; dp2 + ZeRO-3 keeps the one-process trajectory."""
     import user_models
-
     from plait.models.protocols import megatron_plan
     from plait.parallel.base import model_blocks
 

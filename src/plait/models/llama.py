@@ -91,6 +91,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.window, self.rope = window, rope
+        self._rotations: dict = {}  # the last default positions' cos and sin (not state: never saved)
         self.q_proj = nn.Linear(width, heads * self.head_dim, bias=bias != "none")
         self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=bias != "none")
         self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=bias != "none")
@@ -102,24 +103,34 @@ class Attention(nn.Module):
         # -1 heads: a tensor-parallel shard holds heads/tp query heads and kv_heads/tp kv heads
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q_proj, self.k_proj, self.v_proj))
         past = len(cache) if cache is not None else 0
-        if pos is None:
-            pos = torch.arange(past, past + t, device=x.device)[None]
-        seen = int(pos.max()) + 1 if self.rope["scaling"].get("rope_type") == "dynamic" else 0
-        inv = inv_frequencies(self.head_dim, self.rope["theta"], self.rope["scaling"], self.rope["context"], seen, x.device)
-        angles = pos.float()[:, None, :, None] * inv  # (b, 1, t, d/2)
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        cos, sin = self._rotation(pos, past, t, x.device, q.dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(k, v)
-        if k.shape[1] != q.shape[1]:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if mask is None and self.window and t > self.window:
             p = torch.arange(t, device=x.device)[None]
             mask = window_mask(p, p, self.window)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None)
+        # enable_gqa: each of the k.shape[1] kv heads serves q.shape[1] / k.shape[1] consecutive query heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+    def _rotation(self, pos, past: int, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (b or 1, 1, t, head_dim) of the positions (default past .. past + t - 1)."""
+        dynamic = self.rope["scaling"].get("rope_type") == "dynamic"
+        key = (past, t, device, dtype)
+        if pos is None and not dynamic and self._rotations.get("key") == key:  # a training step: the same t each time
+            return self._rotations["value"]
+        p = torch.arange(past, past + t, device=device)[None] if pos is None else pos
+        seen = int(p.max()) + 1 if dynamic else 0
+        inv = inv_frequencies(self.head_dim, self.rope["theta"], self.rope["scaling"], self.rope["context"], seen, device)
+        angles = p.float()[:, None, :, None] * inv  # (b, 1, t, d/2)
+        angles = torch.cat([angles, angles], dim=-1)
+        value = angles.cos().to(dtype), angles.sin().to(dtype)
+        if pos is None and not dynamic and not torch.is_inference_mode_enabled():  # inference tensors cannot train
+            self._rotations = {"key": key, "value": value}
+        return value
 
 
 class SwiGLU(nn.Module):
