@@ -29,6 +29,7 @@ from plait.files import publish
 from plait.finetune import adapter_state_dict, lora_layers, merge_lora
 from plait.finetune.lowrank import with_low_rank_structure
 from plait.models import build_model
+from plait.models.hf_llama import to_hf
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 from plait.train.weights import build_run_model
 
@@ -275,8 +276,6 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
     import shutil
 
     from safetensors.torch import save_file
-
-    from plait.models.hf_llama import to_hf
 
     run_dir, out = Path(run_dir), Path(out)
     cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)

@@ -33,7 +33,7 @@ def test_model_and_data_must_fit():
     "override, message",
     [
         ("model.layers=0", "model.layers = 0 must be >= 1"),
-        ("model.name=resnet", "model.name = 'resnet' is not a registered model; choose one of: cnn, deepfm, gpt, mlp"),
+        ("model.name=resnet", "model.name = 'resnet' is not a registered model; choose one of: cnn, deepfm, gpt, llama, mlp"),
         ("model.factory=mymodule.build", "model.factory = 'mymodule.build' must be 'package.module:function'"),
     ],
 )

@@ -187,7 +187,7 @@ def test_cnn_rejects_flat_inputs():
 
 
 def test_unknown_model_name():
-    with pytest.raises(ConfigError, match=re.escape("model.name = 'resnet' is not one of: cnn, deepfm, gpt, mlp")):
+    with pytest.raises(ConfigError, match=re.escape("model.name = 'resnet' is not one of: cnn, deepfm, gpt, llama, mlp")):
         build_model(ModelConfig(name="resnet"), DIGITS)
 
 
