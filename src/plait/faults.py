@@ -3,6 +3,8 @@
     PLAIT_FAULTS="kill:rank=1:step=7"                      SIGKILL rank 1 as step 7 begins
     PLAIT_FAULTS="kill:rank=0:step=10:at=publish"          ... while checkpoint 10 is being published
     PLAIT_FAULTS="stall:rank=1:step=3:seconds=30"          rank 1 sleeps (a hang, for timeout tests)
+    PLAIT_FAULTS="stall:step=5:until=/tmp/go:seconds=120"  every rank waits at step 5 until /tmp/go exists (at most
+                                                           120 s): a test's window to act mid-run, whatever the load
     PLAIT_FAULTS="slow:rank=1:seconds=0.05"                rank 1 sleeps every step (a straggler)
     PLAIT_FAULTS="slow:seconds=0.1:at=data"                every rank waits 0.1 s for each batch (input-bound)
     PLAIT_FAULTS="slow:rank=1:factor=3"                    rank 1's forward/backward takes 3x as long (it sleeps twice
@@ -60,6 +62,10 @@ def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
         kind = f["kind"]
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind in ("stall", "slow") and "until" in f:
+            deadline = time.monotonic() + float(f.get("seconds", 3600))
+            while not os.path.exists(f["until"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         elif kind in ("stall", "slow"):
             time.sleep(float(f.get("seconds", 3600)))
         elif kind == "sigterm":

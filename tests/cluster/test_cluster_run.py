@@ -1,7 +1,8 @@
 """`plait cluster run`: three real jobs on two process slots under srtf. The long job starts on both slots; the short
 and the medium ones arrive and preempt it (once it has trained a step: before, it has nothing to checkpoint); when the
-short one ends, the long one resumes on the slot left, one process instead of two (migration and resizing). The jobs
-finish shortest first, and every job ends on its solo trajectory."""
+first of them ends, the long one resumes on the slot left, one process instead of two (migration and resizing). The long
+job finishes last, and every job ends on its solo trajectory. (Which of short and medium ends first is left to the
+clock: they run side by side, one slot each, and under load their start-up dwarfs the 24 steps between them.)"""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ def test_the_short_job_preempts_the_long_one_which_resumes_resized_on_its_solo_t
     summary = json.loads((out / "cluster.json").read_text())
     jobs = {j["job"]: j for j in summary["jobs"]}
     finish = {e["job"]: e["t"] for e in summary["events"] if e["event"] == "finish"}
-    assert finish["short"] < finish["medium"] < finish["long"], finish
+    assert max(finish["short"], finish["medium"]) < finish["long"], finish
     assert jobs["long"]["preemptions"] == 1 and jobs["short"]["preemptions"] == jobs["medium"]["preemptions"] == 0
     starts = [e["procs"] for e in summary["events"] if e["job"] == "long" and e["event"] == "start"]
     assert starts == [2, 1], summary["events"]  # resized when it came back
+    back = [e["t"] for e in summary["events"] if e["job"] == "long" and e["event"] == "start"][1]
+    assert back >= min(finish["short"], finish["medium"]), summary["events"]  # on the slot the first to end left
     assert (out / "gantt.png").stat().st_size > 5000 and "makespan" in stdout
     for name, (_, _, _, steps) in JOBS.items():
         cfg = load_config(None, [*BASE, f"train.steps={steps}", "parallel.dp=1"])

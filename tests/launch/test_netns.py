@@ -59,7 +59,11 @@ def test_a_node_whose_link_goes_down_is_dropped_and_the_job_finishes(two_hosts, 
     common = ["-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint={h['addr_a']}:29533", "--set", "launch.max_restarts=1",
               "--set", "launch.timeout_s=10"]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_FAULTS": "slow:seconds=0.5"}
+    go = tmp_path / "link-is-down"
+    # every step takes 0.5 s, and at step 5 both nodes wait for the test to have taken node 1's link down: the 2-node
+    # job cannot finish before the link is gone, however loaded the machine (the wait is in the first incarnation only)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PLAIT_FAULTS": f"slow:seconds=0.5;stall:step=5:until={go}:seconds=120"}
     base.pop("GLOO_SOCKET_IFNAME", None)
     procs = []
     try:
@@ -76,6 +80,7 @@ def test_a_node_whose_link_goes_down_is_dropped_and_the_job_finishes(two_hosts, 
             time.sleep(0.2)
         assert (run / "checkpoints" / "step_0000003").is_dir(), "the 2-node job never reached its first checkpoint"
         _ip("-n", h["b"], "link", "set", h["dev_b"], "down")  # node 1 drops off the network
+        go.touch()
         out, _ = node0.communicate(timeout=240)
     finally:
         for p in procs:
