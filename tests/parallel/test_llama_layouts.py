@@ -103,3 +103,26 @@ def test_a_transformers_model_trains_by_its_no_split_modules(pool2, base, eq, tm
     got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, "parallel.dp=2", "parallel.zero=3",
                                                       "train.activation_checkpointing=true"]), tmp_path_factory.mktemp("z3"))[0]
     eq.assert_same_trajectory(ref, got)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_text, tmp_path_factory):
+    """data.name = 'chat', packed: pairs of consecutive source lines as prompt and completion (varied lengths, some
+    longer than the context, so rows hold several examples and some are cut)."""
+    import json
+
+    lines = [ln.strip() for ln in (tiny_text / "textwrap.py").read_text().splitlines() if ln.strip()][:160]
+    path = tmp_path_factory.mktemp("chat") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": a + "\n", "completion": b}) + "\n"
+                            for a, b in zip(lines[::2], lines[1::2], strict=False)))
+    return ("data.name='chat'", f"data.path='{path}'", "data.pack=true")
+
+
+@pytest.mark.parametrize("name", ["dp2-zero3-ckpt", "tp2"])
+def test_packed_chat_keeps_the_trajectory(pool2, reference, base, eq, tmp_path, chat, name):
+    """The loss on completions only (a mean of row means) and attention confined to each packed example: the same
+    per-step loss, gradient norm and weights at dp2 ZeRO-3 and tp2 as in one process."""
+    ref = reference(*chat)
+    assert ref.loss[-1] < ref.loss[0], ref.loss
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *TWO[name], *chat]), tmp_path)[0]
+    eq.assert_same_trajectory(ref, got)

@@ -11,9 +11,9 @@ import math
 from plait.config import keys, opt
 from plait.errors import ConfigError
 
-SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table")
+SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat")
 # Sources that read the user's files: data.path names them (unless data.factory replaces the source).
-FILE_SOURCES = ("text", "tensors", "images", "packed", "table")
+FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat")
 AUGMENTATIONS = ("random_crop", "hflip", "noise")
 
 
@@ -23,7 +23,7 @@ class DataKeys:
         "stdlib-text",
         "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
         "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
-        "Parquet file; ignored when factory is set)",
+        "Parquet file), chat (a JSONL file of prompt/completion pairs or conversations; ignored when factory is set)",
         SOURCE_NAMES,
     )
     factory: str = opt("", "'package.module:function' returning your own map-style dataset (__len__, __getitem__ giving "
@@ -34,7 +34,9 @@ class DataKeys:
     task: str = opt("auto", "table and data.factory: classification or regression (mse loss); auto: regression when the "
                             "targets are non-integer numbers", ("auto", "classification", "regression"))
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
-                        "class folders; packed: the folder `plait data pack` wrote")
+                        "class folders; packed: the folder `plait data pack` wrote; chat: a JSONL file")
+    pack: bool = opt(False, "chat: fill each row of model.context tokens with consecutive examples, attention confined "
+                            "to each example and positions restarting at each (plait's gpt and llama; not with pp)")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
     min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
     tokenizer: str = opt("", "text: a Hugging Face tokenizer.json to encode with (the tokenizers library) instead of "
@@ -76,5 +78,14 @@ class DataKeys:
             raise ConfigError(f"data.augment = {self.augment}: {bad} unknown; use any of {', '.join(AUGMENTATIONS)}")
         if self.image_size < 4 or self.workers < 0:
             raise ConfigError(f"data.image_size = {self.image_size} must be >= 4 and data.workers = {self.workers} >= 0")
+        if self.pack and not self.factory and self.name != "chat":
+            raise ConfigError(f"data.pack = true packs chat examples; data.name = {self.name!r}: set data.pack=false")
+        if self.pack and not self.factory and (cfg.model.factory or cfg.model.name not in ("gpt", "llama")):
+            model = "model.factory's model" if cfg.model.factory else f"model.name = {cfg.model.name!r}"
+            raise ConfigError(f"data.pack = true gives each row's positions with its tokens, which plait's gpt and llama "
+                              f"read; {model} does not: set data.pack=false")
+        if self.pack and cfg.parallel.pp > 1:
+            raise ConfigError(f"data.pack = true with parallel.pp = {cfg.parallel.pp}: the later stages do not see each "
+                              "example's positions; set data.pack=false or parallel.pp=1")
         if self.name in FILE_SOURCES and not self.path and not self.factory:
             raise ConfigError(f"data.name = {self.name!r} needs data.path (a file or folder); set --set data.path=...")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plait.data.chat import chat_source
 from plait.data.datasets import Tensors, TokenWindows, split_tensors
 from plait.data.exclude import exclude
 from plait.data.hf_tokenizer import HFTokenizer
@@ -258,7 +259,8 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
 
 
 SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "clicks": clicks,
-           "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source}
+           "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source,
+           "chat": chat_source}
 
 
 def build_data(data_cfg, model_cfg) -> DataBundle:

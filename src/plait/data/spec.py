@@ -26,6 +26,8 @@ class DataSpec:
     cardinalities: list = field(default_factory=list)  # clicks: categories per categorical field (ids lead each row)
     dense_features: int = 0  # clicks: real-valued features after the categorical ids
     class_weights: list = field(default_factory=list)  # classification: per-class loss weights (data.class_weights)
+    masked_targets: bool = False  # lm: targets of -100 are not trained; the loss is a mean per row (chat)
+    packed: bool = False  # lm: inputs are (batch, 2, context), ids then each example's positions (data.pack)
 
 
 @dataclass
@@ -36,3 +38,4 @@ class DataBundle:
     tokenizer: CharTokenizer | None = None
     unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
     ground_truth_val_loss: float | None = None  # clicks: the generating model's own loss on val (the best possible)
+    stats: dict = field(default_factory=dict)  # what the source counted (chat: examples, truncated), in summary.json

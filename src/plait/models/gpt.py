@@ -73,6 +73,18 @@ def attention_mask(pad: torch.Tensor, past: int, t: int) -> torch.Tensor:
     return mask[:, None]
 
 
+def packed_mask(pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(batch, 1, t, t) boolean for packed rows (data.pack): causal within each example, a new one starting wherever
+    its position is 0, and within `window` positions (0: unlimited). Padding after the last example is one-token
+    examples (position 0), each seeing itself only."""
+    doc = (pos == 0).cumsum(1)
+    i = torch.arange(pos.shape[1], device=pos.device)
+    mask = (i[:, None] >= i[None, :])[None] & (doc[:, :, None] == doc[:, None, :])
+    if window:
+        mask &= (pos[:, :, None] - pos[:, None, :]) < window
+    return mask[:, None]
+
+
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact GELU, or the tanh approximation GPT-2 was trained with
 
 
@@ -157,6 +169,9 @@ class GPT(MoEHooks, nn.Module):
         filled here), and idx holds only the tokens after the cached ones. `pad` (batch,) is each
         row's left padding: its positions start at 0 at its first real token and the padding is masked.
         """
+        packed = None
+        if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
+            idx, packed = idx[:, 0], idx[:, 1]
         t = idx.shape[1]
         past = len(next(iter(cache.values()))) if cache else 0
         if past + t > self.context:
@@ -165,8 +180,12 @@ class GPT(MoEHooks, nn.Module):
         if cache is not None or pad is not None:
             pad = torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)
             mask = attention_mask(pad, past, t)
+        if packed is not None:
+            mask = packed_mask(packed)
         if self.tok_emb is not None:
-            if mask is None:
+            if packed is not None:
+                pos = packed
+            elif mask is None:
                 pos = torch.arange(t, device=idx.device)
             else:
                 pos = (past + torch.arange(t, device=idx.device)[None, :] - pad[:, None]).clamp(min=0)

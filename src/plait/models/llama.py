@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
-from plait.models.gpt import KVCache
+from plait.models.gpt import KVCache, packed_mask
 from plait.models.moe import MoE, MoEHooks
 from plait.models.sampling import sample
 
@@ -203,9 +203,13 @@ class Llama(MoEHooks, nn.Module):
         after the cached ones. `pad` (batch,) is each row's left padding (positions start at its first real token).
         A pipeline stage without the embedding takes hidden states, one without the head returns them.
         """
+        mask = None
+        if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
+            idx, pos = idx[:, 0], idx[:, 1]
+            window = next(iter(self.blocks.values())).attn.window if len(self.blocks) else 0
+            mask = packed_mask(pos, window)
         b, t = idx.shape[:2]
         past = len(next(iter(cache.values()))) if cache else 0
-        mask = None
         if cache is not None or pad is not None:
             window = next(iter(self.blocks.values())).attn.window if len(self.blocks) else 0
             pad = torch.zeros(b, dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)

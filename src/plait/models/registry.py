@@ -114,7 +114,7 @@ def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
 CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
                                            "llama": frozenset({"pipeline", "tensor_parallel"})}
 # The data each registered model trains on.
-DATA_FOR = {"gpt": ("stdlib-text", "text"), "llama": ("stdlib-text", "text"), "deepfm": ("clicks",)}
+DATA_FOR = {"gpt": ("stdlib-text", "text", "chat"), "llama": ("stdlib-text", "text", "chat"), "deepfm": ("clicks",)}
 
 
 def capabilities(model_cfg) -> frozenset[str]:
@@ -161,8 +161,8 @@ def check_config(model_cfg, data_name: str) -> None:
         raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
                           f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
                           "use plait.models.moe.MoE through model.factory)")
-    token_data = data_name in ("stdlib-text", "text")
-    text = "a text source (stdlib-text or text)"
+    token_data = data_name in ("stdlib-text", "text", "chat")
+    text = "a text source (stdlib-text, text or chat)"
     wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'"}.get(
         model_cfg.name, "digits, synthetic or tensors")
     fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"

@@ -17,6 +17,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the targets that are not -100: the mean over each row's trained tokens, then the
+    mean over rows (a row with none adds 0). Rows weigh the same however the batch is split: layout-independent."""
+    per = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
+    trained = (targets != -100).sum(1)
+    return (per.sum(1) / trained.clamp(min=1)).mean()
+
+
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets)
 
@@ -74,6 +82,8 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
         return lambda z, _labels: nt_xent(z, temperature, group)
     if spec.task == "classification" and spec.class_weights:
         return weighted_classification_loss(torch.tensor(spec.class_weights, dtype=torch.float32))
+    if spec.task == "lm" and spec.masked_targets:
+        return masked_lm_loss
     return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss,
             "regression": regression_loss}[spec.task]
 

@@ -290,6 +290,8 @@ class Telemetry:
         }
         if self.lm:
             summary["unigram_val_loss"] = self.bundle.unigram_val_loss
+        if self.bundle.stats:
+            summary["data"] = self.bundle.stats
         if self.bundle.ground_truth_val_loss is not None:
             summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
         if callbacks is not None:
@@ -329,6 +331,10 @@ class Telemetry:
             if summary.get("contrastive", {}).get("linear_probe_accuracy") is not None:
                 line += f", linear-probe accuracy {summary['contrastive']['linear_probe_accuracy']:.3f}"
             lines.append(line)
+        data = summary.get("data", {})
+        if data.get("truncated"):
+            lines.append(f"data: {data['truncated']} of {data['examples']} examples were longer than model.context + 1 "
+                         "tokens and were cut (raise model.context to keep them whole)")
         if summary.get("sample"):
             lines.append("sample:\n" + summary["sample"])
         if run_dir is not None:
