@@ -22,7 +22,7 @@ def test_width_must_divide_by_heads():
 
 def test_model_and_data_must_fit():
     bad(["data.name=digits"], "model.name = 'gpt' cannot train on data.name = 'digits': it needs a text source "
-                              "(stdlib-text or text); change model.name or data.name")
+                              "(stdlib-text, text or chat); change model.name or data.name")
     bad(["model.name=mlp"], "model.name = 'mlp' cannot train on data.name = 'stdlib-text': it needs digits, "
                             "synthetic or tensors")
     # a factory model is not checked against the data

@@ -182,6 +182,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.xfail(strict=False, reason="a joining node must start torch and reach the rendezvous while node 0 trains: "
+                   "on a 2-core machine at load 10+ it can arrive after the job formed without it (issue 37)")
 @pytest.mark.slow
 def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_trajectory(job, uninterrupted, tmp_path):
     """Two 1-process 'nodes' (launchers on loopback), nnodes = 1:2. Node 0 starts alone; node 1 joins after its first
