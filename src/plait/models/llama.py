@@ -176,6 +176,7 @@ class Llama(MoEHooks, nn.Module):
         kv_heads = kv_heads or heads
         hidden = hidden or 4 * width
         self.vocab_size, self.context, self.tie_embeddings = vocab_size, context, tie_embeddings
+        self.sliding_window = sliding_window  # every block's; the masks built here need it
         self.moe_aux_weight = moe_aux_weight
         rope = {"theta": rope_theta, "scaling": dict(rope_scaling or {}), "context": context}
         moe = {"experts": moe_experts, "top_k": moe_top_k, "capacity_factor": moe_capacity_factor} if moe_experts else None
@@ -206,17 +207,15 @@ class Llama(MoEHooks, nn.Module):
         mask = None
         if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
             idx, pos = idx[:, 0], idx[:, 1]
-            window = next(iter(self.blocks.values())).attn.window if len(self.blocks) else 0
-            mask = packed_mask(pos, window)
+            mask = packed_mask(pos, self.sliding_window)
         b, t = idx.shape[:2]
         past = len(next(iter(cache.values()))) if cache else 0
         if cache is not None or pad is not None:
-            window = next(iter(self.blocks.values())).attn.window if len(self.blocks) else 0
             pad = torch.zeros(b, dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)
             keys = torch.arange(past + t, device=idx.device)[None] - pad[:, None]
             if pos is None:
                 pos = keys[:, past:].clamp(min=0)
-            mask = window_mask(keys[:, past:], keys, window, keys >= 0)
+            mask = window_mask(keys[:, past:], keys, self.sliding_window, keys >= 0)
         x = self.tok_emb(idx) if self.tok_emb is not None else idx
         for name, block in self.blocks.items():
             if mask is None and pos is None:  # training calls block(x) alone, as wrappers and tensor-parallel hooks expect
