@@ -27,10 +27,10 @@ from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.hf_llama import FAMILY, MODEL_TYPES, llama_model_keys, llama_state_dict
+from plait.models.lazy import Lazy, open_weights
 from plait.models.registry import build_model
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 IGNORED = re.compile(r"(^|\.)attn\.(masked_)?bias$")  # causal-mask buffers some GPT-2 checkpoints carry
 DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
@@ -127,43 +127,35 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
         data_cfg.tokenizer = str(tok)
 
 
-def _load_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(path / "model.safetensors"))
-    if (path / "model.safetensors.index.json").is_file():
-        from safetensors.torch import load_file
-
-        shards = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(str(path / shard)).items()}
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(f"{where} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
-
-
 def hf_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from",
                   rows: int | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors renamed and reshaped to plait's model (GPT positions cut to `context` when given;
     a llama's vocabulary padded to `rows`)."""
+    return {k: v.full().contiguous() for k, v in hf_lazy_state_dict(path, context, key, rows).items()}
+
+
+def hf_lazy_state_dict(path: str | Path, context: int | None = None, key: str = "train.init_from",
+                       rows: int | None = None) -> dict[str, Lazy]:
+    """hf_state_dict with nothing read yet: {plait name: Lazy} (plait.models.lazy), for a rank to read its slices."""
     path = Path(path)
     where = _where(key, path)
     hf = read_hf_config(path, key)
     if hf.get("_plait") == "llama":
         return _llama_tensors(path, where, hf, rows or int(hf["vocab_size"]))
-    src = {k.removeprefix("transformer."): v for k, v in _load_tensors(path, where).items() if not IGNORED.search(k)}
+    src = {k.removeprefix("transformer."): v for k, v in open_weights(path, where).items() if not IGNORED.search(k)}
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Lazy:
         if name not in src:
             raise ConfigError(f"{where} does not hold a GPT-2 checkpoint: tensor {name} is missing (it has "
                               f"{len(src)} tensors, e.g. {list(src)[:3]})")
         return src.pop(name)
 
     wte, wpe = take("wte.weight"), take("wpe.weight")
-    out = {"tok_emb.weight": wte, "pos_emb.weight": wpe[:context] if context else wpe}
+    out = {"tok_emb.weight": wte.pad_rows(rows or wte.shape[0]),
+           "pos_emb.weight": wpe.rows(0, context) if context else wpe}
     for i in range(hf["n_layer"]):
         h, b = f"h.{i}.", f"blocks.{i}."
-        q, k, v = take(h + "attn.c_attn.weight").t().chunk(3, dim=0)  # Conv1D (in, 3 out) -> three Linear (out, in)
+        q, k, v = take(h + "attn.c_attn.weight").t().chunk(3)  # Conv1D (in, 3 out) -> three Linear (out, in)
         qb, kb, vb = take(h + "attn.c_attn.bias").chunk(3)
         out.update({b + "attn.q.weight": q, b + "attn.k.weight": k, b + "attn.v.weight": v,
                     b + "attn.q.bias": qb, b + "attn.k.bias": kb, b + "attn.v.bias": vb})
@@ -175,21 +167,20 @@ def hf_state_dict(path: str | Path, context: int | None = None, key: str = "trai
     out["ln_f.weight"], out["ln_f.bias"] = take("ln_f.weight"), take("ln_f.bias")
     lm_head = src.pop("lm_head.weight", None)
     if hf["tie_word_embeddings"]:
-        out["head.weight"] = wte
+        out["head.weight"] = out["tok_emb.weight"]
     elif lm_head is None:
         raise ConfigError(f"{where}: config.json has tie_word_embeddings = false but there is no lm_head.weight")
     else:
-        out["head.weight"] = lm_head
+        out["head.weight"] = lm_head.pad_rows(rows or lm_head.shape[0])
     if src:
         raise ConfigError(f"{where} has tensors plait's GPT does not, first {next(iter(src))}; is it a GPT-2 checkpoint?")
-    return {k: v.contiguous() for k, v in out.items()}
+    return out
 
 
-def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, torch.Tensor]:
-    src = _load_tensors(path, where)
-    src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq")}
+def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, Lazy]:
+    src = {k: v for k, v in open_weights(path, where).items() if not k.endswith("rotary_emb.inv_freq")}
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Lazy:
         if name not in src:
             raise ConfigError(f"{where} does not hold a {hf['architectures'][0]} checkpoint: tensor {name} is missing "
                               f"(it has {len(src)} tensors, e.g. {list(src)[:3]})")
@@ -199,7 +190,7 @@ def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, tor
     if src:
         raise ConfigError(f"{where} has tensors plait's llama does not, first {next(iter(src))}; does config.json "
                           "describe these weights?")
-    return {k: v.contiguous() for k, v in out.items()}
+    return out
 
 
 def load_hf_model(path: str | Path, key: str = "plait serve"):

@@ -1,7 +1,7 @@
 """Hugging Face Llama-family checkpoints on plait's llama, in and out.
 
     keys = llama_model_keys(raw, where)        # [model] keys from a config.json: {key: (value, config.json name)}
-    tensors = llama_state_dict(take, hf, rows)  # the checkpoint's tensors under plait's names (vocabulary padded)
+    tensors = llama_state_dict(take, has, hf, rows)  # {plait name: Lazy} of the checkpoint (vocabulary padded)
     config, tensors = to_hf(model_cfg, state)   # config.json and tensors for transformers' from_pretrained
 
 LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), MistralForCausalLM (a sliding window) and
@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from plait.errors import ConfigError
+from plait.models.lazy import Lazy, stack
 
 FAMILY = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
           "MixtralForCausalLM": "mixtral"}
@@ -74,17 +75,11 @@ def llama_model_keys(raw: dict, where: str) -> dict:
     return keys
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    extra = torch.empty(rows - t.shape[0], *t.shape[1:], dtype=t.dtype).normal_(std=0.02)
-    return torch.cat([t, extra])
-
-
-def llama_state_dict(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], hf: dict, rows: int) -> dict:
-    """The tensors under plait's llama names; `take(name)` pops a checkpoint tensor (an error when missing)."""
+def llama_state_dict(take: Callable[[str], Lazy], has: Callable[[str], bool], hf: dict, rows: int) -> dict[str, Lazy]:
+    """The tensors under plait's llama names, unread (plait.models.lazy); `take(name)` pops a checkpoint tensor (an
+    error when missing). The vocabulary's padding rows are zeros: no token looks them up and no logit shows them."""
     keys = {k: v for k, (v, _) in llama_model_keys(hf, "config.json").items()}
-    out = {"tok_emb.weight": _pad_rows(take("model.embed_tokens.weight"), rows)}
+    out = {"tok_emb.weight": take("model.embed_tokens.weight").pad_rows(rows)}
     for i in range(keys["layers"]):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
         out[b + "attn_norm.weight"] = take(h + "input_layernorm.weight")
@@ -97,8 +92,8 @@ def llama_state_dict(take: Callable[[str], torch.Tensor], has: Callable[[str], b
             m = h + "block_sparse_moe."
             out[b + "mlp.router.weight"] = take(m + "gate.weight")
             for w in ("w1", "w2", "w3"):
-                out[f"{b}mlp.{w}"] = torch.stack([take(f"{m}experts.{e}.{w}.weight").t()
-                                                  for e in range(keys["moe_experts"])])
+                out[f"{b}mlp.{w}"] = stack([take(f"{m}experts.{e}.{w}.weight").t()
+                                            for e in range(keys["moe_experts"])])
         else:
             for p in ("gate_proj", "up_proj", "down_proj"):
                 out[f"{b}mlp.{p}.weight"] = take(f"{h}mlp.{p}.weight")
@@ -108,7 +103,7 @@ def llama_state_dict(take: Callable[[str], torch.Tensor], has: Callable[[str], b
             take("lm_head.weight")
         out["head.weight"] = out["tok_emb.weight"]
     else:
-        out["head.weight"] = _pad_rows(take("lm_head.weight"), rows)
+        out["head.weight"] = take("lm_head.weight").pad_rows(rows)
     return out
 
 

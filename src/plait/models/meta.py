@@ -224,30 +224,20 @@ _OVERWRITES = {torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default, 
                torch.ops.aten.random_.to, torch.ops.aten.bernoulli_.float, torch.ops.aten.exponential_.default}
 
 
-def local_part(p: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor holding this rank's part of parameter p, that part of the whole value `full`)."""
+def local_index(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the tensor holding this rank's part of parameter p, where that part lies in the whole parameter)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
-        return p.data, full
+        return p.data, tuple(slice(0, s) for s in p.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return p.to_local(), full[index]
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-@torch.no_grad()
-def materialize(module: nn.Module, record: InitRecord, device: torch.device) -> dict:
-    """Allocate module's (possibly sharded) meta parameters on `device` and fill them from the record.
-
-    `module` may hold only some of the parameters (a pipeline stage: a tied weight's other name counts).
-
-    Returns {"full_bytes": the whole model's parameter bytes, "local_bytes": this rank's,
-    "peak_bytes": the most parameter bytes this process held at once while materialising}.
-    """
-    from torch.distributed.tensor import DTensor
-
+def _allocate(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Storage on `device` for module's meta parameters, tied ones tied again; {name: parameter}."""
     slots: dict[int, list] = {}  # parameter object -> every (module, attribute) holding it (tied weights)
     for m in module.modules():
         for attr, p in m._parameters.items():
@@ -258,14 +248,81 @@ def materialize(module: nn.Module, record: InitRecord, device: torch.device) -> 
         first = getattr(*held[0])
         for m, attr in held[1:]:
             setattr(m, attr, first)
-    params = dict(module.named_parameters())
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params.values())
-    full_bytes = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in record.shapes.values())
+    return dict(module.named_parameters())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, source, device: torch.device) -> dict:
+    """Allocate module's (possibly sharded) meta parameters on `device` and fill this rank's parts from `source`:
+    an InitRecord (the single-process initial values, replayed) or {name: Lazy} (a checkpoint, each part read from
+    its file, plait.models.lazy).
+
+    `module` may hold only some of the parameters (a pipeline stage: a tied weight's other name counts).
+
+    Returns {"full_bytes": the whole model's parameter bytes, "local_bytes": this rank's,
+    "peak_bytes": the most parameter bytes this process held at once while materialising}, and from a checkpoint
+    "rss_before_bytes" / "peak_rss_bytes": the process's resident memory before and at its highest during the load
+    (Linux; absent elsewhere).
+    """
+    if not isinstance(source, InitRecord):
+        return _load_parts(module, source, device)
+    params = _allocate(module, device)
+    local = sum(_nbytes(p) for p in params.values())
+    full_bytes = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in source.shapes.values())
     stats: dict = {}
-    for name, full in replay(record, stats):
-        for alias in record.aliases[name]:
+    for name, full in replay(source, stats):
+        for alias in source.aliases[name]:
             if alias in params:
-                target, part = local_part(params[alias], full)
-                target.copy_(part)
+                target, index = local_index(params[alias])
+                target.copy_(full[index])
         del full
     return {"full_bytes": full_bytes, "local_bytes": local, "peak_bytes": local + stats["peak_live_bytes"]}
+
+
+def _load_parts(module: nn.Module, source: dict, device: torch.device) -> dict:
+    rss = _peak_rss_reset()
+    params = _allocate(module, device)
+    local = sum(_nbytes(p) for p in params.values())
+    full_bytes = sum(t.nbytes for t in {id(t): t for t in source.values()}.values())  # a tied tensor once
+    in_flight = 0
+    for name, p in params.items():
+        target, index = local_index(p)
+        part = source[name].read(index)
+        in_flight = max(in_flight, part.numel() * part.element_size())
+        target.copy_(part)
+        del part
+    out = {"full_bytes": full_bytes, "local_bytes": local, "peak_bytes": local + in_flight}
+    if rss is not None:
+        out.update({"rss_before_bytes": rss, "peak_rss_bytes": _status_bytes("VmHWM")})
+    return out
+
+
+def _status_bytes(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _peak_rss_reset() -> int | None:
+    """Hand freed heap back to the system (glibc's malloc_trim: memory freed earlier would otherwise be reused
+    unseen), then reset the kernel's high-water mark of this process's resident memory to its current value (Linux
+    /proc/self/clear_refs); that value, or None where it cannot be reset."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except (OSError, KeyError):
+        return None

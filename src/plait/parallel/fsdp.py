@@ -219,8 +219,9 @@ def shard_init(layout: Layout, enabled: bool, reads_whole_model: bool) -> bool:
 
     ZeRO-2/3 (FSDP shards parameters at rest in both; after sharding), tensor parallelism (after its split;
     the shards of a 2-D (dp, tp) DTensor are cut the same way), pipeline stages (each stage its own).
-    Expert/embedding layouts, and a run that changes or reads the plain model before it is cut (init_from,
-    LoRA, distillation, the contrastive head: `reads_whole_model`), keep the whole-model build.
+    Expert/embedding layouts, and a run that changes or reads the plain model before it is cut (init_from a run
+    directory, LoRA, distillation, the contrastive head: `reads_whole_model`), keep the whole-model build; a
+    checkpoint file or Hugging Face directory is read in slices instead (plait.train.weights.checkpoint_parts).
     """
     return (enabled and (layout.shards_gradients or layout.splits_model) and layout.ep == 1
             and layout.embedding_sharding == "none" and layout.sync == "allreduce" and not reads_whole_model)

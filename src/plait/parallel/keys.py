@@ -33,7 +33,8 @@ class OffloadKeys:
 @keys("parallel")
 class ShardInitKeys:
     shard_init: bool = opt(True, "zero 2/3, tp or pp: build the model on the meta device and materialise only this "
-                           "rank's shards (the same values as a single process's initialisation)")
+                           "rank's shards (the same values as a single process's initialisation, or this rank's slices "
+                           "of train.init_from's checkpoint)")
 
 
 @keys("parallel")

@@ -103,7 +103,8 @@ class Build:
         return [c for s in self.schemes if s.callbacks is not None and self.uses(s) for c in s.callbacks(self, strategy)]
 
     def materialize(self, model: nn.Module) -> dict | None:
-        """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init; its figures.
+        """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init (a replayed
+        initialisation, or train.init_from's checkpoint read in slices); its figures.
 
         The scheme that cuts the parameters calls it once they are cut (FSDP after sharding, tensor
         parallel without FSDP after its split, the pipeline for each stage); a model already filled, or a
@@ -115,9 +116,11 @@ class Build:
 
         init = materialize(model, self.meta_init, self.rt.device)
         mb = 1 / 2**20
+        rss = (f"; resident memory rose {(init['peak_rss_bytes'] - init['rss_before_bytes']) * mb:.1f} MiB while "
+               "reading the checkpoint's slices" if "peak_rss_bytes" in init else "")
         self.rt.print(f"shard-only init: {init['local_bytes'] * mb:.1f} MiB of parameters on this rank, at most "
                       f"{init['peak_bytes'] * mb:.1f} MiB while materialising (the whole model: "
-                      f"{init['full_bytes'] * mb:.1f} MiB)")
+                      f"{init['full_bytes'] * mb:.1f} MiB){rss}")
         return init
 
     def parallelize(self, model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:

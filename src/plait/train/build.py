@@ -26,6 +26,7 @@ from plait.data.user import import_object
 from plait.faults import SlowDevice
 from plait.finetune import ProgressiveFreeze, apply_finetune
 from plait.models import build_model
+from plait.models.hf import is_hf_dir
 from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_strategy
 from plait.parallel.schemes import build_module, serve_rank
 from plait.runtime import Runtime, seed_all
@@ -37,7 +38,7 @@ from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
 from plait.train.progressive import Freezer
 from plait.train.telemetry import Telemetry
-from plait.train.weights import init_from
+from plait.train.weights import checkpoint_parts, init_from
 
 
 @dataclass
@@ -125,14 +126,19 @@ def data_bundle(cfg: Config):
 
 def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module, object]:
     """The plain model with the same initial weights on every rank, its starting weights and fine-tuning applied;
-    with its shard-only initialisation record when the layout builds it on the meta device."""
-    ft = cfg.finetune
-    reads_whole = bool(cfg.train.init_from or cfg.distill.teacher or ft.lora_rank or cfg.train.objective == "contrastive")
+    with what fills it when the layout builds it on the meta device: the initialisation record, or the parts of
+    train.init_from each rank reads its own slices from (a Hugging Face directory or a safetensors file)."""
+    ft, source = cfg.finetune, cfg.train.init_from
+    parts_later = bool(source) and (is_hf_dir(source) or Path(source).is_file())  # readable in parts
+    reads_whole = bool((source and not parts_later) or cfg.distill.teacher or ft.lora_rank
+                       or cfg.train.objective == "contrastive")
     seed_all(cfg.train.seed)
     model, meta_init = build_module(layout, cfg, reads_whole, lambda: build_model(cfg.model, spec),
                                     rt.device, log=rt.print, reseed=lambda: seed_all(cfg.train.seed))
-    if cfg.train.init_from:  # before any scheme wraps the model: every layout starts from the same weights
-        init_from(model, cfg.train.init_from)
+    if source and meta_init is not None:  # each rank reads its shards once the scheme has cut the model
+        meta_init = checkpoint_parts(source, model)
+    elif source:  # before any scheme wraps the model: every layout starts from the same weights
+        init_from(model, source)
     apply_finetune(model, ft)  # freezing and LoRA adapters, on the plain model's names
     return model, meta_init
 

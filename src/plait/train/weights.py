@@ -2,9 +2,13 @@
 
     cfg, spec, model = load_run_model("runs/x")       # the run's latest checkpoint in a plain model
     init_from(model, "runs/x" | "model.safetensors")  # names and shapes checked, then copied in
+    parts = checkpoint_parts(source, meta_model)       # {name: Lazy}: what each rank reads its shards from
 
 `init_from` runs on the plain model before any scheme wraps it, so it works at every layout; the step,
-the optimizer and the schedule start fresh (a resumed run loads its own checkpoint over it).
+the optimizer and the schedule start fresh (a resumed run loads its own checkpoint over it). Where the
+layout shards the model and parallel.shard_init is on, a Hugging Face directory or a safetensors file is
+not read here: the model is built on the meta device and each rank reads only its own slices once the
+scheme has cut it (`checkpoint_parts`, plait.models.meta.materialize).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, ConfigError
 from plait.finetune import apply_lora, merge_lora
 from plait.models import build_model
-from plait.models.hf import hf_state_dict, is_hf_dir
+from plait.models.hf import hf_lazy_state_dict, is_hf_dir
+from plait.models.lazy import safetensors_file
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -69,33 +74,35 @@ def check_fit(source: str, have: dict[str, tuple], want: dict[str, tuple], key: 
                           f"(shape {list(have[extra[0]])}); build the same model or change train.init_from")
 
 
-def init_from(model: nn.Module, source: str | Path) -> None:
-    """Copy the weights of a run directory (latest checkpoint, adapters merged), a safetensors file or a Hugging Face
-    GPT-2 directory into `model`."""
+def checkpoint_parts(source: str | Path, model: nn.Module) -> dict | None:
+    """{plait name: Lazy} of `train.init_from` when it can be read in parts (a Hugging Face directory or a
+    safetensors file), names and shapes checked against `model` (which may be on the meta device); None for a run
+    directory, whose weights come from building the run's own model."""
     path = Path(source)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if is_hf_dir(path):  # a Hugging Face directory: renamed and reshaped to plait's GPT (plait.models.hf)
+    if is_hf_dir(path):  # a Hugging Face directory: renamed and reshaped to plait's model (plait.models.hf)
         emb = getattr(model, "tok_emb", None)
-        tensors = hf_state_dict(path, getattr(model, "context", None), rows=emb.weight.shape[0] if emb is not None else None)
+        parts = hf_lazy_state_dict(path, getattr(model, "context", None),
+                                   rows=emb.weight.shape[0] if emb is not None else None)
     elif path.is_dir():
-        _, _, src = load_run_model(path)
-        tensors = src.state_dict()
+        return None
     elif path.is_file():
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        except Exception as e:
-            raise ConfigError(f"train.init_from = {str(source)!r} is not a readable safetensors file "
-                              f"({type(e).__name__})") from None
-        check_fit(str(source), have, want)
-        tensors = load_file(str(path))
+        parts = safetensors_file(path, f"train.init_from = {str(source)!r}")
     else:
         raise ConfigError(f"train.init_from = {str(source)!r} does not exist; give a run directory or a .safetensors file")
-    check_fit(str(source), {k: tuple(v.shape) for k, v in tensors.items()}, want)
+    check_fit(str(source), {k: v.shape for k, v in parts.items()}, want)
+    return parts
+
+
+def init_from(model: nn.Module, source: str | Path) -> None:
+    """Copy the weights of a run directory (latest checkpoint, adapters merged), a safetensors file or a Hugging Face
+    directory into `model`."""
+    parts = checkpoint_parts(source, model)
+    if parts is None:
+        _, _, src = load_run_model(Path(source))
+        tensors = src.state_dict()
+        check_fit(str(source), {k: tuple(v.shape) for k, v in tensors.items()},
+                  {k: tuple(v.shape) for k, v in model.state_dict().items()})
     with torch.no_grad():
-        own = model.state_dict()
-        for name, t in own.items():
-            t.copy_(tensors[name].to(t.dtype))
+        for name, t in model.state_dict().items():
+            t.copy_(parts[name].full() if parts is not None else tensors[name])
