@@ -59,7 +59,7 @@ def test_capabilities_of_registered_and_factory_models():
           "parallel.tp=2", "parallel.dp=1"],
          "parallel.tp = 2 splits the model's matrices, but torch.nn:Linear declares no tensor-parallel plan "
          "(a `tp_plan(sequence_parallel)` method; `tp_plan = megatron_plan` for the common patterns, see "
-         "docs/models.md); set parallel.tp=1"),
+         "docs/models.md; a transformers model: its class's _tp_plan); set parallel.tp=1"),
     ],
 )
 def test_layouts_a_model_cannot_take_are_refused_before_launch(overrides, message):

@@ -86,9 +86,10 @@ def test_mixtral_at_expert_parallel(pool2, reference, base, eq, tmp_path):
 HF_FACTORY = ("model.factory='user_models:hf_llama'", "model.name='gpt'")
 
 
-def test_a_transformers_model_trains_by_its_no_split_modules(pool2, base, eq, tmp_path_factory):
+def test_a_transformers_model_trains_by_its_no_split_modules_and_its_tp_plan(pool2, base, eq, tmp_path_factory):
     """transformers' LlamaForCausalLM through model.factory: its ModelOutput unwrapped to .logits, its ZeRO-3 and
-    activation-checkpointing units its LlamaDecoderLayers; dp2 + ZeRO-3 keeps the one-process trajectory."""
+    activation-checkpointing units its LlamaDecoderLayers, its tensor-parallel plan its own; dp2 + ZeRO-3 and tp2
+    keep the one-process trajectory."""
     import user_models
     from plait.models.protocols import megatron_plan
     from plait.parallel.base import model_blocks
@@ -103,6 +104,36 @@ def test_a_transformers_model_trains_by_its_no_split_modules(pool2, base, eq, tm
     got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, "parallel.dp=2", "parallel.zero=3",
                                                       "train.activation_checkpointing=true"]), tmp_path_factory.mktemp("z3"))[0]
     eq.assert_same_trajectory(ref, got)
+    # tp2 by the model's own declared plan (LlamaForCausalLM._tp_plan: q/k/v, gate/up column-parallel, o/down
+    # row-parallel, a vocabulary-parallel embedding, the head's logits gathered)
+    from plait.models.hf_plans import hf_tp_plan
+
+    styles = {n: type(s).__name__ for n, s in hf_tp_plan(model).items()}
+    assert styles["lm_head"] == styles["model.layers.2.mlp.gate_proj"] == "ColwiseParallel"
+    assert styles["model.embed_tokens"] == styles["model.layers.0.self_attn.o_proj"] == "RowwiseParallel"
+    assert len(styles) == 2 + 7 * 3
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, "parallel.dp=1", "parallel.tp=2"]),
+                    tmp_path_factory.mktemp("tp2"))[0]
+    eq.assert_same_trajectory(ref, got)
+
+
+def test_a_transformers_model_that_cannot_split_is_refused_before_launch(tiny_text):
+    from plait.errors import ConfigError
+    from plait.train.job import check_job
+
+    def refusal(*more):
+        with pytest.raises(ConfigError) as e:
+            check_job(load_config(None, [*TINY_GPT, *HF_FACTORY, "data.name='text'", f"data.path='{tiny_text}'",
+                                         "parallel.dp=1", *more]))
+        return str(e.value)
+
+    assert refusal("parallel.tp=4") == ("parallel.tp = 4 splits LlamaForCausalLM's attention by heads, but its "
+                                        "num_key_value_heads = 2 is not divisible by 4; set parallel.tp to a divisor of 2")
+    assert refusal("parallel.tp=2", "model.options={vocab=161}").startswith(
+        "parallel.tp = 2 splits model.embed_tokens by rows (its vocabulary of 161), which is not divisible by 2")
+    assert refusal("parallel.tp=2", "parallel.sequence_parallel=true") == (
+        "LlamaForCausalLM's tensor-parallel plan does not shard activations along the sequence; set "
+        "parallel.sequence_parallel=false")
 
 
 @pytest.fixture(scope="module")

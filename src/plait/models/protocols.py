@@ -4,6 +4,7 @@
     pipeline_blocks(model)       # its blocks in order, {name: module}, or None when it cannot be cut
     megatron_plan(model)         # a Megatron-style TP plan for the common patterns (one line in a user's model)
     check_tp_plan(model, plan, tp)   # ConfigError when a split matrix does not divide over tp ranks
+    tensor_parallel_plan(model, sp)  # the model's tp_plan, a transformers model's declared one, or None
 
 A model's `pipeline_parts()` returns {"blocks": attribute of an nn.ModuleDict of blocks (or "" for the model
 itself, an nn.Sequential), "first": [modules only the first stage keeps], "last": [modules only the last stage
@@ -13,6 +14,7 @@ torch.distributed.tensor.parallel.parallelize_module. docs/models.md shows both 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -68,6 +70,37 @@ class WindowMetricsModel(Protocol):
 @runtime_checkable
 class GeneratingModel(Protocol):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel (built by an imported transformers: nothing is imported to ask)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict | None:
+    """{module name: ParallelStyle}: the model's `tp_plan(sequence_parallel)`, a transformers model's declared plan
+    (plait.models.hf_plans), or None when it has none."""
+    own = getattr(type(model), "tp_plan", None)
+    if is_transformers_model(model) and not callable(own):  # PreTrainedModel.tp_plan is a property, not the hook
+        from plait.models.hf_plans import hf_tp_plan
+
+        plan = hf_tp_plan(model)
+        if plan is not None and sequence_parallel:
+            raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan does not shard activations along the "
+                              "sequence; set parallel.sequence_parallel=false")
+        return plan
+    return model.tp_plan(sequence_parallel) if isinstance(model, TensorParallelModel) else None
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """The model's own check (`tp_check`), or a transformers model's head counts and vocabulary."""
+    if is_transformers_model(model) and not callable(getattr(type(model), "tp_check", None)):
+        from plait.models.hf_plans import hf_tp_check
+
+        hf_tp_check(model, tp)
+    elif isinstance(model, ChecksTensorParallel):
+        model.tp_check(tp)
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:

@@ -22,8 +22,8 @@ from plait.errors import ConfigError
 from plait.models.contrastive import Contrastive
 from plait.models.keys import MODELS as BUILDERS
 from plait.models.moe import moe_layers
+from plait.models.protocols import is_transformers_model, pipeline_parts, tensor_parallel_plan
 from plait.models.protocols import megatron_plan as megatron_plan  # re-exported: `from plait.models import megatron_plan`
-from plait.models.protocols import pipeline_parts
 
 
 def _builder(ref: str) -> Callable:
@@ -87,8 +87,7 @@ def unwrap_outputs(model: nn.Module) -> nn.Module:
 
     A forward hook, so the parameter names stay the model's own (a checkpoint of it is its state dict).
     """
-    transformers = sys.modules.get("transformers")  # a PreTrainedModel was built by an imported transformers
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+    if is_transformers_model(model):
         model.register_forward_hook(_logits)
     return model
 
@@ -130,7 +129,7 @@ def capabilities(model_cfg) -> frozenset[str]:
     with torch.device("meta"):
         model = load_factory(model_cfg.factory)(**model_cfg.options)
     found = {"pipeline"} if pipeline_parts(model) is not None else set()
-    if callable(getattr(model, "tp_plan", None)):
+    if tensor_parallel_plan(model) is not None:
         found.add("tensor_parallel")
     return frozenset(found)
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.errors import ConfigError
 from plait.models import capabilities
-from plait.models.protocols import ChecksTensorParallel, TensorParallelModel, check_tp_plan, tied_parameters
+from plait.models.protocols import check_tensor_parallel, check_tp_plan, tensor_parallel_plan, tied_parameters
 from plait.parallel.expert import refuse_experts
 from plait.parallel.keys import TensorParallelKeys
 from plait.parallel.layout import Layout
@@ -21,13 +21,13 @@ from plait.parallel.scheme import Build, Scheme
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
     """Split the model's matrices over the tp axis; parameter names do not change."""
-    if not isinstance(model, TensorParallelModel):
+    plan = tensor_parallel_plan(model, sequence_parallel)
+    if plan is None:
         raise ConfigError(f"{type(model).__name__} declares no tensor-parallel plan (tp_plan, docs/models.md); "
                           "set parallel.tp=1")
-    if isinstance(model, ChecksTensorParallel):
-        model.tp_check(tp_mesh.size())
+    check_tensor_parallel(model, tp_mesh.size())
     tied = tied_parameters(model)
-    parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
+    parallelize_module(model, tp_mesh, plan)
     # parallelize_module replaces each module's parameters one module at a time: a weight shared by
     # two modules comes out as two DTensors with equal values. Share them again.
     for alias, canonical in tied.items():
@@ -57,20 +57,19 @@ def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | 
     tp_degree = layout.tp
     refuse_experts(m, "tp", tp_degree)
     what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
-    has_plan = isinstance(model, TensorParallelModel) if model is not None else "tensor_parallel" in capabilities(m)
-    if not has_plan:
+    plan = tensor_parallel_plan(model, keys.sequence_parallel) if model is not None else None
+    if (plan is None) if model is not None else "tensor_parallel" not in capabilities(m):
         raise ConfigError(
             f"parallel.tp = {tp_degree} splits the model's matrices, but {what} declares no tensor-parallel plan "
             "(a `tp_plan(sequence_parallel)` method; `tp_plan = megatron_plan` for the common patterns, see "
-            "docs/models.md); set parallel.tp=1")
+            "docs/models.md; a transformers model: its class's _tp_plan); set parallel.tp=1")
     if model is None:
         if m.name == "gpt" and m.heads % tp_degree:
             raise ConfigError(f"model.heads ({m.heads}) is not divisible by parallel.tp = {tp_degree}; "
                               f"set model.heads to a multiple of {tp_degree}")
         return
-    if isinstance(model, ChecksTensorParallel):
-        model.tp_check(tp_degree)
-    check_tp_plan(model, model.tp_plan(keys.sequence_parallel), tp_degree)
+    check_tensor_parallel(model, tp_degree)
+    check_tp_plan(model, plan, tp_degree)
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:

@@ -37,7 +37,7 @@ import torch
 from plait.data.spec import DataSpec
 from plait.models import build_model
 from plait.models.moe import EXPERT_PARAMS
-from plait.models.protocols import TensorParallelModel
+from plait.models.protocols import tensor_parallel_plan
 from plait.parallel.layout import Layout
 from plait.parallel.split import pipeline_stage, stage_bounds
 
@@ -113,12 +113,13 @@ class Shape:
 def tp_split_names(model) -> frozenset[str]:
     """The parameters the model's own tensor-parallel plan splits: a column-parallel module's weight and bias, a
     row-parallel one's weight (its bias is added once, whole); none for a model without a plan."""
-    if not isinstance(model, TensorParallelModel):
+    plan = tensor_parallel_plan(model, False)
+    if plan is None:
         return frozenset()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # lazily: DTensor's styles
 
     names = set()
-    for module, style in model.tp_plan(False).items():
+    for module, style in plan.items():
         if isinstance(style, ColwiseParallel):
             names |= {f"{module}.weight", f"{module}.bias"}
         elif isinstance(style, RowwiseParallel):
