@@ -59,7 +59,7 @@ def flat() -> nn.Module:
     return nn.Linear(64, 10)
 
 
-def hf_llama(layers: int = 2, vocab: int = 160, seed: int = 0):
+def hf_llama(layers: int = 2, vocab: int = 160, seed: int = 0, tied: bool = False):
     """A transformers LlamaForCausalLM (as a user hands one over): its forward returns a ModelOutput, its FSDP units
     are its _no_split_modules (LlamaDecoderLayer)."""
     import torch
@@ -68,6 +68,6 @@ def hf_llama(layers: int = 2, vocab: int = 160, seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)

@@ -86,10 +86,10 @@ def test_mixtral_at_expert_parallel(pool2, reference, base, eq, tmp_path):
 HF_FACTORY = ("model.factory='user_models:hf_llama'", "model.name='gpt'")
 
 
-def test_a_transformers_model_trains_by_its_no_split_modules_and_its_tp_plan(pool2, base, eq, tmp_path_factory):
+def test_a_transformers_model_trains_by_its_no_split_modules_and_its_tp_and_pp_plans(pool2, base, eq, tmp_path_factory):
     """transformers' LlamaForCausalLM through model.factory: its ModelOutput unwrapped to .logits, its ZeRO-3 and
-    activation-checkpointing units its LlamaDecoderLayers, its tensor-parallel plan its own; dp2 + ZeRO-3 and tp2
-    keep the one-process trajectory."""
+    activation-checkpointing units its LlamaDecoderLayers, its tensor- and pipeline-parallel plans its own; dp2 +
+    ZeRO-3, tp2 and pp2 keep the one-process trajectory."""
     import user_models
     from plait.models.protocols import megatron_plan
     from plait.parallel.base import model_blocks
@@ -114,6 +114,19 @@ def test_a_transformers_model_trains_by_its_no_split_modules_and_its_tp_plan(poo
     assert len(styles) == 2 + 7 * 3
     got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, "parallel.dp=1", "parallel.tp=2"]),
                     tmp_path_factory.mktemp("tp2"))[0]
+    eq.assert_same_trajectory(ref, got)
+    # pp2 by its declared _pp_plan: embed_tokens first, the decoder layers cut, norm and lm_head last; a later stage
+    # takes the hidden states as inputs_embeds, so the model's own forward (rotary embedding, mask) runs on each.
+    # Tied here: the embedding on the first stage and the head on the last are one weight, their gradients summed.
+    from plait.models.protocols import pipeline_parts, tied_parameters
+
+    assert pipeline_parts(model) == {"blocks": "model.layers", "first": ["model.embed_tokens"],
+                                     "last": ["lm_head", "model.norm"], "embeds_input": True}
+    tied = ("model.options={tied=true}",)
+    assert tied_parameters(user_models.hf_llama(tied=True)) == {"lm_head.weight": "model.embed_tokens.weight"}
+    ref = eq.trajectory(load_config(None, [*base, *HF_FACTORY, *tied, "parallel.dp=1"]), tmp_path_factory.mktemp("t1"))
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *HF_FACTORY, *tied, "parallel.dp=1", "parallel.pp=2",
+                                                      "parallel.pp_schedule='1f1b'"]), tmp_path_factory.mktemp("pp2"))[0]
     eq.assert_same_trajectory(ref, got)
 
 

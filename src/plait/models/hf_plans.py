@@ -79,3 +79,47 @@ def hf_tp_check(model: nn.Module, tp: int) -> None:
             raise ConfigError(f"parallel.tp = {tp} splits {name} by rows (its vocabulary of {mod.num_embeddings}), "
                               f"which is not divisible by {tp}; pad the vocabulary to a multiple of {tp} "
                               "(resize_token_embeddings) or set parallel.tp=1")
+
+
+def hf_pipeline_parts(model: nn.Module) -> dict | None:
+    """plait's pipeline parts from the model's declared `_pp_plan`, or None when it declares none it can use.
+
+    transformers' plan lists the base model's pieces in order with their inputs and outputs, e.g.
+    LlamaForCausalLM's {"model.embed_tokens": (["input_ids"], ["inputs_embeds"]), "model.layers":
+    (["hidden_states", "attention_mask"], ["hidden_states"]), "model.norm": ..., "lm_head": (..., ["logits"])}.
+    The ModuleList is the blocks; the piece that takes input_ids only the first stage keeps, the others only
+    the last. A later stage calls the model with the hidden states as `inputs_embeds` (what the embedding's
+    entry says it makes), and an earlier one ends with the pieces after the blocks as identities, so the
+    model's own forward (its rotary embedding, its causal mask) runs on every stage.
+    """
+    plan = dict(getattr(model, "_pp_plan", None) or {})
+    lists = [n for n in plan if isinstance(model.get_submodule(n), nn.ModuleList)]
+    first = [n for n, (inputs, _) in plan.items() if "input_ids" in inputs]  # the plan's order is not the model's
+    if len(lists) != 1 or len(first) != 1 or list(plan[first[0]][1]) != ["inputs_embeds"]:
+        return None
+    return {"blocks": lists[0], "first": first, "last": [n for n in plan if n not in (*lists, *first)],
+            "embeds_input": True}
+
+
+def _embeds_input(module: nn.Module, args: tuple, kwargs: dict):
+    """A later stage's input is the hidden states: the model takes them as inputs_embeds."""
+    if args and args[0].is_floating_point():
+        return (), {**kwargs, "inputs_embeds": args[0], "use_cache": False}
+    return args, {**kwargs, "use_cache": False}
+
+
+def as_hf_stage(part: nn.Module) -> nn.Module:
+    part.register_forward_pre_hook(_embeds_input, with_kwargs=True)
+    return part
+
+
+def shared_parameters(model: nn.Module) -> dict[str, str]:
+    """{alias: canonical} of parameters one tensor serves under two names (a tied embedding and head)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from plait.errors import ConfigError
+from plait.models.hf_plans import hf_pipeline_parts, hf_tp_check, hf_tp_plan, shared_parameters
 
 # Modules that act on each feature alone: a Linear pair may have them between its two matrices.
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softplus,
@@ -83,8 +84,6 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     (plait.models.hf_plans), or None when it has none."""
     own = getattr(type(model), "tp_plan", None)
     if is_transformers_model(model) and not callable(own):  # PreTrainedModel.tp_plan is a property, not the hook
-        from plait.models.hf_plans import hf_tp_plan
-
         plan = hf_tp_plan(model)
         if plan is not None and sequence_parallel:
             raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan does not shard activations along the "
@@ -96,22 +95,27 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     """The model's own check (`tp_check`), or a transformers model's head counts and vocabulary."""
     if is_transformers_model(model) and not callable(getattr(type(model), "tp_check", None)):
-        from plait.models.hf_plans import hf_tp_check
-
         hf_tp_check(model, tp)
     elif isinstance(model, ChecksTensorParallel):
         model.tp_check(tp)
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
-    """The model's tied weights {alias: canonical}, or none."""
-    return model.tied_parameters() if isinstance(model, TiedModel) else {}
+    """The model's tied weights {alias: canonical}, or none (a transformers model: the parameters it shares)."""
+    if isinstance(model, TiedModel):
+        return model.tied_parameters()
+    if is_transformers_model(model):
+        return shared_parameters(model)
+    return {}
 
 
 def pipeline_parts(model: nn.Module) -> dict | None:
-    """The model's cut points: its own `pipeline_parts()`, an nn.Sequential's children in order, else None."""
+    """The model's cut points: its own `pipeline_parts()`, a transformers model's declared `_pp_plan`
+    (plait.models.hf_plans), an nn.Sequential's children in order, else None."""
     if isinstance(model, PipelineModel):
         return model.pipeline_parts()
+    if is_transformers_model(model):
+        return hf_pipeline_parts(model)
     if isinstance(model, nn.Sequential):
         return {"blocks": "", "first": [], "last": []}
     return None
@@ -119,7 +123,7 @@ def pipeline_parts(model: nn.Module) -> dict | None:
 
 def blocks_module(model: nn.Module, parts: dict) -> nn.Module:
     """The container of the blocks ("" : the model itself)."""
-    return model if parts["blocks"] == "" else getattr(model, parts["blocks"])
+    return model if parts["blocks"] == "" else model.get_submodule(parts["blocks"])
 
 
 def pipeline_blocks(model: nn.Module) -> dict[str, nn.Module] | None:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
-from plait.models.protocols import pipeline_blocks, pipeline_parts, tied_parameters
+from plait.models.protocols import is_transformers_model, pipeline_blocks, pipeline_parts, tied_parameters
 from plait.parallel.base import Strategy
 from plait.parallel.expert import refuse_experts
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
@@ -53,6 +53,8 @@ def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
             for name, child in part.named_children():
                 union.add_module(name, child)
         return union
+    if "." in blocks_attr:  # blocks inside a submodule (a transformers model's model.layers)
+        return _nested_union(parts)
     blocks = nn.ModuleDict()
     for part in parts:
         for name, child in part.named_children():
@@ -62,6 +64,25 @@ def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
             elif child is not None:
                 union.add_module(name, child)
     union.add_module(blocks_attr, blocks)
+    return union
+
+
+def _nested_union(parts: list[nn.Module]) -> nn.Module:
+    """The union by path: every module that holds parameters itself, at its name in its stage (the plain model's),
+    under plain containers."""
+    union = nn.Module()
+    for part in parts:
+        for name, mod in part.named_modules():
+            if not name or not any(p is not None for p in mod._parameters.values()):
+                continue
+            parent = union
+            *path, leaf = name.split(".")
+            for atom in path:
+                if not hasattr(parent, atom):
+                    parent.add_module(atom, nn.Module())
+                parent = getattr(parent, atom)
+            if not hasattr(parent, leaf):
+                parent.add_module(leaf, mod)
     return union
 
 
@@ -410,6 +431,11 @@ def check_model(layout: Layout, keys: PipelineKeys, model_cfg, model: nn.Module 
         return
     what = model_cfg.factory or type(model).__name__
     blocks = pipeline_blocks(model)
+    if blocks is None and is_transformers_model(model):
+        raise ConfigError(
+            f"parallel.pp = {layout.pp} cuts the model into stages, but {what} ({type(model).__name__}) declares no "
+            "pipeline plan plait can cut (a _pp_plan with an embedding taking input_ids, a ModuleList of layers, "
+            "and the rest); set parallel.pp=1")
     if blocks is None:
         raise ConfigError(
             f"parallel.pp = {layout.pp} cuts the model into stages, but {what}"

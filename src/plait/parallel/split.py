@@ -14,6 +14,7 @@ import copy
 import torch.nn as nn
 
 from plait.errors import ConfigError
+from plait.models.hf_plans import as_hf_stage
 from plait.models.protocols import blocks_module, pipeline_parts
 
 
@@ -91,8 +92,8 @@ def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) 
         return total
 
     sizes = [size([b]) for b in blocks.values()]
-    sizes[0] += size(getattr(model, n) for n in parts["first"])
-    sizes[-1] += size(getattr(model, n) for n in parts["last"])
+    sizes[0] += size(model.get_submodule(n) for n in parts["first"])
+    sizes[-1] += size(model.get_submodule(n) for n in parts["last"])
     return balanced_bounds(sizes, stages)
 
 
@@ -108,10 +109,18 @@ def pipeline_stage(model: nn.Module, bounds: list[tuple[int, int]], stage: int) 
     for i, name in enumerate(list(blocks._modules)):  # by position; the kept blocks keep their names
         if not start <= i < stop:
             del blocks._modules[name]
+    embeds = parts.get("embeds_input", False)  # a transformers model: its own forward runs on every stage
     if stage != 0:
         for name in parts["first"]:
-            setattr(part, name, None)
+            _replace(part, name, None)
     if stage != len(bounds) - 1:
         for name in parts["last"]:
-            setattr(part, name, None)
+            _replace(part, name, nn.Identity() if embeds else None)
+    if embeds:
+        as_hf_stage(part)
     return part
+
+
+def _replace(model: nn.Module, name: str, value: nn.Module | None) -> None:
+    path, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(path) if path else model, leaf, value)
