@@ -91,7 +91,7 @@ def test_only_the_assistant_turns_are_trained(hf_tokenizer, tmp_path):
     assert x.shape == (1, 64) and bundle.spec.masked_targets and not bundle.spec.packed
     text = bundle.tokenizer.decode(y[0][y[0] != IGNORE].tolist())
     assert text == "Hello!<|im_end|>\nSeven.<|im_end|>\n"
-    assert bundle.stats == {"examples": 4, "truncated": 0, "rows": {"train": 3, "val": 1},
+    assert bundle.stats == {"examples": 4, "truncated": 0, "limit_tokens": 65, "rows": {"train": 3, "val": 1},
                             "trained_tokens": 3 * 6}  # per turn: the words, <|im_end|>, the newline
 
 

@@ -197,6 +197,7 @@ def chat_source(data_cfg, model_cfg) -> DataBundle:
     val = rows([encoded[i] for i in sorted(perm[:n_val])], context, data_cfg.pack)
     spec = DataSpec(name="chat", task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context,
                     masked_targets=True, packed=bool(data_cfg.pack))
-    stats = {"examples": len(examples), "truncated": truncated, "rows": {"train": len(train[0]), "val": len(val[0])},
+    stats = {"examples": len(examples), "truncated": truncated, "limit_tokens": context + 1,
+             "rows": {"train": len(train[0]), "val": len(val[0])},
              "trained_tokens": int((train[1] != IGNORE).sum())}
     return DataBundle(Tensors(*train), Tensors(*val), spec, tok, stats=stats)

@@ -31,6 +31,9 @@ class DataKeys:
     options: dict = opt({}, "keyword arguments passed to data.factory")
     features: list = opt([], "table: the feature columns (empty: every column but data.target)")
     target: str = opt("", "table: the column to predict")
+    text_column: str = opt("", "table: a text column as the input instead of numeric features, encoded with "
+                               "data.tokenizer (its special tokens added; padded or cut to model.context, with an "
+                               "attention mask)")
     task: str = opt("auto", "table and data.factory: classification or regression (mse loss); auto: regression when the "
                             "targets are non-integer numbers", ("auto", "classification", "regression"))
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "

@@ -8,6 +8,10 @@ Features must be numbers; a cell that is not is an error naming the file, the ro
 the first after the header, with its line in a CSV), the column and the value. Text labels become class
 indices in sorted order. Regression trains with the mean squared error (validation reports it as val_loss).
 Parquet needs pyarrow (pip install 'plait[table]'); CSV is read with Python's csv module.
+
+`data.text_column` makes a text column the input (sentence classification, a BERT fine-tuned on a table):
+each text encoded with data.tokenizer to model.context ids (cut texts keep their special tokens) and an
+attention mask.
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ def table_source(data_cfg, model_cfg):
     header, rows, first_line = read_table(path)
     if data_cfg.target not in header:
         raise DataError(f"{path} has no column {data_cfg.target!r} (data.target); its columns: {', '.join(header)}")
+    if data_cfg.text_column:
+        return _text_table(data_cfg, model_cfg, path, header, rows)
     features = list(data_cfg.features) or [c for c in header if c != data_cfg.target]
     missing = [c for c in features if c not in header]
     if missing or not features or data_cfg.target in features:
@@ -114,6 +120,14 @@ def table_source(data_cfg, model_cfg):
     cols = [header.index(c) for c in features]
     x = torch.tensor([[_number(row[c], path, r, first_line, header[c]) for c in cols] for r, row in enumerate(rows)],
                      dtype=torch.float32)
+    task, y, classes = _targets(data_cfg, path, header, rows, first_line)
+    spec = DataSpec(name="table", task=task, input_shape=[len(cols)], num_classes=classes)
+    train, val = split_tensors("table", x, y, data_cfg.val_fraction)
+    return DataBundle(train, val, spec)
+
+
+def _targets(data_cfg, path: Path, header: list[str], rows: list[list], first_line: int):
+    """(task, target tensor, classes: 1 for regression)."""
     t = header.index(data_cfg.target)
     targets = [row[t] for row in rows]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in targets)
@@ -121,14 +135,50 @@ def table_source(data_cfg, model_cfg):
     if task == "auto":
         task = "regression" if numeric and not all(isinstance(v, int) for v in targets) else "classification"
     if task == "regression":
-        y = torch.tensor([_number(v, path, r, first_line, data_cfg.target) for r, v in enumerate(targets)])
-        spec = DataSpec(name="table", task="regression", input_shape=[len(cols)], num_classes=1)
-    else:
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in targets):
-            y = torch.tensor(targets, dtype=torch.long)
-        else:  # text labels (or negative, non-integer numbers named as classes): indices in sorted order
-            classes = sorted({str(v) for v in targets})
-            y = torch.tensor([classes.index(str(v)) for v in targets], dtype=torch.long)
-        spec = DataSpec(name="table", task="classification", input_shape=[len(cols)], num_classes=int(y.max()) + 1)
+        return task, torch.tensor([_number(v, path, r, first_line, data_cfg.target) for r, v in enumerate(targets)]), 1
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in targets):
+        y = torch.tensor(targets, dtype=torch.long)
+    else:  # text labels (or negative, non-integer numbers named as classes): indices in sorted order
+        classes = sorted({str(v) for v in targets})
+        y = torch.tensor([classes.index(str(v)) for v in targets], dtype=torch.long)
+    return task, y, int(y.max()) + 1
+
+
+def _text_table(data_cfg, model_cfg, path: Path, header: list[str], rows: list[list]) -> DataBundle:
+    """data.text_column: each row's text encoded with data.tokenizer (its special tokens, e.g. [CLS] ... [SEP]) to
+    model.context ids, then its attention mask (1 real, 0 padding): inputs (rows, 2, context)."""
+    from plait.data.hf_tokenizer import HFTokenizer  # lazily: the tokenizers library, only for text tables
+
+    column = data_cfg.text_column
+    if column not in header:
+        raise DataError(f"{path} has no column {column!r} (data.text_column); its columns: {', '.join(header)}")
+    if data_cfg.features:
+        raise ConfigError(f"data.text_column = {column!r} is the input; data.features = {list(data_cfg.features)} would "
+                          "be another: leave data.features empty")
+    if not data_cfg.tokenizer:
+        raise ConfigError(f"data.text_column = {column!r} is encoded with data.tokenizer; set it to a Hugging Face "
+                          "tokenizer.json (a train.init_from directory with one sets it)")
+    task, y, classes = _targets(data_cfg, path, header, rows, 0)
+    if task != "classification":
+        raise ConfigError(f"data.text_column classifies texts, but data.target = {data_cfg.target!r} holds non-integer "
+                          "numbers (a regression); give class labels or set data.task='classification'")
+    tok = HFTokenizer.from_file(data_cfg.tokenizer).tokenizer
+    context = model_cfg.context
+    pad = next((i for i in (tok.token_to_id(t) for t in ("[PAD]", "<pad>", "<|pad|>")) if i is not None), 0)
+    c = header.index(column)
+    x = torch.full((len(rows), 2, context), 0, dtype=torch.long)
+    x[:, 0] = pad
+    cut = 0
+    tok.no_padding()
+    tok.enable_truncation(max_length=context)  # the text is cut, its special tokens ([SEP]) kept
+    for r, row in enumerate(rows):
+        enc = tok.encode(str(row[c]))
+        cut += bool(enc.overflowing)
+        ids = enc.ids
+        x[r, 0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        x[r, 1, :len(ids)] = 1
+    spec = DataSpec(name="table", task="classification", input_shape=[2, context], num_classes=classes,
+                    vocab_size=tok.get_vocab_size(with_added_tokens=True))
     train, val = split_tensors("table", x, y, data_cfg.val_fraction)
-    return DataBundle(train, val, spec)
+    return DataBundle(train, val, spec, stats={"examples": len(rows), "truncated": cut,
+                                                         "limit_tokens": context})

@@ -177,6 +177,34 @@ def hf_lazy_state_dict(path: str | Path, context: int | None = None, key: str = 
     return out
 
 
+def hf_native_parts(path: str | Path, model, key: str = "train.init_from") -> tuple[dict[str, Lazy], list[str]]:
+    """({name: Lazy}, names left at their fresh values) of a directory for a transformers model built from its
+    config.json (model.hf_class): the tensors under their own names (a base model's saved without its prefix get
+    it), shapes checked. What the checkpoint lacks outside the base model (a new classification head) keeps its
+    fresh weights; a base-model tensor it lacks is an error, and tensors the model has no place for (a
+    pre-training head) are left out."""
+    path = Path(path)
+    where = _where(key, path)
+    src = open_weights(path, where)
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not any(k.startswith(prefix + ".") for k in src):  # saved from the base model alone
+        src = {f"{prefix}.{k}": v for k, v in src.items()}
+    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {n: tuple(b.shape) for n, b in model.state_dict().items() if n not in params}
+    fresh = [n for n in params if n not in src]
+    base = [n for n in fresh if prefix and n.startswith(prefix + ".")]
+    if base:
+        raise ConfigError(f"{key} = {str(path)!r} does not fit {type(model).__name__}: tensor {base[0]} is missing from "
+                          f"it (it has {len(src)} tensors, e.g. {list(src)[:3]}); is it a checkpoint of this "
+                          "architecture?")
+    for name, shape in {**params, **buffers}.items():
+        if name in src and tuple(src[name].shape) != shape:
+            raise ConfigError(f"{key} = {str(path)!r} does not fit {type(model).__name__}: tensor {name} has shape "
+                              f"{list(src[name].shape)} there and {list(shape)} in the model (a classifier: the "
+                              "checkpoint's labels against the data's classes); change the data or the checkpoint")
+    return {n: src[n] for n in {**params, **buffers} if n in src}, fresh
+
+
 def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, Lazy]:
     src = {k: v for k, v in open_weights(path, where).items() if not k.endswith("rotary_emb.inv_freq")}
 

@@ -18,6 +18,9 @@ class ModelKeys:
     name: str = opt("gpt", f"registered model: {', '.join(MODELS)} (ignored when factory is set)")
     factory: str = opt("", "'package.module:function' returning your own nn.Module; called with **options")
     options: dict = opt({}, "keyword arguments passed to the factory")
+    hf_class: str = opt("", "a transformers class (AutoModelForSequenceClassification, BertForSequenceClassification, "
+                            "AutoModelForCausalLM, ...) built from train.init_from's config.json and loaded with its "
+                            "weights; a classification head takes the data's classes")
 
 
 @keys("model")

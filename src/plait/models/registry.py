@@ -82,12 +82,21 @@ def _logits(module: nn.Module, args, output):
     return output.logits
 
 
-def unwrap_outputs(model: nn.Module) -> nn.Module:
-    """A transformers model (a PreTrainedModel: its forward returns a ModelOutput) returns its `.logits` instead.
+def _ids_and_mask(module: nn.Module, args: tuple, kwargs: dict):
+    """Inputs (batch, 2, time) are token ids, then their attention mask (data.text_column)."""
+    if args and args[0].dim() == 3 and args[0].shape[1] == 2 and not args[0].is_floating_point():
+        return (), {**kwargs, "input_ids": args[0][:, 0], "attention_mask": args[0][:, 1]}
+    return None
 
-    A forward hook, so the parameter names stay the model's own (a checkpoint of it is its state dict).
+
+def unwrap_outputs(model: nn.Module) -> nn.Module:
+    """A transformers model (a PreTrainedModel: its forward returns a ModelOutput) returns its `.logits` instead,
+    and takes inputs of ids and an attention mask stacked (batch, 2, time) as its input_ids and attention_mask.
+
+    Hooks, so the parameter names stay the model's own (a checkpoint of it is its state dict).
     """
     if is_transformers_model(model):
+        model.register_forward_pre_hook(_ids_and_mask, with_kwargs=True)
         model.register_forward_hook(_logits)
     return model
 

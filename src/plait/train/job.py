@@ -24,7 +24,8 @@ from plait.finetune import active as finetune_active
 from plait.finetune import apply_finetune, check_layout, check_progressive
 from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
-from plait.models.hf import apply_hf_config, is_hf_dir
+from plait.models.hf import apply_hf_config, hf_native_parts, is_hf_dir
+from plait.models.hf_auto import FACTORY as HF_CLASS_FACTORY
 from plait.parallel import check_config as check_layout_config
 from plait.parallel.layout import Layout
 from plait.train.keys import ELEMENTWISE_OPTIMIZERS
@@ -32,7 +33,9 @@ from plait.train.keys import ELEMENTWISE_OPTIMIZERS
 
 def check_job(cfg: Config, user_data: bool = True) -> Layout:
     """Validate cfg for training; returns its Layout. A Hugging Face train.init_from sets cfg.model from its config.json."""
-    if cfg.train.init_from and is_hf_dir(cfg.train.init_from):
+    if cfg.model.hf_class:
+        use_hf_class(cfg)
+    elif cfg.train.init_from and is_hf_dir(cfg.train.init_from):
         apply_hf_config(cfg.model, cfg.data, cfg.train.init_from)
     validate_config(cfg)
     check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
@@ -54,6 +57,29 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "
                           ".safetensors file")
     return layout
+
+
+def use_hf_class(cfg: Config) -> None:
+    """model.hf_class: the model is that transformers class, built from train.init_from's config.json by
+    plait.models.hf_auto (as model.factory), its classification head sized to the data's classes; the directory's
+    tokenizer.json is the data's."""
+    m, source = cfg.model, cfg.train.init_from
+    if not source or not is_hf_dir(source):
+        raise ConfigError(f"model.hf_class = {m.hf_class!r} is built from a Hugging Face directory's config.json; set "
+                          "train.init_from to one (a folder with config.json and model.safetensors)")
+    if m.factory and m.factory != HF_CLASS_FACTORY:
+        raise ConfigError(f"model.hf_class = {m.hf_class!r} and model.factory = {m.factory!r} both build the model; "
+                          "unset one")
+    tok = Path(source) / "tokenizer.json"
+    if tok.is_file() and not cfg.data.tokenizer:
+        cfg.data.tokenizer = str(tok)
+    spec = build_data(cfg.data, cfg.model).spec
+    own = {k: v for k, v in m.options.items() if k not in ("hf_class", "path", "num_labels")}
+    m.factory = HF_CLASS_FACTORY
+    m.options = {**own, "hf_class": m.hf_class, "path": str(source),
+                 **({"num_labels": spec.num_classes} if spec.task == "classification" else {})}
+    with torch.device("meta"):  # the checkpoint's names and shapes against the model, before any worker starts
+        hf_native_parts(source, build_model(m, spec))
 
 
 def check_composition(cfg: Config, layout: Layout) -> None:

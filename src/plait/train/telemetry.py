@@ -333,8 +333,8 @@ class Telemetry:
             lines.append(line)
         data = summary.get("data", {})
         if data.get("truncated"):
-            lines.append(f"data: {data['truncated']} of {data['examples']} examples were longer than model.context + 1 "
-                         "tokens and were cut (raise model.context to keep them whole)")
+            lines.append(f"data: {data['truncated']} of {data['examples']} examples were longer than "
+                         f"{data['limit_tokens']} tokens and were cut (raise model.context to keep them whole)")
         if summary.get("sample"):
             lines.append("sample:\n" + summary["sample"])
         if run_dir is not None:

@@ -24,8 +24,9 @@ from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, ConfigError
 from plait.finetune import apply_lora, merge_lora
 from plait.models import build_model
-from plait.models.hf import hf_lazy_state_dict, is_hf_dir
+from plait.models.hf import hf_lazy_state_dict, hf_native_parts, is_hf_dir
 from plait.models.lazy import safetensors_file
+from plait.models.protocols import is_transformers_model
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -80,6 +81,12 @@ def checkpoint_parts(source: str | Path, model: nn.Module) -> dict | None:
     directory, whose weights come from building the run's own model."""
     path = Path(source)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if is_hf_dir(path) and is_transformers_model(model):  # model.hf_class: the checkpoint's own names
+        parts, fresh = hf_native_parts(path, model)
+        if fresh:
+            print(f"note: train.init_from = {str(source)!r} has no {', '.join(fresh[:4])}"
+                  f"{f' (and {len(fresh) - 4} more)' if len(fresh) > 4 else ''}: kept at their fresh initialisation")
+        return parts
     if is_hf_dir(path):  # a Hugging Face directory: renamed and reshaped to plait's model (plait.models.hf)
         emb = getattr(model, "tok_emb", None)
         parts = hf_lazy_state_dict(path, getattr(model, "context", None),
@@ -105,4 +112,5 @@ def init_from(model: nn.Module, source: str | Path) -> None:
                   {k: tuple(v.shape) for k, v in model.state_dict().items()})
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            t.copy_(parts[name].full() if parts is not None else tensors[name])
+            if parts is None or name in parts:  # a transformers model's new head keeps its fresh weights
+                t.copy_(parts[name].full() if parts is not None else tensors[name])
