@@ -170,3 +170,21 @@ def test_packed_chat_keeps_the_trajectory(pool2, reference, base, eq, tmp_path, 
     assert ref.loss[-1] < ref.loss[0], ref.loss
     got = pool2.run(eq.trajectory, load_config(None, [*base, *TWO[name], *chat]), tmp_path)[0]
     eq.assert_same_trajectory(ref, got)
+
+
+LORA = ("finetune.lora_rank=4", "finetune.lora_alpha=8", "finetune.lora_targets=['q_proj', 'v_proj', 'down_proj']")
+
+
+@pytest.mark.parametrize("method", [(), ("finetune.quantize_base='nf4'",), ("finetune.freeze=['blocks.0.*', 'tok_emb.*']",)],
+                         ids=["lora", "qlora", "freeze"])
+def test_fine_tuning_methods_keep_the_trajectory_at_zero3(pool2, reference, base, eq, tmp_path, method):
+    """LoRA by the Llama names (a pattern without a dot matches the names ending in it), QLoRA (an nf4 base each
+    rank holds whole, the adapters sharded) and freezing, at dp2 + ZeRO-3, on one process's trajectory."""
+    ft = method if method and method[0].startswith("finetune.freeze") else (*LORA, *method)
+    ref = reference(*ft)
+    assert ref.loss[-1] < ref.loss[0], ref.loss
+    got = pool2.run(eq.trajectory, load_config(None, [*base, *TWO["dp2-zero3-ckpt"], *ft]), tmp_path)[0]
+    eq.assert_same_trajectory(ref, got)
+    if ft is not method:  # the adapters sit on the Llama-named layers (3 per block, 4 blocks)
+        assert len({k.rsplit(".", 1)[0] for k in got.params if ".lora_" in k}) == 3 * 4, sorted(got.params)
+

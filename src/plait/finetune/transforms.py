@@ -25,11 +25,9 @@ def active(cfg) -> bool:
 
 def check_layout(cfg, layout) -> None:
     """The layouts freezing, LoRA and progressive freezing are tested with: data parallel and ZeRO 1-3 (the keys'
-    own rules are plait.finetune.keys')."""
+    own rules are plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every
+    rank (an eighth of fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
     f = cfg.finetune
-    if f.quantize_base != "none" and layout.zero:
-        raise ConfigError("finetune.quantize_base = 'nf4' is supported with data parallel (parallel.zero = 0): ZeRO "
-                          "would not shard its 4-bit buffers; set parallel.zero=0")
     if f.progressive_freeze and layout.zero:
         raise ConfigError(
             f"finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = "
