@@ -245,14 +245,15 @@ def _gpt2_to_hf(m, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torc
         raise ConfigError("a GPT with mixture-of-experts blocks has no transformers class; export it with "
                           "--format safetensors")
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[m.activation]
+    vocab = m.vocab_size or state["tok_emb.weight"].shape[0]  # the padded rows stay behind
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.width, "n_layer": m.layers,
-              "n_head": m.heads, "n_positions": m.context, "n_ctx": m.context, "vocab_size": state["tok_emb.weight"].shape[0],
+              "n_head": m.heads, "n_positions": m.context, "n_ctx": m.context, "vocab_size": vocab,
               "activation_function": act, "layer_norm_epsilon": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
-    out = {"transformer.wte.weight": state["tok_emb.weight"], "transformer.wpe.weight": state["pos_emb.weight"],
+    out = {"transformer.wte.weight": state["tok_emb.weight"][:vocab], "transformer.wpe.weight": state["pos_emb.weight"],
            "transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": state["ln_f.bias"]}
     if not m.tie_embeddings:
-        out["lm_head.weight"] = state["head.weight"]
+        out["lm_head.weight"] = state["head.weight"][:vocab]
     for i in range(m.layers):
         h, b = f"transformer.h.{i}.", f"blocks.{i}."
         out[h + "attn.c_attn.weight"] = torch.cat([state[b + f"attn.{p}.weight"] for p in "qkv"]).t()

@@ -52,8 +52,9 @@ def test_bad_model_parallel_configs(overrides, message):
 def test_indivisible_heads_or_vocabulary_is_a_clear_error(pool2, tiny_text):
     from plait.testing import DistributedError
 
-    with pytest.raises(DistributedError, match=r"the vocabulary \(159\) is not divisible by parallel.tp = 2; "
-                                               r"set model.vocab_size to a multiple of 2, e.g. model.vocab_size=160"):
+    with pytest.raises(DistributedError, match=r"the vocabulary \(159 rows\) is not divisible by parallel.tp = 2; pad "
+                                               r"it with model.vocab_multiple = 2 \(or 64: every tp degree dividing it\)"
+                                               r", or set model.vocab_size to a multiple of 2"):
         pool2.run(rank0_params, tiny_gpt_config(tiny_text, "parallel.dp=1", "parallel.tp=2", "train.steps=1"), None)
     with pytest.raises(DistributedError, match=r"model.heads \(3\) is not divisible by parallel.tp = 2"):
         pool2.run(rank0_params, cfg(tiny_text, "parallel.dp=1", "parallel.tp=2", "model.heads=3", "model.width=48",

@@ -147,3 +147,27 @@ def test_a_ranks_peak_memory_while_loading_is_its_share_of_the_checkpoint(pool4,
     module, _ = build_on_meta(lambda: build_model(cfg.model, spec))
     whole = materialize(module, checkpoint_parts(big, module), torch.device("cpu"))
     assert whole["peak_rss_bytes"] - whole["rss_before_bytes"] >= 0.9 * size, whole
+
+
+def test_a_gpt2_checkpoint_is_padded_for_tp_and_read_in_slices(pool2, tiny_text, tmp_path):
+    """GPT-2's vocabulary (here 171, odd as 50257 is) is padded to 64 rows' multiples, so tp2 splits it; each rank
+    reads its rows of the transposed, split-in-three c_attn. tp2 keeps the one process's trajectory."""
+    import test_equivalence
+
+    config = transformers.GPT2Config(vocab_size=171, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0, 0.1)
+    model.save_pretrained(tmp_path / "gpt2")
+    cfg = lambda *more: load_config(None, [*[o for o in TINY_GPT if not o.startswith(("model.layers", "model.width",  # noqa: E731
+                                                                                      "model.heads"))],
+                                           "data.name='text'", f"data.path='{tiny_text}'",
+                                           f"train.init_from='{tmp_path / 'gpt2'}'", *SGD, *more])
+    ref = test_equivalence.trajectory(cfg("parallel.dp=1"), tmp_path / "ref")
+    assert ref.params["tok_emb.weight"].shape[0] == 192 and ref.params["tok_emb.weight"][171:].abs().max() == 0
+    got, fills = pool2.run(traced_trajectory, cfg("parallel.dp=1", "parallel.tp=2"), tmp_path / "tp2")[0]
+    test_equivalence.assert_same_trajectory(ref, got)
+    assert all({kind for kind, _ in rank_fills} == {"parts"} for rank_fills in fills)

@@ -127,13 +127,14 @@ class GPT(MoEHooks, nn.Module):
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int,
                  tie_embeddings: bool = True, dropout: float = 0.0, moe_experts: int = 0, moe_top_k: int = 1,
                  moe_every: int = 1, moe_capacity_factor: float = 0.0, moe_aux_weight: float = 0.0,
-                 activation: str = "gelu", norm_eps: float = 1e-5):
+                 activation: str = "gelu", norm_eps: float = 1e-5, vocab_multiple: int = 1):
         super().__init__()
-        self.context = context
+        self.context, self.vocab_size = context, vocab_size
         self.tie_embeddings = tie_embeddings
         self.moe_aux_weight = moe_aux_weight
         moe = {"experts": moe_experts, "top_k": moe_top_k, "capacity_factor": moe_capacity_factor} if moe_experts else None
-        self.tok_emb = nn.Embedding(vocab_size, width)
+        rows = padded(vocab_size, vocab_multiple)  # rows past the vocabulary: no token looks them up, no logit shows
+        self.tok_emb = nn.Embedding(rows, width)
         self.pos_emb = nn.Embedding(context, width)
         self.drop = nn.Dropout(dropout)
         # A ModuleDict keyed "0", "1", ...: a pipeline stage deletes the blocks it does not own and the
@@ -142,7 +143,7 @@ class GPT(MoEHooks, nn.Module):
                                                    activation, norm_eps)
                                      for i in range(layers)})
         self.ln_f = nn.LayerNorm(width, eps=norm_eps)
-        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head = nn.Linear(width, rows, bias=False)
         if tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self._init(layers)
@@ -199,6 +200,8 @@ class GPT(MoEHooks, nn.Module):
                 x = block(x, cache=None if cache is None else cache.setdefault(name, KVCache()), mask=mask)
         if self.head is not None:
             x = self.head(self.ln_f(x))
+            if x.shape[-1] != self.vocab_size:  # the padded rows' logits
+                x = x[..., :self.vocab_size]
         return x
 
     def pipeline_parts(self) -> dict:
@@ -249,11 +252,14 @@ class GPT(MoEHooks, nn.Module):
     def tp_check(self, tp: int) -> None:
         """Raise a ConfigError naming the key to change when the shapes do not split over tp ranks."""
         heads = next(iter(self.blocks.values())).attn.heads if len(self.blocks) else tp
-        vocab = self.head.out_features if self.head is not None else self.tok_emb.num_embeddings
-        for what, value, key in (("model.heads", heads, "model.heads"), ("the vocabulary", vocab, "model.vocab_size")):
-            if value % tp:
-                fix = f"set {key} to a multiple of {tp}" + (f", e.g. {key}={-(-value // tp) * tp}" if key.endswith("size") else "")
-                raise ConfigError(f"{what} ({value}) is not divisible by parallel.tp = {tp}; {fix}")
+        rows = self.head.out_features if self.head is not None else self.tok_emb.num_embeddings
+        if heads % tp:
+            raise ConfigError(f"model.heads ({heads}) is not divisible by parallel.tp = {tp}; set model.heads to a "
+                              f"multiple of {tp}")
+        if rows % tp:
+            raise ConfigError(f"the vocabulary ({rows} rows) is not divisible by parallel.tp = {tp}; pad it with "
+                              f"model.vocab_multiple = {tp} (or 64: every tp degree dividing it), or set model.vocab_size "
+                              f"to a multiple of {tp}")
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -265,13 +271,21 @@ class GPT(MoEHooks, nn.Module):
         return idx
 
 
-def build_gpt(cfg, spec: DataSpec) -> GPT:
+def padded(vocab: int, multiple: int) -> int:
+    """The vocabulary's rows rounded up to a multiple (so that every tp degree dividing it splits them evenly)."""
+    return -(-vocab // max(1, multiple)) * max(1, multiple)
+
+
+def model_vocab(cfg, spec: DataSpec) -> int:
+    """model.vocab_size, or the data's; ConfigError when it is smaller than the data's."""
     vocab = cfg.vocab_size or spec.vocab_size
     if spec.vocab_size and vocab < spec.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
-            "set model.vocab_size=0 to take the data's size"
-        )
-    return GPT(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout,
+        raise ConfigError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
+                          "set model.vocab_size=0 to take the data's size")
+    return vocab
+
+
+def build_gpt(cfg, spec: DataSpec) -> GPT:
+    return GPT(model_vocab(cfg, spec), cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.tie_embeddings, cfg.dropout,
                cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_capacity_factor, cfg.moe_aux_weight,
-               cfg.activation, cfg.norm_eps)
+               cfg.activation, cfg.norm_eps, cfg.vocab_multiple or 1)

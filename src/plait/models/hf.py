@@ -115,6 +115,8 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
             raise ConfigError(f"model.{name} = {have!r} conflicts with {hf_name} = {shown!r} in {Path(path) / 'config.json'}"
                               f"; drop the model.{name} override (the checkpoint sets it)")
         setattr(model_cfg, name, value)
+    if not llama and not model_cfg.vocab_multiple:  # GPT-2's 50257 rows: padded so that tp can split them
+        model_cfg.vocab_multiple = 64
     n_pos = int(hf["max_position_embeddings"] if llama else hf["n_positions"])
     if model_cfg.context == default.context:
         model_cfg.context = n_pos

@@ -52,8 +52,10 @@ class LlamaKeys:
                          ("none", "qkv", "all"))
     sliding_window: int = opt(0, "llama: each token attends to at most this many positions back (Mistral; 0: all)",
                               minimum=0)
-    vocab_multiple: int = opt(64, "llama: the embedding and head are padded to a multiple of this (every tp degree "
-                                  "that divides it splits them; the padding is never in a loss or sampled)", minimum=1)
+    vocab_multiple: int = opt(0, "gpt and llama: the embedding and head are padded to a multiple of this (every tp "
+                                 "degree that divides it splits them; the padding is never in a loss or sampled); 0: "
+                                 "the model's default, 64 for llama and for a GPT-2 checkpoint, 1 (none) for gpt",
+                              minimum=0)
 
     def check(self, cfg) -> None:
         kind = self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
-from plait.models.gpt import KVCache, packed_mask
+from plait.models.gpt import KVCache, model_vocab, packed_mask, padded
 from plait.models.moe import MoE, MoEHooks
 from plait.models.sampling import sample
 
@@ -158,10 +158,6 @@ class Block(nn.Module):
         # Keywords: a tensor-parallel input hook on attn (sequence parallel) lays out positional inputs only.
         x = x + self.attn(self.attn_norm(x), cache=cache, mask=mask, pos=pos)
         return x + self.mlp(self.mlp_norm(x))
-
-
-def padded(vocab: int, multiple: int) -> int:
-    return -(-vocab // max(1, multiple)) * max(1, multiple)
 
 
 class Llama(MoEHooks, nn.Module):
@@ -301,10 +297,7 @@ def sequence_free(mlp: nn.Module) -> bool:
 
 
 def build_llama(cfg, spec: DataSpec) -> Llama:
-    vocab = cfg.vocab_size or spec.vocab_size
-    if spec.vocab_size and vocab < spec.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
-                          "set model.vocab_size=0 to take the data's size")
-    return Llama(vocab, cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.kv_heads, cfg.hidden, cfg.tie_embeddings,
-                 cfg.norm_eps, cfg.rope_theta, cfg.rope_scaling, cfg.attn_bias, cfg.sliding_window, cfg.vocab_multiple,
+    return Llama(model_vocab(cfg, spec), cfg.context, cfg.width, cfg.heads, cfg.layers, cfg.kv_heads, cfg.hidden,
+                 cfg.tie_embeddings,
+                 cfg.norm_eps, cfg.rope_theta, cfg.rope_scaling, cfg.attn_bias, cfg.sliding_window, cfg.vocab_multiple or 64,
                  cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor, cfg.moe_aux_weight)
