@@ -25,6 +25,9 @@ Parts (--parts; default all, run in this order, each in a child process of its o
                  sequences in micro-batches of 8; --large-set changes it), bf16 autocast, torch.compile, 30
                  steps; activation checkpointing only if a step runs out of memory without it (the part then
                  retries with it and says so)
+  train_llama    plait's llama at ~1.0 B parameters (TinyLlama's shape: 22 blocks, width 2048, 32 query heads over
+                 4 kv heads, SwiGLU width 5632, sequence 2048; global batch 32 in micro-batches of 8), as
+                 train_large (bf16 autocast, torch.compile, 30 steps, activation checkpointing only on OOM)
   serve          the large GPT: 1 training step, `plait export`, `plait serve` with batching off and on (at most
                  16 rows, 5 ms): requests/s at concurrency 1 and 16, the batching gain at 16, and /v1/generate
                  tokens/s at concurrency 1 and 16 (prompt + new tokens stay within the context: the KV cache is
@@ -90,9 +93,10 @@ Then the device tool's `run` with carry [".venv-gpu"] and timeout_s 480, this co
       || exit 1; export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1; nvidia-smi -L; \
       python3 benchmarks/gpu_check.py --device cuda --timeout-s 420 --out $OUT/gpu_check.json
 
-About 5 minutes are expected (train_default ~1, numerics and zero3 ~0.7 each, train_large ~2.5); 420 s
-leaves room for a second try in the 15 minutes. It prints the table and leaves gpu_check.json and one
-gpu_check_<part>.log per part in $OUT (6 files: the device tool brings back 8). For a second try,
+About 7.5 minutes are expected (train_default ~1, numerics and zero3 ~0.7 each, train_large and
+train_llama ~2.5 each): past a 420 s budget the last parts are skipped, and a second try with
+`--previous` runs only those, in the 15 minutes. It prints the table and leaves gpu_check.json and one
+gpu_check_<part>.log per part in $OUT (7 files: the device tool brings back 8). For a second try,
 copy the returned gpu_check.json to .venv-gpu/previous.json and add `--previous .venv-gpu/previous.json`
 (and e.g. `--large-set train.micro_batch_size=4` to change the large job).
 """
@@ -115,11 +119,11 @@ import warnings
 from pathlib import Path
 
 # The order they run in: the quick ones first, so that a slow large run cannot starve them of the budget.
-PARTS = ("train_default", "numerics", "zero3", "train_large", "serve")
+PARTS = ("train_default", "numerics", "zero3", "train_large", "train_llama", "serve")
 # Seconds a part may take at most (the --timeout-s budget may leave it less). Expected on an H200: train_default
 # ~1 min (compile), numerics and zero3 ~40 s each, train_large ~2.5 min (1 B parameters initialised on CPU, compile,
 # 30 steps of ~1 s), serve seconds (it stops at once while plait serve has no GPU path).
-PART_LIMIT_S = {"train_default": 120, "numerics": 120, "zero3": 120, "train_large": 330, "serve": 240}
+PART_LIMIT_S = {"train_default": 120, "numerics": 120, "zero3": 120, "train_large": 330, "train_llama": 330, "serve": 240}
 TINY_PART_LIMIT_S = 90
 MIN_START_S = {"gpu": 20.0, "tiny": 3.0}  # a part is skipped when less than this is left of the budget
 
@@ -146,17 +150,22 @@ SIZES = {
         "default": {},
         "large": {"model.width": 2048, "model.layers": 20, "model.heads": 16, "model.context": 2048,
                   "train.global_batch_size": 32, "train.micro_batch_size": 8},
+        "llama": {"model.name": "'llama'", "model.width": 2048, "model.layers": 22, "model.heads": 32,
+                  "model.kv_heads": 4, "model.hidden": 5632, "model.context": 2048,
+                  "train.global_batch_size": 32, "train.micro_batch_size": 8},
     },
     "tiny": {
         "default": {"model.width": 64, "model.layers": 2, "model.heads": 2, "model.context": 64,
                     "train.global_batch_size": 8, "train.micro_batch_size": 8},
         "large": {"model.width": 128, "model.layers": 2, "model.heads": 4, "model.context": 128,
                   "train.global_batch_size": 8, "train.micro_batch_size": 4},
+        "llama": {"model.name": "'llama'", "model.width": 64, "model.layers": 2, "model.heads": 4, "model.kv_heads": 2,
+                  "model.hidden": 128, "model.context": 64, "train.global_batch_size": 8, "train.micro_batch_size": 4},
     },
 }
 # (steps, log.every, warm-up steps left out of the speed and sync figures)
-TRAIN_STEPS = {("gpu", "default"): (40, 5, 10), ("gpu", "large"): (30, 5, 10),
-               ("tiny", "default"): (12, 3, 3), ("tiny", "large"): (12, 3, 3)}
+TRAIN_STEPS = {("gpu", "default"): (40, 5, 10), ("gpu", "large"): (30, 5, 10), ("gpu", "llama"): (30, 5, 10),
+               ("tiny", "default"): (12, 3, 3), ("tiny", "large"): (12, 3, 3), ("tiny", "llama"): (12, 3, 3)}
 NUMERIC_STEPS = {"gpu": (10, 5), "tiny": (6, 3)}  # steps, and the step a resumed run restarts after
 SERVE = {"gpu": {"concurrency": 16, "new_tokens": 128, "prompt": "def main(argv):\n    ", "duration_s": 6.0,
                  "warmup_s": 1.5, "gen_duration_s": 10.0},
@@ -687,7 +696,7 @@ def part_train(ctx: Ctx, size: str) -> None:
     if ctx.cuda:
         ok = probe.sync_selftest()
         ctx.check("sync counter counts a deliberate .item()", ok, ok)
-    attempts = [[], ["train.activation_checkpointing=true"]] if ctx.cuda and size == "large" else [[]]
+    attempts = [[], ["train.activation_checkpointing=true"]] if ctx.cuda and size != "default" else [[]]
     note = ""
     for i, extra in enumerate(attempts):
         cfg = job(ctx, size, *base, *extra)
@@ -734,7 +743,7 @@ def part_train(ctx: Ctx, size: str) -> None:
     ctx.row(f"tokens/s (steps {span[0]}-{span[1]})", tok_s, "tok/s")
     ctx.row("step time", step_s * 1000, "ms")
     ctx.row("peak memory", mem / 2**30, "GiB", note=mem_kind)
-    targeted = size == "large" and ctx.cuda  # a CPU's measured matmul rate is no peak to hold a target against
+    targeted = size != "default" and ctx.cuda  # a CPU's measured matmul rate is no peak to hold a target against
     ctx.row("MFU (6N + 12LHQT) / peak", mfu * 100, "%", f">= {MFU_TARGET:.0%}" if targeted else "",
             (mfu >= MFU_TARGET) if targeted else None, "target" if targeted else "info",
             note=f"peak {peak / 1e12:.3g} TFLOP/s, {peak_source}")
@@ -972,6 +981,7 @@ def _batches(metrics_text: str) -> tuple[float, float]:
 PART_FUNCS = {
     "train_default": lambda ctx: part_train(ctx, "default"),
     "train_large": lambda ctx: part_train(ctx, "large"),
+    "train_llama": lambda ctx: part_train(ctx, "llama"),
     "numerics": part_numerics,
     "zero3": part_zero3,
     "serve": part_serve,

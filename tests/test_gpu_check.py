@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PARTS = ["train_default", "numerics", "zero3", "train_large", "serve"]
+PARTS = ["train_default", "numerics", "zero3", "train_large", "train_llama", "serve"]
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_every_part_runs_and_passes(run):
     assert report["device"] == "cpu" and report["tiny"] is True
 
 
-@pytest.mark.parametrize("part", ["train_default", "train_large"])
+@pytest.mark.parametrize("part", ["train_default", "train_large", "train_llama"])
 def test_mfu_is_the_palm_formula_over_the_reported_throughput(run, part):
     m = run[1]["parts"][part]["metrics"]
     assert m["head_dim"] * m["heads"] == m["width"]

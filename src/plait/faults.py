@@ -5,6 +5,8 @@
     PLAIT_FAULTS="stall:rank=1:step=3:seconds=30"          rank 1 sleeps (a hang, for timeout tests)
     PLAIT_FAULTS="stall:step=5:until=/tmp/go:seconds=120"  every rank waits at step 5 until /tmp/go exists (at most
                                                            120 s): a test's window to act mid-run, whatever the load
+    PLAIT_FAULTS="stall:step=2:world=1:until=stop"         a job of 1 rank waits at step 2 until it is asked to stop
+                                                           (SIGTERM: a node joined and the agent re-forms the job)
     PLAIT_FAULTS="slow:rank=1:seconds=0.05"                rank 1 sleeps every step (a straggler)
     PLAIT_FAULTS="slow:seconds=0.1:at=data"                every rank waits 0.1 s for each batch (input-bound)
     PLAIT_FAULTS="slow:rank=1:factor=3"                    rank 1's forward/backward takes 3x as long (it sleeps twice
@@ -22,9 +24,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from plait.callback import Callback
+
+# Set when this process is asked to stop (plait.train.watchdog's SIGTERM/SIGINT handler): what `until=stop` waits for.
+STOP = threading.Event()
 
 
 def parse(text: str) -> list[dict]:
@@ -59,12 +65,15 @@ def maybe_fire(point: str, rank: int, step: int, group=None) -> None:
             continue
         if "step" in f and int(f["step"]) != step:
             continue
+        if "world" in f and int(os.environ.get("WORLD_SIZE", "1")) != int(f["world"]):
+            continue
         kind = f["kind"]
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind in ("stall", "slow") and "until" in f:
             deadline = time.monotonic() + float(f.get("seconds", 3600))
-            while not os.path.exists(f["until"]) and time.monotonic() < deadline:
+            done = STOP.is_set if f["until"] == "stop" else (lambda path=f["until"]: os.path.exists(path))
+            while not done() and time.monotonic() < deadline:
                 time.sleep(0.05)
         elif kind in ("stall", "slow"):
             time.sleep(float(f.get("seconds", 3600)))

@@ -182,8 +182,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.xfail(strict=False, reason="a joining node must start torch and reach the rendezvous while node 0 trains: "
-                   "on a 2-core machine at load 10+ it can arrive after the job formed without it (issue 37)")
 @pytest.mark.slow
 def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_trajectory(job, uninterrupted, tmp_path):
     """Two 1-process 'nodes' (launchers on loopback), nnodes = 1:2. Node 0 starts alone; node 1 joins after its first
@@ -194,10 +192,12 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
     common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
               "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=2"]  # node 1's death: seen in ~6 s
-    # node 0 must not finish before node 1 has joined: 9 slow steps are node 1's runway to start, meet and re-form the
-    # job (1 s a step was too short on a loaded machine: node 0 ended alone). The faults end with the first restart
-    # (node 1's death), so the last steps run at full speed.
-    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=2.5"}
+    # Waits on events, not clocks: alone (world 1), node 0 waits at step 2 until it is asked to stop, which is node 1
+    # joining (the agent re-forms the job); at 2 ranks, both wait at step 6 until node 1 has been killed. The faults
+    # end with the first restart (node 1's death).
+    dead = tmp_path / "node1-is-dead"
+    env = {**ENV, "PLAIT_FAULTS": f"stall:step=2:world=1:until=stop:seconds=180;stall:step=6:world=2:until={dead}"
+                                  ":seconds=180"}
     metrics = run / "metrics.jsonl"
 
     def wait_for(done, what):
@@ -218,6 +218,7 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
                  '"loss"' in lines[-1] and any('"world_size": 2' in x for x in lines[:-1]), "step at 2 ranks")
         for pid in process_tree(node1.pid):  # the whole node: its agent and its worker (in a session of its own)
             os.kill(pid, signal.SIGKILL)
+        dead.touch()
         out, _ = node0.communicate(timeout=240)
     finally:
         for p in (node0, node1):

@@ -26,6 +26,7 @@ import time
 
 import torch.distributed as dist
 
+from plait import faults
 from plait.errors import PlaitError
 
 STRAGGLER_FACTOR = 1.5
@@ -125,6 +126,7 @@ class Watchdog:
                 if self.stop_requested:
                     return
                 self.stop_requested, self.stop_signal = True, signal.Signals(signum).name
+                faults.STOP.set()  # a fault that waits for the stop (`until=stop`) lets the step finish
                 # A rank stuck in a collective never reaches the end of its step: do not outlive the grace period.
                 t = threading.Timer(self.timeout_s, lambda: os._exit(128 + signum))
                 t.daemon = True
