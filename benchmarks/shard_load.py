@@ -7,7 +7,7 @@
 
 Every rank is a fresh process (plait.testing.RankPool). "grew" is the rise of the process's resident memory
 (VmHWM after the load, the high-water mark reset before it, freed heap handed back first) over its value before;
-the bound is the one tests/parallel/test_shard_load.py asserts: S/N + 2 x (largest tensor)/N + 32 MiB.
+the bound is the one tests/parallel/test_shard_load.py asserts: S/N + 2 x (largest tensor)/N + 16 MiB.
 
     .venv/bin/python benchmarks/shard_load.py [--ranks 1,2,4] [--width 512] [--layers 4] [--vocab 16000]
 """
@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-OVERHEAD = 32 * 2**20
+OVERHEAD = 16 * 2**20
 
 
 def make_checkpoint(d: Path, a) -> Path:
