@@ -114,8 +114,9 @@ class Telemetry:
     def _announce(self) -> None:
         cfg, rt, layout = self.cfg, self.rt, self.layout
         n_params = sum(p.numel() for p in self.strategy.module.parameters())
+        what = cfg.model.hf_class or cfg.model.factory or cfg.model.name  # a transformers class by its name
         rt.print(
-            f"plait: {cfg.model.factory or cfg.model.name} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
+            f"plait: {what} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
             f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(layout, self.strategy)}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
