@@ -58,3 +58,41 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path):
         safetensors_file(tmp_path / "x.safetensors", "train.init_from = 'x'")
     with pytest.raises(ConfigError, match=r"has no weights: expected one of model.safetensors, "):
         open_weights(tmp_path, "train.init_from = 'x'")
+
+
+def test_a_hostile_or_broken_directory_is_one_line_each(tmp_path):
+    """Issue 37 N12: an index naming shards outside the directory, a malformed index, a pickle that would run code and
+    a config.json nested 100,000 deep are refused with one line, and the outside shard is never read."""
+    import json
+    import pickle
+
+    from plait.models.hf import read_hf_config
+
+    outside = tmp_path / "outside.safetensors"
+    save_file({"w": torch.ones(2)}, str(outside))
+    d = tmp_path / "hf"
+    d.mkdir()
+    for name in (str(outside), "../outside.safetensors"):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+        with pytest.raises(ConfigError, match=r"^x: model.safetensors.index.json names the shard .* outside the "
+                                              r"directory; shards must be files next to the index$"):
+            open_weights(d, "x")
+    for text in ("[1, 2", '{"weight_map": 3}', "[]"):
+        (d / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(ConfigError, match=r"^x: model.safetensors.index.json is not an index of shards"):
+            open_weights(d, "x")
+    (d / "model.safetensors.index.json").unlink()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Payload()}))
+    with pytest.raises(ConfigError, match=r"^x: pytorch_model.bin is not a plain state dict torch loads without "
+                                          r"running code \(UnpicklingError"):
+        open_weights(d, "x")
+    assert not marker.exists()
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match=r"config.json is not readable JSON \(RecursionError"):
+        read_hf_config(d)

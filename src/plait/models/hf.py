@@ -54,8 +54,8 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
     where = _where(key, path)
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: config.json is not readable JSON ({type(e).__name__}: {e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{where}: config.json is not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: config.json must be a JSON object")
     archs = raw.get("architectures") or []

@@ -162,17 +162,43 @@ def safetensors_file(path: Path, where: str) -> dict[str, Lazy]:
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
+def shard_files(path: Path, where: str) -> list[Path]:
+    """The shards model.safetensors.index.json names, each a file inside `path` (no absolute path, no way out)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{where}: model.safetensors.index.json is not an index of shards ({type(e).__name__}); "
+                          "it must be a JSON object whose weight_map maps tensor names to shard files") from None
+    root = path.resolve()
+    shards = []
+    for name in names:
+        shard = (path / str(name)).resolve()
+        if not isinstance(name, str) or Path(name).is_absolute() or root not in shard.parents:
+            raise ConfigError(f"{where}: model.safetensors.index.json names the shard {name!r}, outside the directory; "
+                              "shards must be files next to the index")
+        shards.append(shard)
+    return shards
+
+
 def open_weights(path: Path, where: str) -> dict[str, Lazy]:
     """{name: Lazy} of a Hugging Face directory's weights (one file, shards with an index, or pytorch_model.bin)."""
     if (path / "model.safetensors").is_file():
         return safetensors_file(path / "model.safetensors", where)
     if (path / "model.safetensors.index.json").is_file():
-        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
         out: dict[str, Lazy] = {}
-        for shard in sorted(set(index.values())):
-            out.update(safetensors_file(path / shard, where))
+        for shard in shard_files(path, where):
+            out.update(safetensors_file(shard, where))
         return out
     if (path / "pytorch_model.bin").is_file():
-        return {k: Loaded(v) for k, v in torch.load(path / "pytorch_model.bin", map_location="cpu",
-                                                      weights_only=True).items()}
+        try:  # weights_only: tensors and plain containers, never code
+            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- torch's unpickler refuses in several exception types
+            raise ConfigError(f"{where}: pytorch_model.bin is not a plain state dict torch loads without running code "
+                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); convert it to "
+                              "model.safetensors") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ConfigError(f"{where}: pytorch_model.bin does not hold a state dict of tensors")
+        return {k: Loaded(v) for k, v in state.items()}
     raise ConfigError(f"{where} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
