@@ -57,3 +57,19 @@ def test_init_from_starts_step_optimizer_and_schedule_fresh_at_any_layout(pool2,
     scratch = run_trajectory(load_config(None, gpt(tiny_text, "parallel.dp=1")), tmp_path / "scratch")
     assert one[0][0] < scratch[0][0] - 0.1  # the first step already starts from the trained model
     assert one[3]["steps"] == 3 and one[3]["resumed_from_step"] is None
+
+
+def test_a_run_directory_naming_a_foreign_factory_is_refused_before_its_code_runs(tiny_text, tmp_path, monkeypatch):
+    """Issue 37 N6: train.init_from = RUN_DIR builds that run's model; its model.factory is code."""
+    from plait.config import dump_config
+
+    marker = tmp_path / "ran"
+    (tmp_path / "evil_factory.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef make():\n    raise SystemExit\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_config(load_config(None, ["model.factory='evil_factory:make'"])))
+    with pytest.raises(ConfigError, match=r"names model.factory = 'evil_factory:make': building its model would import "
+                                          r"and call that code; set train.trust_factory=true only if you trust"):
+        check_job(tiny_gpt_config(tiny_text, f"train.init_from='{run}'"))
+    assert not marker.exists()

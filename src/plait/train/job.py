@@ -56,7 +56,21 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise ConfigError(f"train.init_from = {cfg.train.init_from!r} does not exist; give a run directory or a "
                           ".safetensors file")
+    check_init_factory(cfg)
     return layout
+
+
+def check_init_factory(cfg: Config) -> None:
+    """train.init_from a run directory builds that run's model: a model.factory it names is code, run only when it is
+    this job's own factory, plait's, or train.trust_factory says so."""
+    run = Path(cfg.train.init_from) if cfg.train.init_from else None
+    if run is None or not (run / "config.toml").is_file() or cfg.train.trust_factory:
+        return
+    factory = load_config(run / "config.toml", validate=False).model.factory
+    if factory and factory != cfg.model.factory and not factory.startswith("plait."):
+        raise ConfigError(f"train.init_from = {str(run)!r} names model.factory = {factory!r}: building its model would "
+                          "import and call that code; set train.trust_factory=true only if you trust the run directory "
+                          "and that code")
 
 
 def use_hf_class(cfg: Config) -> None:

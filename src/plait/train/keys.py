@@ -45,8 +45,10 @@ class TrainKeys:
     eval_metrics: list = opt([], "'package.module:function' (outputs, targets) -> a batch mean, each reported as "
                                  "val_<function> at every evaluation")
     init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint), a model.safetensors or "
-                             "a Hugging Face GPT-2 directory (config.json sets [model]); names and shapes must match; "
+                             "a Hugging Face directory (config.json sets [model]); names and shapes must match; "
                              "step, optimizer and schedule start fresh")
+    trust_factory: bool = opt(False, "train.init_from a run directory whose model.factory is not this job's (nor "
+                                     "plait's own): build it anyway (importing and calling that code)")
 
     def check(self, cfg) -> None:
         if not 0.0 < self.temperature < math.inf:
