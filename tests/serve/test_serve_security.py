@@ -397,6 +397,11 @@ def test_token_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
     f.write_text("# nothing\n")
     with pytest.raises(Exception, match="holds no token"):
         serve_token(parse("--token-file", str(f)))
+    f.write_text("  # a comment line\nabc#def\n")  # issue 37 N7: '#' inside a token is the token's, not a comment
+    assert serve_token(parse("--token-file", str(f))) == "abc#def"
+    from plait.federated.wire import parse_tokens
+
+    assert parse_tokens("# clients\n1 tok#1\nshared#x\n") == {1: "tok#1", "*": "shared#x"}
 
 
 # ------------------------------------------------------------------ fuzz: any body gets a protocol answer

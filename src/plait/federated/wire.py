@@ -57,11 +57,12 @@ def unframe(body: bytes) -> tuple[dict, bytes]:
 
 
 def parse_tokens(text: str) -> dict:
-    """Tokens file: each line `TOKEN` (shared by all clients) or `CLIENT_ID TOKEN`; '#' starts a comment."""
+    """Tokens file: each line `TOKEN` (shared by all clients) or `CLIENT_ID TOKEN`; a line starting with '#' is a
+    comment ('#' inside a token is part of it)."""
     tokens: dict = {}
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
+        line = line.strip()
+        if not line or line.startswith("#"):
             continue
         parts = line.split()
         if len(parts) == 1:

@@ -13,7 +13,8 @@ TOKEN_ENV = "PLAIT_SERVE_TOKEN"
 
 
 def serve_token(a) -> str | None:
-    """The bearer token: --token, else --token-file (its first non-comment line), else $PLAIT_SERVE_TOKEN, else none."""
+    """The bearer token: --token, else --token-file (its first line that is not blank or a '#' comment line), else
+    $PLAIT_SERVE_TOKEN, else none."""
     if a.token:
         print("note: --token is visible to other users of this machine (ps); prefer --token-file FILE or "
               f"${TOKEN_ENV}", file=sys.stderr)
@@ -22,8 +23,8 @@ def serve_token(a) -> str | None:
         p = Path(a.token_file)
         if not p.is_file():
             raise ConfigError(f"--token-file {a.token_file}: no such file")
-        lines = [ln.split("#", 1)[0].strip() for ln in p.read_text().splitlines()]
-        token = next((ln for ln in lines if ln), None)
+        lines = [ln.strip() for ln in p.read_text().splitlines()]
+        token = next((ln for ln in lines if ln and not ln.startswith("#")), None)  # a '#' inside a token is the token's
         if token is None:
             raise ConfigError(f"--token-file {a.token_file} holds no token")
         return token
