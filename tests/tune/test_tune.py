@@ -79,3 +79,24 @@ def test_a_bad_space_is_refused_naming_the_key(tmp_path):
     f.write_text("optim.lr = {log_uniform = [1e-4, 1e-2]}\nmodel.width = {choice = [16, 32]}\n")
     assert [(d.key, d.kind, d.values) for d in read_space(f)] == [("optim.lr", "log_uniform", (1e-4, 1e-2)),
                                                                   ("model.width", "choice", (16, 32))]
+
+
+def test_a_damaged_shared_journal_is_one_line_not_a_traceback(tmp_path):
+    """Issue 37 N14: a study whose journal holds a trial with a steps attribute plait tune never writes."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    out = tmp_path / "study"
+    out.mkdir()
+    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+    study = optuna.create_study(study_name=out.name, storage=storage, direction="minimize")
+    trial = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 3.0, log=True)})
+    trial.set_user_attr("steps", "many")
+    trial.set_user_attr("run_dir", str(out / "trials" / "0000"))
+    study.tell(trial, 1.0)
+    (tmp_path / "space.toml").write_text("optim.lr = {log_uniform = [0.01, 3.0]}\n")
+    r = plait("tune", *[a for s in BASE for a in ("--set", s)], "--space", tmp_path / "space.toml", "--trials", "1",
+              "--out", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert (f"trial 0 has steps = 'many', which plait tune does not write; the journal is damaged or another "
+            "program's: start a new study") in r.stderr

@@ -217,13 +217,25 @@ class Tuner:
             study.optimize(self.objective, n_trials=todo, n_jobs=self.o.concurrency, catch=(TrialFailed,))
         return self.finish(study)
 
+    def _damaged(self, trial, attr: str, value) -> ConfigError:
+        where = self.o.storage or str(self.out / "study.journal")
+        return ConfigError(f"the study in {where}: trial {trial.number} has {attr} = {value!r}, which plait tune does "
+                           "not write; the journal is damaged or another program's: start a new study (another --out "
+                           "or --storage)")
+
+    def _trial_steps(self, trial) -> int:
+        value = trial.user_attrs.get("steps", 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._damaged(trial, "steps", value)
+        return value
+
     def finish(self, study) -> dict:
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
         count = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED,
                                                                  TrialState.FAIL)}
-        steps_run = sum(int(t.user_attrs.get("steps", 0)) for t in trials)
+        steps_run = sum(self._trial_steps(t) for t in trials)
         summary = {"metric": self.o.metric, "direction": self.o.direction, "pruner": self.o.pruner,
                    "trials": len(trials), "complete": count[TrialState.COMPLETE],
                    "pruned": count[TrialState.PRUNED], "failed": count[TrialState.FAIL],
@@ -236,7 +248,10 @@ class Tuner:
             link = self.out / "best"
             if link.is_symlink() or link.exists():
                 link.unlink()
-            link.symlink_to(Path("trials") / Path(best.user_attrs["run_dir"]).name)
+            run_dir = best.user_attrs.get("run_dir")
+            if not isinstance(run_dir, str) or not run_dir:
+                raise self._damaged(best, "run_dir", run_dir)
+            link.symlink_to(Path("trials") / Path(run_dir).name)  # inside the study's folder, whatever the journal says
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         write_trials_csv(trials, self.out / "trials.csv")
         from plait.tune.report import write_report  # lazily: matplotlib only when the report is written
