@@ -98,5 +98,5 @@ def test_a_damaged_shared_journal_is_one_line_not_a_traceback(tmp_path):
     r = plait("tune", *[a for s in BASE for a in ("--set", s)], "--space", tmp_path / "space.toml", "--trials", "1",
               "--out", out)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
-    assert (f"trial 0 has steps = 'many', which plait tune does not write; the journal is damaged or another "
+    assert ("trial 0 has steps = 'many', which plait tune does not write; the journal is damaged or another "
             "program's: start a new study") in r.stderr
