@@ -165,6 +165,10 @@ def test_a_checkpoint_without_a_manifest_needs_trust(run, monkeypatch, capsys):
         find_resumable(run, log=said.append)
     assert "has no manifest.json" in said[0]
     assert main(["export", str(run)]) == 2 and "--trust-checkpoint" in capsys.readouterr().err
+    # issue 37 N13: `train --resume` refuses it once, in the launcher, before any worker starts
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"no checkpoint under {run / 'checkpoints'} verifies" in err and "Traceback" not in err, err
     assert verify(ckpt, trust=True)["step"] == 5
     assert main(["export", str(run), "--trust-checkpoint"]) == 0
     monkeypatch.setenv(TRUST_ENV, "1")  # how --trust-checkpoint reaches training workers

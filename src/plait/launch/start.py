@@ -49,6 +49,11 @@ def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int
         if not torch.cuda.is_available():
             raise ConfigError("launch.backend = 'nccl' needs CUDA GPUs and this machine has none; set "
                               "launch.backend = 'gloo' (or 'auto': nccl on CUDA, else gloo)")
+    if resume and not role.worker and not dry_run:
+        # every rank would refuse it, each with its own traceback: refuse once, here, before any worker starts
+        from plait.train.checkpoint import find_resumable  # lazily: torch's checkpoint reader
+
+        find_resumable(run_dir, log=lambda *_: None, deep=False)
     if role.worker:
         from plait.launch.job import run_worker  # lazily: only a worker trains; the launcher needs no trainer
 

@@ -141,10 +141,11 @@ def _read_manifest(folder: Path) -> dict[str, dict]:
     return files
 
 
-def verify(folder: Path, trust: bool | None = None) -> dict:
+def verify(folder: Path, trust: bool | None = None, deep: bool = True) -> dict:
     """Check a checkpoint against its manifest; returns its trainer state or raises CheckpointError naming the file.
 
     A checkpoint without a manifest (plait 0.1 wrote none) is refused unless `trust` (or $PLAIT_TRUST_CHECKPOINT=1).
+    deep=False checks names and sizes only, not checksums (what a launcher can afford before the workers check all).
     """
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -169,7 +170,7 @@ def verify(folder: Path, trust: bool | None = None) -> dict:
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint {folder} is damaged: {name} has {size} bytes, the manifest says "
                                   f"{want['bytes']} (truncated?)")
-        if file_crc(p) != want["crc32"]:
+        if deep and file_crc(p) != want["crc32"]:
             raise CheckpointError(f"checkpoint {folder} is damaged: {name} does not match its checksum (corrupt)")
     return _read_state(folder)
 
@@ -432,8 +433,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return target
 
 
-def find_resumable(run_dir: str | Path, log=print, trust: bool | None = None) -> Path | None:
-    """The newest checkpoint that verifies: `latest` first, then older ones, saying why each was skipped."""
+def find_resumable(run_dir: str | Path, log=print, trust: bool | None = None, deep: bool = True) -> Path | None:
+    """The newest checkpoint that verifies: `latest` first, then older ones, saying why each was skipped (deep=False:
+    without checksums, see `verify`)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return None
@@ -446,7 +448,7 @@ def find_resumable(run_dir: str | Path, log=print, trust: bool | None = None) ->
         try:
             if not _inside(root, c.resolve()):
                 raise CheckpointError(f"{c} leads outside {root} ({c.resolve()})")
-            verify(c, trust)
+            verify(c, trust, deep)
             return c
         except CheckpointError as e:
             log(f"warning: {e}; falling back to an older checkpoint")
