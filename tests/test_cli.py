@@ -187,6 +187,19 @@ def test_two_nodes_on_one_machine_form_one_job(tiny_config, tmp_path):
     assert sum("2 processes (dp=2, ddp)" in o for o in outs) == 1  # one job, one rank 0
 
 
+def test_a_dry_run_calls_no_data_factory(tmp_path, monkeypatch):
+    """Issue 37 N8: --dry-run starts nothing, the user's data code included."""
+    from plait.cli import main
+
+    marker = tmp_path / "called"
+    (tmp_path / "mydata.py").write_text(f"def make():\n    open({str(marker)!r}, 'w').close()\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run", "--set", "data.factory=mydata:make", "--set", "model.name=mlp",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "config.toml").is_file() and not marker.exists()
+
+
 def test_out_onto_a_folder_that_is_not_a_run_is_refused(tmp_path, monkeypatch, capsys):
     """docs/security.md row 12: --out on a foreign folder overwrote its files, appended to metrics.jsonl, then crashed."""
     from plait.cli import main

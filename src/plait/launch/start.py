@@ -75,7 +75,8 @@ def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int
 
 def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Config:
     """load_job, with the workers' fork server started between reading the job and checking it (both take seconds,
-    on two cores at once) when this process is the one that will launch them."""
+    on two cores at once) when this process is the one that will launch them. A dry run (warm False) calls no
+    data.factory: it starts nothing, the user's data code included."""
     cfg = load_config(path, overrides)
     if warm and cfg.launch.launcher == "torchrun":
         try:
@@ -86,7 +87,7 @@ def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Conf
             pass
     from plait.train.job import check_job  # lazily: torch, which the fork server imports meanwhile on the other core
 
-    check_job(cfg)
+    check_job(cfg, user_data=warm)
     return cfg
 
 
