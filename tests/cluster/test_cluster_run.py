@@ -63,3 +63,18 @@ def test_the_short_job_preempts_the_long_one_which_resumes_resized_on_its_solo_t
         # per-step loss: the run's metrics (cut at the resumed step, so no step twice) against the solo run's
         assert losses(run) == pytest.approx(losses(tmp_path / name), abs=1e-5), name
     assert json.loads((out / "jobs" / "long" / "summary.json").read_text())["steps"] == 60
+
+
+def test_a_job_folder_holding_your_files_is_refused_before_anything_starts(tmp_path):
+    """Issue 37 N9: starting a job afresh cleared OUT/jobs/<name>, a file of yours included."""
+    from plait.cluster.run import JobSpec, LocalCluster
+    from plait.errors import ConfigError
+
+    mine = tmp_path / "out" / "jobs" / "a"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    cluster = LocalCluster([JobSpec("a", None, [], 0.0, 1, 1, 4, 1)], 1, "fifo", tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"the folder of job 'a', .*jobs/a is a folder that holds other files and is "
+                                          "not a plait run"):
+        cluster.run(timeout=5)
+    assert (mine / "notes.txt").read_text() == "precious"

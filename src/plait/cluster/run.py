@@ -35,6 +35,7 @@ from pathlib import Path
 from plait.cluster.policies import JobView, Params, decide
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
+from plait.rundir import check_writable_run_dir
 
 JOB_KEYS = {"name", "config", "set", "arrival", "min_procs", "max_procs"}
 
@@ -196,7 +197,14 @@ class LocalCluster:
                 j.executed += dt
                 j.last_run = now
 
+    def check_run_dirs(self) -> None:
+        """A job's folder under OUT/jobs is plait's: one that holds other files (no config.toml) is refused before
+        anything starts, so that starting the job afresh (which clears an unsaved attempt) loses no file of yours."""
+        for j in self.jobs.values():
+            check_writable_run_dir(j.run_dir, flag=f"--out {self.out}: the folder of job {j.spec.name!r},")
+
     def run(self, timeout: float = 3600.0) -> list[dict]:
+        self.check_run_dirs()
         last = 0.0
         while not all(j.done for j in self.jobs.values()):
             now = self.now()
