@@ -3,6 +3,7 @@ srun without torchrun, a job that gets USR1, checkpoints, requeues itself and re
 --backend slurm` (a 2-node job preempted and resubmitted on 1 node beside a short one)."""
 
 import json
+import re
 import sys
 import time
 
@@ -175,3 +176,21 @@ def test_cluster_run_on_slurm_preempts_resizes_and_keeps_the_trajectory(slurm, s
     sessions = [json.loads(x) for x in (out / "jobs" / "long" / "metrics.jsonl").read_text().splitlines()
                 if '"session"' in x]
     assert [s["world_size"] for s in sessions] == [2, 1] and all(s["slurm_restart_count"] == 0 for s in sessions)
+
+
+def test_a_run_dir_or_job_values_that_would_escape_the_sbatch_lines_are_refused(sgd_job, tmp_path):
+    """Issue 37 N10: the run dir went unquoted into #SBATCH lines; `plait cluster run --backend slurm` took any --time
+    and --partition. Nothing is written or submitted."""
+    from plait.cluster.run import JobSpec, SlurmQueue
+    from plait.errors import ConfigError
+
+    evil = tmp_path / "run\nrm -rf ~"
+    code, out, err = cli("slurm", sgd_job, "--nodes", "2", "--cpus-per-task", "1", "--time", "00:10:00", "--out", evil)
+    assert code == 2 and "a Slurm job script names the run dir in #SBATCH lines, which cannot quote '\\n', ' '" in err, err
+    assert not (evil / "job.sbatch").exists()
+    spec = [JobSpec("a", str(sgd_job), [], 0.0, 1, 2, 4, 1)]
+    for kw, message in (({"time_limit": "soon"}, "--time 'soon' is not a time limit"),
+                        ({"partition": "gpu\n#SBATCH --x"}, "--partition 'gpu\\n#SBATCH --x': Slurm names are")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            SlurmQueue(spec, 2, "fifo", tmp_path / "q", **kw)
+    assert not (tmp_path / "q" / "jobs").exists()

@@ -369,7 +369,14 @@ class SlurmQueue(LocalCluster):
     each holds, so slots are node counts here. `time` is each submission's --time."""
 
     def __init__(self, *args, time_limit: str = "01:00:00", partition: str = "", **kwargs):
+        from plait.launch.slurm import check_name, check_run_path, parse_time  # lazily: the Slurm front end
+
         super().__init__(*args, **kwargs)
+        parse_time(time_limit)  # --time and --partition go into #SBATCH lines: checked before anything is submitted
+        check_name("--partition", partition)
+        for j in self.jobs.values():
+            check_name("job name", f"plait-{j.spec.name}")
+            check_run_path(j.run_dir, f"--out {self.out}: the folder of job {j.spec.name!r},")
         self.time_limit, self.partition = time_limit, partition
 
     def _start(self, j: _Job, procs: int, free: list[int], now: float) -> None:

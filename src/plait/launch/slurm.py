@@ -75,7 +75,7 @@ def parse_time(text: str) -> int:
     return seconds
 
 
-def _check_name(flag: str, value: str) -> str:
+def check_name(flag: str, value: str) -> str:
     if value and not re.fullmatch(r"[A-Za-z0-9_.:+-]+", value):
         raise ConfigError(f"{flag} {value!r}: Slurm names are letters, digits and _ . : + - (no spaces)")
     return value
@@ -90,9 +90,9 @@ def check_job(job: SlurmJob) -> None:
     if job.grace_s < 1 or job.grace_s >= limit:
         raise ConfigError(f"--grace {job.grace_s} s must be > 0 and shorter than --time {job.time} ({limit} s): the job "
                           "gets USR1 that long before its limit to checkpoint and requeue")
-    _check_name("--partition", job.partition)
-    _check_name("--account", job.account)
-    _check_name("--job-name", job.job_name)
+    check_name("--partition", job.partition)
+    check_name("--account", job.account)
+    check_name("--job-name", job.job_name)
 
 
 def job_config(cfg: Config, job: SlurmJob) -> Config:
@@ -112,9 +112,20 @@ def job_config(cfg: Config, job: SlurmJob) -> Config:
     return new
 
 
+def check_run_path(run_dir: Path, flag: str = "--out") -> None:
+    """The run dir goes into #SBATCH lines (--output) and a comment, which take no quoting: plain characters only."""
+    path = str(run_dir.resolve())
+    bad = sorted({c for c in path if not re.fullmatch(r"[A-Za-z0-9_./+,:@=%~-]", c)})
+    if bad:
+        raise ConfigError(f"{flag} {path!r}: a Slurm job script names the run dir in #SBATCH lines, which cannot quote "
+                          f"{', '.join(repr(c) for c in bad)}; choose a path of letters, digits and _ . / + , : @ = ~ -")
+
+
 def sbatch_script(job: SlurmJob, run_dir: Path, python: str = sys.executable) -> str:
+    check_run_path(run_dir)
     run = shlex.quote(str(run_dir.resolve()))
-    name = job.job_name or f"plait-{run_dir.resolve().name}"
+    name = job.job_name or re.sub(r"[^A-Za-z0-9_.:+-]", "-", f"plait-{run_dir.resolve().name}")
+    check_name("--job-name", name)
     opts = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.cpus_per_task:
         opts.append(f"--cpus-per-task={job.cpus_per_task}")
