@@ -282,3 +282,15 @@ def test_the_job_trains_under_the_operators_environment_like_torchrun(sgd_job, s
     session = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert (session["manager"], session["world_size"]) == ("torchrun", 2)
     assert not os.path.exists(run / ".config.toml")
+
+
+@pytest.mark.parametrize("value", ["a\u2028kind: Pod\nmetadata: {}", "one\u0085---\nkind: Pod", "\n  first\nx",
+                                   "tab\tand\r\nreturn", "plain\n  lines\n\nkept"])
+def test_a_value_yaml_would_read_otherwise_stays_one_string(value):
+    """Issue 37 N11: multi-line strings were raw block scalars; U+2028 injected a whole Pod for a YAML 1.1 parser."""
+    from plait.launch.k8s import to_yaml
+
+    text = to_yaml([{"kind": "ConfigMap", "data": {"script": value}, "args": [value]}])
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    assert docs == [{"kind": "ConfigMap", "data": {"script": value}, "args": [value]}]
+    assert ("|-" in text) == (value == "plain\n  lines\n\nkept")  # a block only where it is safe

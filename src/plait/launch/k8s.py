@@ -339,6 +339,15 @@ def _scalar(v) -> str:
     return json.dumps(s)
 
 
+def _block(v) -> bool:
+    """A multi-line string written as a `|-` block: printable ASCII lines only, the first that is not empty not
+    starting with a space (a block cannot hold another line break, U+2028 or U+0085 included, and takes its
+    indentation from that line); anything else is a double-quoted, escaped scalar."""
+    if not (isinstance(v, str) and "\n" in v and all(c == "\n" or " " <= c <= "~" for c in v)):
+        return False
+    return not next((line for line in v.split("\n") if line), "").startswith(" ")
+
+
 def _emit(obj, indent: int, lines: list[str]) -> None:
     pad = "  " * indent
     if isinstance(obj, dict):
@@ -347,7 +356,7 @@ def _emit(obj, indent: int, lines: list[str]) -> None:
             if isinstance(v, (dict, list)) and v:
                 lines.append(f"{pad}{key}:")
                 _emit(v, indent + 1 if isinstance(v, dict) else indent, lines)
-            elif isinstance(v, str) and "\n" in v:
+            elif _block(v):
                 lines.append(f"{pad}{key}: |-")
                 lines += [f"{pad}  {line}" if line else "" for line in v.split("\n")]
             elif isinstance(v, (dict, list)):
@@ -362,7 +371,7 @@ def _emit(obj, indent: int, lines: list[str]) -> None:
                 first = sub[0][len("  " * (indent + 1)):]
                 lines.append(f"{pad}- {first}")
                 lines += sub[1:]
-            elif isinstance(item, str) and "\n" in item:
+            elif _block(item):
                 lines.append(f"{pad}- |-")
                 lines += [f"{pad}  {line}" if line else "" for line in item.split("\n")]
             else:
