@@ -402,6 +402,13 @@ def test_token_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
     from plait.federated.wire import parse_tokens
 
     assert parse_tokens("# clients\n1 tok#1\nshared#x\n") == {1: "tok#1", "*": "shared#x"}
+    from plait.serve.cli import exposure_warning  # issue 37 N15: beyond loopback with no token, say so
+
+    assert exposure_warning("0.0.0.0", None).startswith("warning: --host 0.0.0.0 listens beyond this machine with no "
+                                                        "token: anyone who reaches the port can use the model")
+    assert exposure_warning("gpu-box.example", "") is not None
+    assert all(exposure_warning(h, None) is None for h in ("127.0.0.1", "::1", "localhost"))
+    assert exposure_warning("0.0.0.0", "s3cret") is None
 
 
 # ------------------------------------------------------------------ fuzz: any body gets a protocol answer

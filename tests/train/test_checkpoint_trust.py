@@ -202,3 +202,14 @@ def test_latest_is_confined_to_the_run(run, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint under .* verifies"):
         find_resumable(run, log=said.append)
     assert any("leads outside" in s for s in said)
+
+
+def test_a_dangling_latest_is_said_before_falling_back(run):
+    """Issue 37 N15: a `latest` whose target is gone made `train --resume` fall back without a word."""
+    root = run / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("step_0000099")
+    said = []
+    assert find_resumable(run, log=said.append) == _step(run)
+    assert said == [f"warning: {root / 'latest'} points to step_0000099, which is not there; falling back to the newest "
+                    "checkpoint that verifies"]

@@ -31,13 +31,33 @@ def serve_token(a) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def exposure_warning(host: str, token: str | None) -> str | None:
+    """What to say when the server listens beyond loopback with no token (anyone who reaches the port is served)."""
+    import ipaddress
+
+    if token:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve beyond loopback
+        loopback = False
+    if loopback:
+        return None
+    return (f"warning: --host {host} listens beyond this machine with no token: anyone who reaches the port can use "
+            f"the model; pass --token-file FILE (or ${TOKEN_ENV}) and put TLS in front (docs/security.md)")
+
+
 def cmd_serve(a) -> int:
     from plait.serve.server import run  # lazily: plait --help must not import torch or FastAPI
     from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
 
+    token = serve_token(a)
+    warning = exposure_warning(a.host, token)
+    if warning:
+        print(warning, file=sys.stderr)
     opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
                         max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
-                        timeout_ms=a.timeout_ms, token=serve_token(a), quantize=a.quantize, max_body_mb=a.max_body_mb,
+                        timeout_ms=a.timeout_ms, token=token, quantize=a.quantize, max_body_mb=a.max_body_mb,
                         max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads,
                         max_prompt_chars=a.max_prompt_chars, read_timeout_s=a.read_timeout_s,
                         max_connections=a.max_connections, trust_factory=a.trust_factory,

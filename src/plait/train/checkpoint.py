@@ -444,6 +444,9 @@ def find_resumable(run_dir: str | Path, log=print, trust: bool | None = None, de
     if link.is_symlink() and link.resolve().is_dir():
         first = link.resolve()
         candidates = [first] + [c for c in candidates if c.resolve() != first]
+    elif link.is_symlink():
+        log(f"warning: {link} points to {os.readlink(link)}, which is not there; falling back to the newest checkpoint "
+            "that verifies")
     for c in candidates:
         try:
             if not _inside(root, c.resolve()):
