@@ -159,7 +159,7 @@ def export_edge(run_dir: str | Path, out: str | Path, batch: str | int | None = 
                 write_onnx(eager, traced, tmp, meta, shapes, name)
         else:
             write_pt2(eager, traced, tmp, meta, shapes, aoti)
-        exported, _ = load_edge(tmp)
+        exported, _ = load_edge(tmp, trust=True)  # the file this call just wrote
         parity = compare(eager, exported, data, spec, quantized=bool(quantize))
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -174,15 +174,16 @@ def export_edge(run_dir: str | Path, out: str | Path, batch: str | int | None = 
     return report
 
 
-def load_edge(path: str | Path, threads: int | None = None) -> tuple[EdgeModule, dict]:
-    """An exported .onnx or .pt2 as a module (tensor in, logits out) and its plait metadata."""
+def load_edge(path: str | Path, threads: int | None = None, trust: bool = False) -> tuple[EdgeModule, dict]:
+    """An exported .onnx or .pt2 as a module (tensor in, logits out) and its plait metadata. A .pt2 from which torch
+    would run code (pickled payloads, non-tensor graph targets, an AOTInductor library) is refused unless `trust`."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
     if path.suffix == ".onnx":
         module, meta = load_onnx(path, threads)
     elif path.suffix == ".pt2":
-        module, meta = load_pt2(path)
+        module, meta = load_pt2(path, trust)
     else:
         raise ConfigError(f"{path}: serving takes .onnx or .pt2 edge files (a .pte runs on ExecuTorch's runtime)")
     if "plait.model" not in meta:

@@ -149,10 +149,15 @@ def write_pt2(module: nn.Module, example: torch.Tensor, out: Path, meta: dict, s
         package_pt2(str(out), exported_programs={"model": program}, aoti_files={"model": files}, extra_files=extra)
 
 
-def load_pt2(path: Path) -> tuple[EdgeModule, dict]:
-    """An AOTInductor archive runs its compiled code; a plain one runs the ExportedProgram's graph in eager."""
+def load_pt2(path: Path, trust: bool = False) -> tuple[EdgeModule, dict]:
+    """An AOTInductor archive runs its compiled code; a plain one runs the ExportedProgram's graph in eager.
+    Unless `trust`, the archive is inspected first and refused if torch would run code from it (plait.edge.archive)."""
     import zipfile
 
+    from plait.edge.archive import check_pt2  # lazily, like the runtimes: only .pt2 reading needs it
+
+    if not trust:
+        check_pt2(path)
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()

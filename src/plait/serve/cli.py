@@ -147,7 +147,8 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--trust-factory", action="store_true",
                    help="build a model.factory named in an exported file: imports and runs that code (see docs/security.md)")
     s.add_argument("--trust-checkpoint", action="store_true",
-                   help="serve a run checkpoint that has no manifest.json (plait 0.1); see docs/security.md")
+                   help="serve a run checkpoint that has no manifest.json (plait 0.1), or a .pt2 that torch would run "
+                        "code from (pickled payloads, an AOTInductor library); see docs/security.md")
     s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: cores - 1 in-process, "
                                                           "cores / N for N replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",

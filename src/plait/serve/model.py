@@ -144,7 +144,7 @@ def load_model(ref: ModelRef) -> ServedModel:
         if ref.quantize:
             raise ServeError(f"--quantize applies to PyTorch weights; {path} is an exported file: export it with "
                              f"`plait export RUN_DIR -o {path.name} --quantize int8` instead")
-        module, meta = load_edge(path, threads=torch.get_num_threads())
+        module, meta = load_edge(path, threads=torch.get_num_threads(), trust=ref.trust_checkpoint)
         spec = DataSpec(**json.loads(meta["plait.spec"]))
         tokenizer = _tokenizer(meta["plait.tokenizer"], str(path)) if "plait.tokenizer" in meta else None
         checkpoint = meta.get("plait.checkpoint", "")
