@@ -124,15 +124,69 @@ def test_missing_shard_and_wrong_count_are_index_mismatches(packed_digits, tmp_p
         _load(d2)
 
 
-def test_not_a_packed_folder_and_pickled_fields_are_refused(packed_digits, tmp_path):
+def _set_config(d: Path, **config) -> None:
+    index = json.loads((d / "train" / "index.json").read_text())
+    index["config"].update(config)
+    (d / "train" / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "str:pickle", "numpy:pickle", "no_header_numpy:pickle", "graph", "video",
+                                 "tensor"])
+def test_a_field_format_plait_does_not_write_is_refused(packed_digits, tmp_path, fmt):
+    d = _copy(packed_digits, tmp_path)
+    _set_config(d, data_format=["numpy", fmt])
+    with pytest.raises(DataError) as e:
+        _load(d)
+    assert str(e.value) == (f"{d / 'train' / 'index.json'} declares a field of format {fmt!r}; plait reads only the "
+                            "formats it writes (numpy arrays, image bytes), never a pickled or decoded one: re-pack it "
+                            "with `plait data pack`")
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"item_loader": "TokensLoader"}, "uses item loader 'TokensLoader'"),
+    ({"encryption": {"kind": "fernet"}}, "and encryption \"{'kind': 'fernet'}\""),
+    ({"data_spec": '[1, {"type": "collections.OrderedDict", "children_spec": []}]'}, "names type 'collections."),
+])
+def test_an_item_loader_encryption_or_pytree_type_plait_does_not_write_is_refused(packed_digits, tmp_path, config,
+                                                                                  words):
+    d = _copy(packed_digits, tmp_path)
+    _set_config(d, **config)
+    with pytest.raises(DataError, match="re-pack it with `plait data pack`") as e:
+        _load(d)
+    assert words in str(e.value)
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_shard_that_would_unpickle_is_refused_before_litdata_reads_it(packed_digits, tmp_path):
+    from litdata import StreamingDataset
+    from litdata.streaming.writer import BinaryWriter
+
     with pytest.raises(DataError, match="no plait.json"):
         _load(tmp_path)
-    d = _copy(packed_digits, tmp_path)
-    index = json.loads((d / "train" / "index.json").read_text())
-    index["config"]["data_format"] = ["pickle"]
-    (d / "train" / "index.json").write_text(json.dumps(index))
-    with pytest.raises(DataError, match="pickled fields"):
+    d, marker = _copy(packed_digits, tmp_path), tmp_path / "ran"
+    shutil.rmtree(d / "train")
+    w = BinaryWriter(str(d / "train"), chunk_bytes=1 << 16)
+    for i in range(4):
+        w[i] = {"x": _Payload(str(marker)), "y": torch.zeros(1).numpy()}
+    w.done()
+    w.merge()
+    _set_config(d, data_format=["str:pickle" if f == "pickle" else f
+                                for f in json.loads((d / "train" / "index.json").read_text())["config"]["data_format"]])
+    meta = json.loads((d / "plait.json").read_text())
+    meta["sizes"]["train"] = 4
+    (d / "plait.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="declares a field of format 'str:pickle'"):
         _load(d)
+    assert not marker.exists()
+    StreamingDataset(str(d / "train"))[0]  # LitData itself runs it: the replay is a real attack
+    assert marker.exists()
 
 
 def test_corrupt_sample_is_an_error_or_skipped_and_counted(packed_digits, tmp_path):

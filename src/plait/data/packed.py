@@ -15,13 +15,15 @@ same data in memory, at any world size.
 Layout of DIR: `plait.json` (what the data is: the source's DataSpec, the tokenizer, the sizes),
 `train/` and `val/` (LitData datasets: `index.json` + `chunk-*.bin`). Samples hold numpy arrays
 only (`x`, `y`) or, for image folders, the encoded file bytes; a shard whose index declares
-pickled fields is refused, so reading a packed dataset never unpickles.
+any other field format (LitData's `pickle`, `X:pickle`, `graph`, media decoders), item loader, encryption or
+pytree type is refused before LitData opens a shard, so reading a packed dataset never unpickles.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -128,6 +130,42 @@ def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+# what `plait data pack` writes: numpy arrays (with or without LitData's header) and encoded image bytes. LitData
+# maps any other name, or a sub-type such as `str:pickle`, to a serializer that may unpickle (pickle, graph) or
+# call a media decoder on the bytes; an index naming one is refused.
+_FORMATS = re.compile(r"numpy|bytes|no_header_numpy:\d{1,2}")
+_SPEC_TYPES = (None, "builtins.dict", "builtins.list", "builtins.tuple")
+
+
+def check_formats(index: Path, config: dict, formats) -> None:
+    """Refuse an index whose fields, item loader or encryption are not the ones plait writes."""
+    if not isinstance(formats, list) or not formats:
+        raise DataError(f"{index}: data_format must list the fields' formats; re-pack it with `plait data pack`")
+    for f in formats:
+        if not isinstance(f, str) or not _FORMATS.fullmatch(f):
+            raise DataError(f"{index} declares a field of format {str(f)[:40]!r}; plait reads only the formats it "
+                            "writes (numpy arrays, image bytes), never a pickled or decoded one: re-pack it with "
+                            "`plait data pack`")
+    if config.get("encryption") or config.get("item_loader") not in (None, "PyTreeLoader"):
+        raise DataError(f"{index} uses item loader {str(config.get('item_loader'))[:40]!r} and encryption "
+                        f"{str(config.get('encryption'))[:40]!r}; plait reads only the PyTreeLoader shards it writes, "
+                        "unencrypted: re-pack it with `plait data pack`")
+    try:
+        spec = json.loads(config.get("data_spec") or "null")
+    except (ValueError, TypeError, RecursionError):
+        raise DataError(f"{index}: its data_spec is not JSON; re-pack it with `plait data pack`") from None
+    stack = [spec]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if item.get("type") not in _SPEC_TYPES:
+                raise DataError(f"{index}: its data_spec names type {str(item.get('type'))[:60]!r}; plait writes "
+                                "dicts of arrays only: re-pack it with `plait data pack`")
+            stack.extend(item.get("children_spec") or [])
+
+
 def check_split(folder: Path, expected: int) -> None:
     """The index must list shards that exist with the sizes it records, and as many samples as plait.json says."""
     index = folder / "index.json"
@@ -139,9 +177,7 @@ def check_split(folder: Path, expected: int) -> None:
         formats = config.get("data_format") or []
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{index} is not a LitData index ({e}); re-run `plait data pack`") from None
-    if any(str(f).startswith("pickle") for f in formats):
-        raise DataError(f"{index} declares pickled fields ({formats}); plait reads packed data without unpickling: "
-                        "re-pack it with `plait data pack`")
+    check_formats(index, config, formats)
     total = 0
     for c in chunks:
         f = folder / str(c.get("filename", ""))
