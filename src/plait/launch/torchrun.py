@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from plait.config import Config
-from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT, forkserver
+from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT, forkserver, rendezvous
 from plait.launch.env import resolve
 from plait.launch.forkserver import nproc_per_node
 from plait.train.checkpoint import latest_checkpoint
@@ -54,8 +54,10 @@ def launch_config(cfg: Config, run_dir: Path, start_method: str = "spawn"):
 
     lc = cfg.launch
     min_nodes, max_nodes = cfg.node_range
-    if max_nodes == 1 and not lc.rdzv_endpoint:
-        endpoint, backend, rdzv_configs = "localhost:0", "c10d", {"is_host": True}
+    single = max_nodes == 1 and not lc.rdzv_endpoint
+    if single:  # no network: the rendezvous and the workers' store on loopback, under a run id nobody can guess
+        rendezvous.register()
+        endpoint, backend, rdzv_configs = f"{rendezvous.LOOPBACK}:0", rendezvous.BACKEND, {"is_host": True}
     else:
         endpoint, backend = lc.rdzv_endpoint, lc.rdzv_backend
         rdzv_configs = {"rank": lc.node_rank} if backend == "static" else {"is_host": lc.node_rank == 0}
@@ -63,7 +65,7 @@ def launch_config(cfg: Config, run_dir: Path, start_method: str = "spawn"):
             # an elastic Kubeflow pod does not know its node's index: the rendezvous host is the one whose
             # hostname is the endpoint's (torch decides when is_host is left out)
             rdzv_configs = {}
-    if backend == "c10d":
+    if backend in ("c10d", rendezvous.BACKEND):
         # Once MIN nodes are there, wait this long for the rest (torch's default is 30 s; a restart
         # after a lost node should not idle that long).
         rdzv_configs["last_call_timeout"] = 5
@@ -72,7 +74,7 @@ def launch_config(cfg: Config, run_dir: Path, start_method: str = "spawn"):
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc_per_node(cfg),
-        run_id=f"plait-{run_dir.resolve().name}",
+        run_id=rendezvous.local_run_id(run_dir.resolve().name) if single else f"plait-{run_dir.resolve().name}",
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,
         rdzv_configs=rdzv_configs,
@@ -81,7 +83,7 @@ def launch_config(cfg: Config, run_dir: Path, start_method: str = "spawn"):
         start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        local_addr=local_addr(cfg),
+        local_addr=local_addr(cfg) or (rendezvous.LOOPBACK if single else None),
     )
 
 
@@ -105,6 +107,8 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
     mp_api._terminate_process_handler = _interrupt_handler(mp_api._terminate_process_handler, run_dir)
+    if cfg.max_nodes > 1 and cfg.launch.rdzv_endpoint and cfg.launch.node_rank == 0:
+        print(rendezvous.exposure_line(cfg.launch.rdzv_endpoint), file=sys.stderr)
     try:
         if forkserver.forks_workers(cfg):
             _release_finished_workers(mp_api.MultiprocessContext)
