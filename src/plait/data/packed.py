@@ -172,22 +172,29 @@ def check_split(folder: Path, expected: int) -> None:
     if not index.is_file():
         raise DataError(f"{index} is missing: {folder} is not a packed split; re-run `plait data pack`")
     try:
-        meta = json.loads(index.read_text())
+        meta = json.loads(index.read_text(encoding="utf-8"))
         chunks, config = meta["chunks"], meta["config"]
+        if not isinstance(config, dict) or not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+            raise TypeError("'config' must be an object and 'chunks' a list of objects")
         formats = config.get("data_format") or []
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{index} is not a LitData index ({e}); re-run `plait data pack`") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise DataError(f"{index} is not a LitData index ({type(e).__name__}: {str(e)[:120]}); re-run "
+                        "`plait data pack`") from None
     check_formats(index, config, formats)
     total = 0
     for c in chunks:
-        f = folder / str(c.get("filename", ""))
-        if Path(str(c.get("filename", ""))).name != c.get("filename") or not f.is_file():
-            raise DataError(f"{index} lists shard {c.get('filename')!r}, which is not in {folder}; the index does not "
+        name = c.get("filename")
+        if not isinstance(name, str) or not name or Path(name).name != name or not (folder / name).is_file():
+            raise DataError(f"{index} lists shard {str(name)[:80]!r}, which is not in {folder}; the index does not "
                             "match its shards: copy the whole folder again or re-run `plait data pack`")
+        f = folder / name
+        if not isinstance(c.get("chunk_size"), int) or c["chunk_size"] < 0:
+            raise DataError(f"{index}: shard {name!r} has chunk_size {str(c.get('chunk_size'))[:40]!r}, not a count; "
+                            "re-run `plait data pack`")
         if f.stat().st_size != c.get("chunk_bytes"):
             raise DataError(f"shard {f} has {f.stat().st_size} bytes but {index} says {c.get('chunk_bytes')}: it is "
                             "truncated or corrupt; copy it again or re-run `plait data pack`")
-        total += int(c.get("chunk_size") or 0)
+        total += c["chunk_size"]
     if total != expected:
         raise DataError(f"{index} holds {total} samples but {folder.parent / 'plait.json'} says {expected}: the index "
                         "does not match its shards; re-run `plait data pack`")

@@ -58,6 +58,17 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
         raise ConfigError(f"{where}: config.json is not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: config.json must be a JSON object")
+    try:
+        cfg = _supported(raw, where)
+        hf_model_keys(cfg)  # every field plait takes is there and of its type
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
+        raise ConfigError(f"{where}: config.json has a missing or malformed field ({type(e).__name__}: "
+                          f"{str(e)[:120]})") from None
+    return cfg
+
+
+def _supported(raw: dict, where: str) -> dict:
+    """config.json of an architecture plait loads, with the flags plait's models lack refused."""
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else raw.get("model_type", "(none given)")
     if arch in FAMILY or (not archs and arch in MODEL_TYPES):
@@ -86,8 +97,9 @@ def hf_model_keys(hf: dict) -> dict:
     """The [model] keys config.json fixes: {key: (value, the config.json name it comes from)}."""
     if hf.get("_plait") == "llama":
         return llama_model_keys(hf, "config.json")
-    return {"name": ("gpt", "architecture"), "layers": (hf["n_layer"], "n_layer"), "heads": (hf["n_head"], "n_head"),
-            "width": (hf["n_embd"], "n_embd"), "vocab_size": (hf["vocab_size"], "vocab_size"),
+    return {"name": ("gpt", "architecture"), "layers": (int(hf["n_layer"]), "n_layer"),
+            "heads": (int(hf["n_head"]), "n_head"), "width": (int(hf["n_embd"]), "n_embd"),
+            "vocab_size": (int(hf["vocab_size"]), "vocab_size"),
             "tie_embeddings": (bool(hf["tie_word_embeddings"]), "tie_word_embeddings"),
             "activation": (ACTIVATIONS[hf["activation_function"]], "activation_function"),
             "norm_eps": (float(hf["layer_norm_epsilon"]), "layer_norm_epsilon")}

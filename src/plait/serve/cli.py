@@ -23,7 +23,12 @@ def serve_token(a) -> str | None:
         p = Path(a.token_file)
         if not p.is_file():
             raise ConfigError(f"--token-file {a.token_file}: no such file")
-        lines = [ln.strip() for ln in p.read_text().splitlines()]
+        try:
+            lines = [ln.strip() for ln in p.read_bytes().decode("utf-8").splitlines()]
+        except UnicodeDecodeError:
+            raise ConfigError(f"--token-file {a.token_file} is not UTF-8 text; write the token on a line of its own") from None
+        except OSError as e:
+            raise ConfigError(f"--token-file {a.token_file} cannot be read ({e.strerror})") from None
         token = next((ln for ln in lines if ln and not ln.startswith("#")), None)  # a '#' inside a token is the token's
         if token is None:
             raise ConfigError(f"--token-file {a.token_file} holds no token")
