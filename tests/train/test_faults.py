@@ -24,7 +24,22 @@ def test_killed_worker_restarts_from_the_last_checkpoint(job, uninterrupted, tmp
     r = plait("train", job, "--out", run, "--set", "launch.max_restarts=1", faults="kill:rank=1:step=8")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resuming from" in r.stdout and "step_0000006" in r.stdout  # steps 7 and 8 are lost, no more
+    # one line per restart, naming the rank that died (not the one that lost its peer) and how
+    assert "plait: worker rank 1 was killed by SIGKILL; restart 1 of 1 from step_0000006\n" in r.stderr, r.stderr
+    assert "failed (exitcode" not in r.stderr and "Traceback" not in r.stderr
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
+
+
+def test_a_killed_worker_is_named_with_the_resume_command(job, tmp_path):
+    run = tmp_path / "run"
+    r = plait("train", job, "--out", run, faults="kill:rank=1:step=5")
+    assert r.returncode == 1
+    latest = sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: worker rank 1 was killed by SIGKILL (from outside plait: the out-of-memory killer, a user or the "
+        f"scheduler); the other ranks stopped with it; the latest checkpoint is {latest}: continue with plait train "
+        f"--resume {run}")
+    assert len(r.stderr.strip().splitlines()) <= 3, r.stderr
 
 
 @pytest.mark.slow

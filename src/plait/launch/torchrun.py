@@ -37,7 +37,9 @@ class _NoTraceback(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.exc_info, record.exc_text = None, None
-        return True
+        # "failed (exitcode: 1) local_rank: 0": the first process the agent polled, often one that only lost its peer;
+        # report_failure and the restart line name the rank that failed first
+        return not str(record.msg).startswith("failed (exitcode")
 
 
 def _quiet_agent() -> None:
@@ -107,6 +109,9 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
     mp_api._terminate_process_handler = _interrupt_handler(mp_api._terminate_process_handler, run_dir)
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    _restart_lines(LocalElasticAgent, run_dir)
     if cfg.max_nodes > 1 and cfg.launch.rdzv_endpoint and cfg.launch.node_rank == 0:
         print(rendezvous.exposure_line(cfg.launch.rdzv_endpoint), file=sys.stderr)
     try:
@@ -118,7 +123,7 @@ def launch_torchrun(cfg: Config, run_dir: Path, resume: bool = False) -> int:
             elastic_launch(launch_config(cfg, run_dir), sys.executable)(
                 "-m", "plait.worker", str(run_dir), *(["--resume"] if resume else []))
     except ChildFailedError as e:
-        return report_failure(e)
+        return report_failure(e, run_dir)
     except mp_api.SignalException as e:
         return report_preemption(run_dir, e)
     finally:
@@ -135,11 +140,46 @@ def _release_finished_workers(context_cls) -> None:
     close = context_cls._close
 
     def releasing(self, death_sig, timeout: int = 30) -> None:
+        note_exits(self)
         self._worker_finished_event.set()
         close(self, death_sig, timeout)
 
     releasing.__plait_releases__ = True
     context_cls._close = releasing
+
+
+# global rank -> exit code, for the workers that had ended when the agent began to stop the rest: the agent reports
+# one failure (the first it polled), which is often a rank that lost its peer rather than the one that died
+EXITED_BEFORE_STOP: dict[int, int] = {}
+
+
+def note_exits(context) -> None:
+    EXITED_BEFORE_STOP.clear()
+    processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+    for local_rank, proc in enumerate(processes):
+        if proc.exitcode is not None:
+            env = context.envs.get(local_rank, {}) if isinstance(context.envs, dict) else {}
+            EXITED_BEFORE_STOP[int(env.get("RANK", local_rank))] = proc.exitcode
+
+
+def _restart_lines(agent_cls, run_dir: Path) -> None:
+    """One line per restart after a failure (`launch.max_restarts`): which rank ended how, and where it resumes."""
+    restart = getattr(agent_cls._restart_workers, "__wrapped_by_plait__", agent_cls._restart_workers)
+
+    def restarting(self, worker_group) -> None:
+        if worker_group.state.name in ("FAILED", "UNHEALTHY"):
+            spec = worker_group.spec
+            killed = _killed()
+            failed = sorted((r, c) for r, c in EXITED_BEFORE_STOP.items() if c != 0)
+            what = (f"worker rank {killed[0]} was killed by {killed[1]}" if killed else
+                    f"worker rank {failed[0][0]} failed with exit code {failed[0][1]}" if failed else "a worker failed")
+            ckpt = latest_checkpoint(run_dir)
+            print(f"plait: {what}; restart {spec.max_restarts - self._remaining_restarts} of {spec.max_restarts} "
+                  f"from {ckpt.name if ckpt else 'the start'}", file=sys.stderr, flush=True)
+        restart(self, worker_group)
+
+    restarting.__wrapped_by_plait__ = restart
+    agent_cls._restart_workers = restarting
 
 
 def _tolerate_dead_workers(context_cls, servers: int) -> None:
@@ -230,18 +270,51 @@ def report_preemption(run_dir: Path, e) -> int:
     return 1
 
 
-def report_failure(e) -> int:
-    """One short message for the CLI: user errors were already printed by the worker."""
+def _killed() -> tuple[int, str] | None:
+    """The first rank that a signal ended before the agent stopped the job (SIGKILL, the out-of-memory killer, ...)."""
+    killed = sorted((r, -c) for r, c in EXITED_BEFORE_STOP.items() if c < 0 and -c != signal.SIGTERM)
+    if not killed:
+        return None
+    rank, sig = killed[0]
+    try:
+        return rank, signal.Signals(sig).name
+    except ValueError:
+        return rank, f"signal {sig}"
+
+
+def next_step(run_dir: Path | None) -> str:
+    if run_dir is None:
+        return ""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return "; no checkpoint was written yet: start it again"
+    return f"; the latest checkpoint is {ckpt.name}: continue with plait train --resume {run_dir}"
+
+
+def report_failure(e, run_dir: Path | None = None) -> int:
+    """One short message for the CLI: user errors were already printed by the worker. A rank killed by a signal is
+    named as the cause (the others only lost their peer), with the latest checkpoint and the resume command."""
     failures = e.failures
+    killed = _killed()
+    if killed is not None:
+        rank, how = killed
+        print(f"error: worker rank {rank} was killed by {how} (from outside plait: the out-of-memory killer, a user "
+              f"or the scheduler); the other ranks stopped with it{next_step(run_dir)}", file=sys.stderr)
+        return 1
     codes = {f.exitcode for f in failures.values()}
     for code in (USER_ERROR_EXIT, DISTRIBUTED_FAILURE_EXIT):  # the worker has printed what went wrong
         if code in codes:
             return code
     rank, failure = min(failures.items())
     msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-    print(f"error: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
+        f"failed with exit code {code}"
+    print(f"error: worker rank {rank} {how}", file=sys.stderr)
     if msg and not msg.startswith("To enable traceback"):
         print(msg.strip()[-4000:], file=sys.stderr)
     if failure.error_file and os.path.exists(failure.error_file):
         print(f"(full error: {failure.error_file})", file=sys.stderr)
+    if run_dir is not None:
+        print(f"next: {next_step(run_dir)[2:]}", file=sys.stderr)
     return 1
