@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.plait-installed
 DEVSTAMP := $(VENV)/.plait-dev-installed
 
-.PHONY: run test bench lint clean
+.PHONY: run test bench lint clean extras
 
 # `make run` installs the core and what the default job needs; `make test` adds the dev extra (Ray, onnxruntime,
 # peft, ... : what the tests use), once, on top.
@@ -23,6 +23,13 @@ $(DEVSTAMP): $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[dev]'
 	$(BIN)/python -c "import torchvision" >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y torchvision
 	@touch $(DEVSTAMP)
+
+# `make extras EXTRAS=data,audit`: optional extras into .venv with the installed torch kept (pip would otherwise pull
+# the newest CUDA torch for their dependencies), and a torchvision that cannot load next to it removed.
+EXTRAS ?= edge
+extras: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[$(EXTRAS)]'
+	$(BIN)/python -c "import torchvision" >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y torchvision
 
 # Reinstall when TORCH differs from what the venv was set up with.
 ifneq ($(wildcard $(STAMP)),)

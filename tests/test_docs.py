@@ -114,3 +114,13 @@ def test_documented_training_commands_are_valid_jobs(where, args):
         load_job(None, sets)
     except ConfigError as e:
         pytest.fail(f"{where}: `plait {' '.join(args)}`: {e}")
+
+
+def test_no_install_command_in_the_docs_moves_torch():
+    """`pip install 'plait[X]'` alone resolves the extra's dependencies against the newest torch (a CUDA build): every
+    documented install of an extra pins the installed torch (issue 38 item 1)."""
+    loose = [f"{f.relative_to(ROOT)}:{n}" for f in DOCS for n, line in enumerate(f.read_text().splitlines(), 1)
+             for m in re.finditer(r"pip install 'plait\[[a-z,]+\]'(.*)", line)
+             if not m.group(1).startswith(''' "torch==$(python -c 'import torch; print(torch.__version__)')"''')]
+    assert not loose, loose
+    assert "extras:" in (ROOT / "Makefile").read_text()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from plait.config import format_config, load_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
+from plait.extras import missing_extra, torchvision_warning
 from plait.rundir import timestamped
 
 
@@ -197,11 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     a = parser.parse_args(argv)
+    warning = torchvision_warning()
+    if warning:
+        print(warning, file=sys.stderr)
     try:
         _check_sets(getattr(a, "set", None) or [])
         return a.fn(a)
     except PlaitError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an extra's module: one line naming the extra, for every verb
+        line = missing_extra(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
