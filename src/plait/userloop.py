@@ -1,7 +1,7 @@
 """Your own training loop on plait's layouts: `plait.parallelize(model, config)` owns the step, you own the loop.
 
     p = plait.parallelize(model, loss=F.cross_entropy)      # config: the one `plait launch` passed (PLAIT_CONFIG)
-    for batch in p.batches(dataset, steps=100):             # plait's layout-independent sampler, this rank's share
+    for batch in p.batches(dataset, steps=100):             # 100 steps from here; plait's layout-independent sampler
         out = p.step(batch, max_norm=1.0)                   # forward, backward, sync, clip, optimizer: out.loss, out.grad_norm
     p.save(run_dir, step=100)                               # DCP checkpoint, plain names; p.load(run_dir) -> step
     weights = p.state_dict()                                # the whole plain model's weights, on every rank
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +28,21 @@ import torch.nn as nn
 from plait.config import Config, load_config, validate_config
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 from plait.launch.job import fit_to_world
 from plait.launch.script import CONFIG_ENV, refuse_roles
 from plait.parallel import SCHEMES, Build, Precision, build_strategy, check_config
 from plait.train.checkpoint import Checkpointer, checkpoint_dir, find_resumable, load_checkpoint, step_name
 from plait.train.loss import with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
+
+
+# how long a rank waits for the others at a collective call of Parallel before it names the call
+ARRIVAL_S = float(os.environ.get("PLAIT_ARRIVAL_TIMEOUT_S", "60"))
+
+
+class CollectiveError(PlaitError):
+    """A collective call of Parallel (save, load, state_dict) made by some ranks only."""
 
 
 @dataclass
@@ -109,6 +118,10 @@ class Parallel:
         self.strategy = build_strategy(b)
         self.strategy.model.train()
         self.steps_done = 0
+        self._calls: dict[str, int] = {}
+        self._uid = [os.urandom(8).hex()]  # one key space per Parallel, the same on every rank (rank 0's)
+        if self.rt.distributed:
+            dist.broadcast_object_list(self._uid, src=0)
 
     # ---- what the loop uses
     @property
@@ -146,7 +159,13 @@ class Parallel:
                                   "dataset of (input, target) items")
             dataset = _MapData(dataset)
         start = self.steps_done if start is None else start
-        stop = t.steps if steps is None else steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"p.batches(steps={steps!r}): steps counts the steps to draw from the current one; give "
+                              "a positive integer (or leave it out: up to train.steps)")
+        stop = t.steps if steps is None else start + steps
+        if stop <= start:
+            raise ConfigError(f"p.batches(): the loop is at step {start} and train.steps = {t.steps}: nothing is left "
+                              "to draw; pass steps=N for N more steps, or raise train.steps")
         sampler = make_sampler(dataset, t.global_batch_size, t.seed, self.cfg.data.sampler)
         return iter(StepLoader(dataset, sampler, start, stop, self.rt.axis_rank("dp"), self.layout.dp,
                                t.micro_batch_size, pin_memory=self.rt.device.type == "cuda"))
@@ -168,15 +187,16 @@ class Parallel:
 
     # ---- checkpoints: DCP, the plain model's names, any layout can load them
     def save(self, run_dir: str | Path, step: int | None = None, keep: int = 2) -> Path:
-        """Write run_dir/checkpoints/step_NNNNNNN (every rank calls it); returns the folder."""
-
+        """Write run_dir/checkpoints/step_NNNNNNN (every rank calls it: it is collective); returns the folder."""
+        self._all_arrive("save")
         step = self.steps_done if step is None else step
         ckpt = Checkpointer(run_dir, self.rt, keep)
         ckpt.save(self.strategy, step, {})
         return checkpoint_dir(run_dir) / step_name(step)
 
     def load(self, run_dir: str | Path) -> int:
-        """Load the newest checkpoint of run_dir (saved at any layout); returns its step (0: none)."""
+        """Load the newest checkpoint of run_dir (saved at any layout); returns its step (0: none). Collective."""
+        self._all_arrive("load")
         found = [None]
         if self.rt.is_main or not self.rt.distributed:
             path = find_resumable(run_dir)
@@ -189,8 +209,27 @@ class Parallel:
         return self.steps_done
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole plain model's weights on every rank (gathered from shards and stages), on the CPU."""
+        """The whole plain model's weights on every rank (gathered from shards and stages), on the CPU. Collective."""
+        self._all_arrive("state_dict")
         return self.strategy.full_model_state_dict()
+
+    def _all_arrive(self, what: str) -> None:
+        """Before a collective call: every rank must make it within ARRIVAL_S, or this rank says which call is
+        collective (a save under `if p.is_main:` would otherwise hang until launch.timeout_s, then die in gloo)."""
+        if not (self.rt.distributed and dist.is_initialized()):
+            return
+        self._calls[what] = n = self._calls.get(what, 0) + 1
+        store = dist.distributed_c10d._get_default_store()
+        key, world = f"plait/userloop/{self._uid[0]}/{what}/{n}", dist.get_world_size()
+        arrived, deadline = store.add(key, 1), time.monotonic() + ARRIVAL_S
+        while arrived < world:
+            if time.monotonic() > deadline:
+                store.add(key, -1)  # take the arrival back: a later call by every rank meets under this key again
+                self._calls[what] = n - 1
+                raise CollectiveError(f"p.{what} is collective: call it on every rank, not inside `if p.is_main:` "
+                                      f"({arrived} of {world} ranks called it within {ARRIVAL_S:g} s)")
+            time.sleep(0.005)
+            arrived = store.add(key, 0)
 
     def close(self) -> None:
         """Leave the process group if parallelize made it (call it at the end of the script)."""

@@ -8,6 +8,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,8 +120,8 @@ def test_save_and_load_resume_the_loop(tmp_path):
     straight, losses = run(4, False)
     half, first = run(2, False)
     half.save(tmp_path / "ckpt")
-    rest, second = run(4, True)
-    assert first + second == losses
+    rest, second = run(2, True)  # steps counts from the loaded step: 2 more
+    assert first + second == losses and len(second) == 2
     assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), rest.state_dict().values(), strict=True))
     for p in (straight, half, rest):
         p.close()
@@ -149,3 +150,54 @@ def _two_loops_in_one_group():
 def test_close_leaves_a_process_group_it_did_not_make(pool2):
     first, second = pool2.run(_two_loops_in_one_group)[0]
     assert first == second and len(first) == 2
+
+
+def test_batches_counts_steps_so_an_epoch_loop_goes_on_and_an_empty_range_is_an_error():
+    import plait
+    from plait.config import load_config
+    from plait.errors import ConfigError
+
+    cfg = load_config(None, ["parallel.dp=1", "train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=8"])
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+    p = plait.parallelize(torch.nn.Linear(6, 3), cfg, loss=torch.nn.functional.cross_entropy)
+    per_epoch = [sum(1 for b in p.batches(data, steps=2) if p.step(b)) for _ in range(3)]  # three "epochs" of 2
+    assert per_epoch == [2, 2, 2] and p.steps_done == 6
+    with pytest.raises(ConfigError) as e:
+        p.batches(data)  # step 6, train.steps = 4: nothing left
+    assert str(e.value) == ("p.batches(): the loop is at step 6 and train.steps = 4: nothing is left to draw; pass "
+                            "steps=N for N more steps, or raise train.steps")
+    with pytest.raises(ConfigError, match=r"p.batches\(steps=0\): steps counts the steps to draw"):
+        p.batches(data, steps=0)
+    p.close()
+
+
+def _save_on_rank0_only(tmp: str):
+    """Pool task: p.save under `if p.is_main:` (PyTorch's DDP tutorial's habit) names the call instead of hanging."""
+    import torch.distributed as dist
+
+    import plait
+    from plait import userloop
+    from plait.config import load_config
+
+    cfg = load_config(None, ["parallel.dp=2", "train.global_batch_size=8", "train.micro_batch_size=4"])
+    p = plait.parallelize(torch.nn.Linear(6, 3), cfg, loss=torch.nn.functional.cross_entropy)
+    userloop.ARRIVAL_S, message = 1.0, None
+    t0 = time.monotonic()
+    try:  # rank 0 saves alone while rank 1 has gone on to the next collective call
+        p.save(tmp) if p.is_main else p.state_dict()
+    except userloop.CollectiveError as e:
+        message = str(e)
+    waited = time.monotonic() - t0
+    userloop.ARRIVAL_S = 60.0
+    p.save(tmp)  # called by both ranks, it goes through
+    p.close()
+    assert dist.is_initialized()
+    return message, waited
+
+
+def test_a_collective_call_on_one_rank_names_itself_instead_of_hanging(pool2, tmp_path):
+    (message, waited), (other, _) = pool2.run(_save_on_rank0_only, str(tmp_path))
+    assert message == ("p.save is collective: call it on every rank, not inside `if p.is_main:` (1 of 2 ranks called "
+                       "it within 1 s)")
+    assert other.startswith("p.state_dict is collective: call it on every rank") and 1.0 <= waited < 5
+    assert (tmp_path / "checkpoints" / "step_0000000").is_dir()
