@@ -36,7 +36,6 @@ from plait.train.checkpoint import Checkpointer, checkpoint_dir, find_resumable,
 from plait.train.loss import with_extra_loss
 from plait.train.optim import build_optimizer, lr_at, set_lr
 
-
 # how long a rank waits for the others at a collective call of Parallel before it names the call
 ARRIVAL_S = float(os.environ.get("PLAIT_ARRIVAL_TIMEOUT_S", "60"))
 
