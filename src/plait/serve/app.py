@@ -8,11 +8,13 @@
     GET  /metrics                                    Prometheus
 
 Handlers read raw bodies (the binary framing is not JSON), so errors are the protocol's own
-`{"error": message}` with 400/401/404/408/413/503/504, never FastAPI's 422, and never a 500 for
-anything a client sends (docs/security.md). Bodies must arrive within --read-timeout-s per chunk;
-large ones are decoded, and large answers encoded, on the service's codec thread so that the
-event loop keeps answering. Metric labels come from the route table (anything else is `other`),
-so requests to made-up paths cannot grow the metrics.
+`{"error": message}` with 400/401/404/408/413/431/499/503/504, never FastAPI's 422, and never a 500 for
+anything a client sends (docs/security.md). A whole body must arrive within --read-timeout-s (else
+408, and the connection is closed); a head over MAX_HEAD_BYTES is a 431 however its bytes came. Bodies
+are counted before they are parsed (protocol.check_items), large ones decoded, and large answers
+encoded, on the service's codec thread so that the event loop keeps answering; under --autoscale an
+infer request whose client goes away while it is held is dropped. Metric labels come from the route
+table (anything else is `other`), so requests to made-up paths cannot grow the metrics.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from plait.serve.protocol import (
     HEADER_LENGTH,
     RequestError,
     check_inputs,
+    check_items,
     decode_infer_request,
     encode_error,
     encode_infer_response,
@@ -41,6 +44,8 @@ from plait.serve.protocol import (
 from plait.serve.service import Service
 
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes work without the token
+MAX_HEAD_BYTES = 64 * 1024  # a request head (request line + headers) at most this long: 431 beyond
+GENERATE_MAX_ITEMS = 1024  # values, arrays and objects in a /v1/generate body (one object of a few fields) at most
 
 TENSOR_SCHEMA = {
     "type": "object", "required": ["name", "shape", "datatype"],
@@ -104,16 +109,25 @@ def endpoint_of(path: str) -> str:
     return "other"
 
 
+def head_size(scope) -> int:
+    """The bytes of a request's head as parsed (request line and headers; the separators counted as on the wire)."""
+    return (len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 14
+            + sum(len(k) + len(v) + 4 for k, v in scope["headers"]))
+
+
 async def receive_body(receive, headers: dict, limit: int, timeout_s: float, flag: str = "--max-body-mb") -> bytes:
-    """The request body from ASGI `receive`: 413 over `limit` bytes (before reading it all), 408 when a chunk does not
-    come within `timeout_s`, 400 when the client goes away half-way."""
+    """The request body from ASGI `receive`: 413 over `limit` bytes (before reading it all), 408 when the whole body has
+    not come within `timeout_s` (a total deadline: a client that drips a byte a second is cut too), 400 when the
+    client goes away half-way."""
     declared = headers.get(b"content-length", b"")
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"request body is {int(declared)} bytes; the limit is {limit} ({flag})")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     chunks, size, more = [], 0, True
     while more:
         try:
-            message = await asyncio.wait_for(receive(), timeout_s)
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
         except TimeoutError:
             raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s (--read-timeout-s)") from None
         if message["type"] == "http.disconnect":
@@ -127,9 +141,12 @@ async def receive_body(receive, headers: dict, limit: int, timeout_s: float, fla
     return b"".join(chunks)
 
 
-async def infer_body(service: Service, body: bytes, header_length: str | None, arrived: float) -> tuple[bytes, dict]:
-    """Decode, check, batch, run and encode one infer request: the answer's body and headers."""
-    req = await service.off_loop(decode_infer_request, body, header_length, size=len(body))
+async def infer_body(service: Service, body: bytes, header_length: str | None, arrived: float,
+                     receive=None) -> tuple[bytes, dict]:
+    """Decode, check, batch, run and encode one infer request: the answer's body and headers. Under --autoscale (a
+    request may be held through a cold start) `receive` is watched: a client that goes away drops its request."""
+    req = await service.off_loop(decode_infer_request, body, header_length, service.max_json_items, service.items_hint,
+                                 size=len(body))
     s = service.served
     check_inputs(req, service.name, s.inputs, service.opts.max_batch_size)
     x = req.inputs[s.inputs[0].name]
@@ -138,7 +155,12 @@ async def infer_body(service: Service, body: bytes, header_length: str | None, a
             raise RequestError(400, f"input 'input_ids' has {x.shape[1]} tokens; the model's context is {s.context}")
         if x.min() < 0 or x.max() >= s.vocab_size:
             raise RequestError(400, f"input 'input_ids' holds ids outside [0, {s.vocab_size}) (the vocabulary)")
-    outputs = await service.infer(x, arrived)
+    if service.opts.autoscale is not None and receive is not None:
+        outputs = await _unless_disconnected(service.infer(x, arrived), receive)
+        if outputs is None:
+            raise RequestError(499, "the client went away before the answer; the request was dropped")
+    else:
+        outputs = await service.infer(x, arrived)
     values = sum(v.size for v in outputs.values())
     return await service.off_loop(encode_infer_response, service.name, req, outputs, s.outputs, size=values)
 
@@ -166,7 +188,7 @@ class Observe:
             length = headers.get(HEADER_LENGTH.lower().encode())
             content, out_headers = await infer_body(self.service, body,
                                                     None if length is None else length.decode("latin-1"),
-                                                    scope["state"]["arrived"])
+                                                    scope["state"]["arrived"], receive)
             status = 200
         except Exception as e:  # RequestError and any other: the same answer as the framework's routes give
             status, content, out_headers = encode_error(e)
@@ -190,6 +212,9 @@ class Observe:
 
         path = scope["path"]
         try:
+            if head_size(scope) > MAX_HEAD_BYTES:  # whole in one read (the server cuts a head that arrives in parts)
+                resp = error_response(RequestError(431, f"the request head is over {MAX_HEAD_BYTES} bytes"))
+                return await resp(scope, receive, send_wrapper)
             if self.expected is not None and path not in OPEN_PATHS:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not secrets.compare_digest(given, self.expected):
@@ -356,7 +381,7 @@ def _infer_routes(app: FastAPI, service: Service) -> None:
         _model_or_404(service, model, version)
         body = await read_body(request, limit, timeout_s)
         content, headers = await infer_body(service, body, request.headers.get(HEADER_LENGTH),
-                                            request.scope["state"]["arrived"])
+                                            request.scope["state"]["arrived"], request.receive)
         return Response(content, headers=headers)
 
     infer_doc = _body(INFER_SCHEMA, "KServe v2 inference request; binary tensors follow the JSON header, whose "
@@ -380,6 +405,7 @@ def _generate_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/generate", summary="text generation", openapi_extra=_body(GENERATE_SCHEMA, "generation request"))
     async def generate(request: Request):
         raw = await read_body(request, gen_limit, service.opts.read_timeout_s, gen_flag)
+        check_items(raw, GENERATE_MAX_ITEMS, " (one object: prompt, max_new_tokens, temperature, ...)")
         body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object with a 'prompt'")

@@ -147,8 +147,10 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")
     s.add_argument("--read-timeout-s", type=float, default=10.0,
-                   help="a request head, and each chunk of a body, must arrive within this (else 408 or the connection closes)")
-    s.add_argument("--max-connections", type=int, default=256, help="open connections at most; more are closed at once")
+                   help="a request head, and then its whole body, must each arrive within this (else the connection "
+                        "closes; 408 for a body)")
+    s.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most; 8 more answer one health probe or /metrics each, more are closed at once")
     s.add_argument("--trust-factory", action="store_true",
                    help="build a model.factory named in an exported file: imports and runs that code (see docs/security.md)")
     s.add_argument("--trust-checkpoint", action="store_true",

@@ -218,15 +218,20 @@ class ReplicaPool:
         assert self._loop is not None
         t = _Task(next(self._ids), task, self._loop.create_future(), on_event)
         self._dispatch(t)
-        match task:
-            case Generate(rows=rows) if cancelled is not None:  # a generation's requests may be given up as it runs
-                watcher = self._loop.create_task(self._watch(t, cancelled, len(rows)))
-                try:
+        try:
+            match task:
+                case Generate(rows=rows) if cancelled is not None:  # a generation's requests may be given up as it runs
+                    watcher = self._loop.create_task(self._watch(t, cancelled, len(rows)))
+                    try:
+                        return await t.future
+                    finally:
+                        watcher.cancel()
+                case _:
                     return await t.future
-                finally:
-                    watcher.cancel()
-            case _:
-                return await t.future
+        except asyncio.CancelledError:  # given up (every request of the batch): if it still waits, it is never sent
+            if t in self._waiting:
+                self._waiting.remove(t)
+            raise
 
     async def _watch(self, t: _Task, cancelled: Cancelled, rows: int) -> None:
         """Tell the replica running `t` about rows whose requests were given up (timeout, disconnect)."""
@@ -285,8 +290,11 @@ class ReplicaPool:
         t = r.inflight.pop(task_id, None)
         if t is not None and not t.future.done():
             settle(t.future)
-        if self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
-            self._dispatch(self._waiting.pop(0))
+        while self.autoscale and self._waiting and not r.retiring:  # the replica is free: the next waiting batch
+            waiting = self._waiting.pop(0)
+            if not waiting.future.done():  # (one given up is dropped)
+                self._dispatch(waiting)
+                break
 
     def _on_ready(self, r: _Replica, pid: int, split: dict | None) -> None:
         r.live = r.was_live = True

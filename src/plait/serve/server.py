@@ -6,11 +6,14 @@ uvicorn stops listening, lets running requests complete (the batcher keeps cutti
 for them), and only then are the batcher and the worker processes shut down.
 
 Connections (docs/security.md): a request's head must arrive within --read-timeout-s of its first
-byte (or of the connection opening), else the connection is closed; at most --max-connections
-are open at once, and one more is closed as soon as it is accepted. uvicorn has neither
-setting, so both live in a subclass of its HTTP protocol (`guarded_protocol`); its own
-keep-alive timeout closes idle connections. A head larger than MAX_HEAD_BYTES closes the connection
-(h11 has such a limit, httptools none).
+byte (or of the connection opening), else the connection is closed (its body too: plait.serve.app);
+at most --max-connections are open at once. Past them RESERVE_CONNECTIONS more are taken, each for one
+request to the health probes or /metrics (anything else: 503), with a head deadline of at most
+RESERVE_HEAD_S, then closed: clients that hold every slot do not make the server look dead. One more
+is closed as soon as it is accepted. uvicorn has none of these, so they live in a subclass of its HTTP
+protocol (`guarded_protocol`); its own keep-alive timeout closes idle connections. A head that passes
+MAX_HEAD_BYTES while it arrives gets 431 and the connection is closed (h11 has such a limit, httptools
+none); one that comes whole in one read is answered 431 by the app.
 
 The loop and the parser are the fast ones when installed (uvloop, httptools: `loop_and_protocol()`),
 as uvicorn's "auto" would choose; asyncio's own loop and h11 otherwise.
@@ -47,14 +50,16 @@ try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it 
 except ImportError:
     _new_loop = asyncio.new_event_loop
 
-from plait.serve.app import create_app
+from plait.serve.app import MAX_HEAD_BYTES, OPEN_PATHS, create_app
 from plait.serve.model import ModelRef, load_model
-from plait.serve.protocol import ServeError
+from plait.serve.protocol import RequestError, ServeError, encode_error
 from plait.serve.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 
 GRACEFUL_S = 30  # how long in-flight requests may take to finish after SIGTERM
-MAX_HEAD_BYTES = 64 * 1024  # a request head (request line + headers) at most this long
+RESERVE_CONNECTIONS = 8  # past --max-connections: connections for one health or metrics request each
+RESERVE_HEAD_S = 2.0  # a reserve connection's head deadline (at most --read-timeout-s)
+RESERVE_PATHS = (*OPEN_PATHS, "/metrics")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -101,6 +106,7 @@ if TYPE_CHECKING:
         """What _Guarded uses of the uvicorn class it is mixed into (HttpToolsProtocol and H11Protocol both have
         these attributes, each with its own request cycle class)."""
 
+        app: Callable
         connections: set[asyncio.Protocol]
         cycle: _Cycle | None
         loop: asyncio.AbstractEventLoop
@@ -109,19 +115,57 @@ else:
     _HTTPProtocol = object  # at run time a plain mixin: uvicorn's class follows it in the MRO (guarded_protocol)
 
 
+def _raw_error(e: RequestError) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection (written by the protocol, no app involved)."""
+    status, body, headers = encode_error(e)
+    head = [f"HTTP/1.1 {status} {'Request Header Fields Too Large' if status == 431 else 'Error'}"]
+    head += [f"{k}: {v}" for k, v in (headers | {"connection": "close", "content-length": str(len(body))}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+def reserved_only(app):
+    """`app` for a reserve connection: GET of a health probe or /metrics, once (the answer closes the connection);
+    anything else is a 503 that says why."""
+    refusal = RequestError(503, "every connection slot is taken (--max-connections); this spare connection answers "
+                                f"only GET {', '.join(RESERVE_PATHS)}")
+
+    async def reserved(scope, receive, send):
+        async def closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in RESERVE_PATHS:
+            return await app(scope, receive, closing)
+        status, body, headers = encode_error(refusal)
+        raw = [(k.encode(), v.encode()) for k, v in (headers | {"connection": "close"}).items()]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": raw + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return reserved
+
+
 class _Guarded(_HTTPProtocol):
-    """Mixin for uvicorn's HTTP protocol classes: a deadline for each request head, and a cap on open connections."""
+    """Mixin for uvicorn's HTTP protocol classes: a deadline for each request head, a cap on open connections and a
+    few reserve connections past it for the health probes."""
 
     head_timeout_s: float = 10.0
     max_connections: int = 256
+    reserve: set  # the reserve connections open now (one set per server: guarded_protocol)
 
     def connection_made(self, transport) -> None:
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._timeout_s = self.head_timeout_s
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            transport.close()  # uvicorn's connection_lost forgets it
-            return
+        if len(self.connections) - len(self.reserve) > self.max_connections:
+            if len(self.reserve) >= RESERVE_CONNECTIONS:
+                transport.close()  # uvicorn's connection_lost forgets it
+                return
+            self.reserve.add(self)
+            self.app = reserved_only(self.app)
+            self._timeout_s = min(RESERVE_HEAD_S, self.head_timeout_s)
         self._arm()
 
     def _waiting_for_head(self) -> bool:
@@ -129,7 +173,7 @@ class _Guarded(_HTTPProtocol):
 
     def _arm(self) -> None:
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+            self._head_timer = self.loop.call_later(self._timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
@@ -151,18 +195,21 @@ class _Guarded(_HTTPProtocol):
         else:  # all of it is (part of) a head
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.transport.write(_raw_error(RequestError(431, f"the request head is over {MAX_HEAD_BYTES} bytes")))
                 self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self.reserve.discard(self)
         super().connection_lost(exc)
 
 
 def guarded_protocol(head_timeout_s: float, max_connections: int) -> type:
-    """uvicorn's HTTP protocol (httptools when installed, else h11) with the head deadline and the connection cap."""
+    """uvicorn's HTTP protocol (httptools when installed, else h11) with the head deadline, the connection cap and its
+    reserve."""
     base = _HTTPBase
     return type(f"Guarded{base.__name__}", (_Guarded, base),
-                {"head_timeout_s": head_timeout_s, "max_connections": max_connections})
+                {"head_timeout_s": head_timeout_s, "max_connections": max_connections, "reserve": set()})
 
 
 def uvicorn_server(service: Service) -> uvicorn.Server:

@@ -28,7 +28,7 @@ from plait.serve.device import serve_device, torch_device
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
-from plait.serve.protocol import RequestError, ServeError
+from plait.serve.protocol import RequestError, ServeError, request_items
 from plait.serve.quantize import QUANTIZE_CHOICES
 from plait.serve.replicas import ReplicaPool
 from plait.serve.runner import LocalExecutor, Runner
@@ -55,8 +55,8 @@ class ServeOptions:
     exact_batching: bool = True  # pad classifier batches to max_batch_size rows (bitwise batch invariance)
     threads: int = 0  # torch threads per model process; 0: the cores left after the HTTP loop (in-process), cores / N
     max_prompt_chars: int = 65_536  # a longer /v1/generate prompt gets 413 (checked before it is tokenized)
-    read_timeout_s: float = 10.0  # request head (and each body chunk) must arrive within this, else the connection closes
-    max_connections: int = 256  # open connections at most; more are closed at once
+    read_timeout_s: float = 10.0  # request head, then the whole body, must each arrive within this, else 408 / closed
+    max_connections: int = 256  # open connections at most; 8 more for health and metrics (server.py), more closed at once
     trust_factory: bool = False  # build a model.factory named in an exported file (it is code)
     trust_checkpoint: bool = False  # serve a run checkpoint that has no manifest
     device: str = "auto"  # auto (cuda when available, cpu with --quantize), cpu or cuda; see plait.serve.device
@@ -130,6 +130,11 @@ class Service:
             raise ServeError(f"--pp {opts.pp} splits a PyTorch model's blocks; {path} is an exported file "
                              f"({self.served.backend}): serve it with --replicas instead")
         self.name = opts.name or self.served.registry_name
+        # What an infer body may hold, counted before it is parsed (protocol.check_items): max_batch_size rows of the inputs.
+        s = self.served
+        self.max_json_items = request_items(s.inputs, opts.max_batch_size, s.context if s.is_lm else None)
+        self.items_hint = (f" (--max-batch-size {opts.max_batch_size} rows of the inputs of model '{self.name}': "
+                           f"{', '.join(t.describe() for t in s.inputs)})")
         self.metrics = Metrics()
         self.ongoing = 0  # requests admitted and not yet answered (what the autoscaler follows)
         self._ongoing_peak = 0  # the most at once since the autoscaler last looked
@@ -285,7 +290,10 @@ class Service:
             await asyncio.wait({run, gave_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gave_up.cancel()
-        return run.result() if run.done() else None
+        if run.done():
+            return run.result()
+        run.cancel()  # a batch still waiting for a replica is dropped from the pool: it never reaches the model
+        return None
 
     @staticmethod
     def _answer(batch: list[Pending], result: Result) -> None:
