@@ -59,6 +59,12 @@ def test_the_mlflow_file_store_holds_the_logged_losses(tracked_run, monkeypatch)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "time/forward_backward")] == \
         [m["time"]["forward_backward"] for m in logged]
     assert run.info.status == "FINISHED"
+    params = run.data.params  # the resolved config, flattened, with the layout and the model's size: runs filter by them
+    assert (params["train.steps"], params["log.every"], params["train.eval_every"]) == ("4", "1", "2")
+    assert params["model.name"] == "gpt" and params["log.trackers"] == json.dumps(["mlflow", "wandb"])
+    assert params["plait.world_size"] == "2" and params["plait.layout"].startswith("dp=2")
+    assert int(params["plait.params"]) == int(params["plait.trainable_params"]) > 1000
+    assert len(params) > 100
 
 
 def test_the_wandb_offline_run_holds_the_logged_losses(tracked_run):

@@ -15,11 +15,14 @@ from pathlib import Path
 class TensorBoardTracker:
     """RUN_DIR/tensorboard: event files (torch.utils.tensorboard); a resume purges the events past its step."""
 
-    def __init__(self, run_dir: Path, keep_through: int | None):
+    def __init__(self, run_dir: Path, keep_through: int | None, params: dict[str, str]):
         from torch.utils.tensorboard import SummaryWriter  # lazily: tensorboard is an optional extra
 
         self._w = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
                                 purge_step=None if keep_through is None else keep_through + 1)
+        if params:  # the config as a text table (TensorBoard's hparams plugin needs a final metric per run)
+            rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
+            self._w.add_text("config", f"| key | value |\n| --- | --- |\n{rows}", (keep_through or 0) + 1)
 
     def log(self, step: int, scalars: list[tuple[str, float]]) -> None:
         for key, value in scalars:
@@ -33,7 +36,7 @@ class MLflowTracker:
     """RUN_DIR/mlruns: an MLflow file store, experiment "plait", one MLflow run per session (a resume starts another,
     tagged with its first step). Read it with `mlflow ui --backend-store-uri RUN_DIR/mlruns`."""
 
-    def __init__(self, run_dir: Path, keep_through: int | None):
+    def __init__(self, run_dir: Path, keep_through: int | None, params: dict[str, str]):
         # MLflow 3 keeps the file store behind this opt-in (a database store would need SQLAlchemy and a server)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient  # lazily: mlflow is an optional extra
@@ -43,6 +46,12 @@ class MLflowTracker:
         exp_id = exp.experiment_id if exp else self._client.create_experiment("plait")
         tags = {"plait.run_dir": str(run_dir.resolve()), "plait.first_step": str((keep_through or 0) + 1)}
         self._run_id = self._client.create_run(exp_id, run_name=run_dir.resolve().name, tags=tags).info.run_id
+        if params:
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+                self._client.log_batch(self._run_id, params=items[i:i + 100])
 
     def log(self, step: int, scalars: list[tuple[str, float]]) -> None:
         from mlflow.entities import Metric
@@ -57,13 +66,13 @@ class MLflowTracker:
 class WandbTracker:
     """RUN_DIR/wandb/offline-run-*: a W&B run in offline mode (no network, no login); `wandb sync` uploads it later."""
 
-    def __init__(self, run_dir: Path, keep_through: int | None):
+    def __init__(self, run_dir: Path, keep_through: int | None, params: dict[str, str]):
         import wandb  # lazily: wandb is an optional extra
 
         settings = wandb.Settings(mode="offline", console="off", silent=True, x_disable_stats=True, disable_git=True,
                                   save_code=False)
         self._run = wandb.init(dir=str(run_dir.resolve()), project="plait", name=run_dir.resolve().name,
-                               settings=settings, config={"plait.first_step": (keep_through or 0) + 1}, reinit="create_new")
+                               settings=settings, config={**params, "plait.first_step": (keep_through or 0) + 1}, reinit="create_new")
 
     def log(self, step: int, scalars: list[tuple[str, float]]) -> None:
         self._run.log(dict(scalars), step=step)
@@ -77,9 +86,10 @@ TRACKERS = {"tensorboard": ("tensorboard", TensorBoardTracker), "mlflow": ("mlfl
             "wandb": ("wandb", WandbTracker)}
 
 
-def open_trackers(run_dir: Path, names, keep_through: int | None = None) -> list:
-    """One tracker per name in log.trackers, in that order (names already checked by the config)."""
-    return [TRACKERS[name][1](run_dir, keep_through) for name in names]
+def open_trackers(run_dir: Path, names, keep_through: int | None = None, params: dict[str, str] | None = None) -> list:
+    """One tracker per name in log.trackers, in that order (names already checked by the config); each records
+    `params` (the resolved config, flattened, the layout, the parameter counts) as its run's parameters."""
+    return [TRACKERS[name][1](run_dir, keep_through, params or {}) for name in names]
 
 
 def scalars(record: dict, prefix: str = ""):

@@ -73,10 +73,12 @@ class MetricsWriter:
     replays, and any line a killed writer left half-written, so each step is in the file once, in order.
     """
 
-    def __init__(self, path: Path | None, keep_through: int | None = None, trackers: list[str] | tuple = ()):
+    def __init__(self, path: Path | None, keep_through: int | None = None, trackers: list[str] | tuple = (),
+                 params: dict[str, str] | None = None):
         self.path = path
-        # every numeric field of a step's record, as a scalar at that step, to each of log.trackers (rank 0: has a path)
-        self._trackers = open_trackers(path.parent, trackers, keep_through) if path and trackers else []
+        # every numeric field of a step's record, as a scalar at that step, to each of log.trackers (rank 0: has a
+        # path); `params` (the resolved config, flattened) as the tracker's run parameters
+        self._trackers = open_trackers(path.parent, trackers, keep_through, params or {}) if path and trackers else []
         if path and keep_through is not None and path.is_file():
             kept = []
             for line in path.read_text().splitlines():

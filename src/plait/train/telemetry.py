@@ -28,7 +28,7 @@ import torch.distributed as dist
 from plait import faults
 from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
-from plait.config import dump_config
+from plait.config import config_to_dict, dump_config
 from plait.models.protocols import WindowMetricsModel
 from plait.train.evaluate import evaluate, generate_sample, linear_probe
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
@@ -42,6 +42,26 @@ def _fingerprinter(cfg, rt):
     if not (cfg.launch.check_collectives and rt.distributed):
         return None
     return Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+def model_counts(strategy, layout, rt) -> tuple[int, int]:
+    """(all, trainable) parameters of the whole model: a sharded DTensor counts its global size, and pipeline stages
+    (each holding its own blocks) are summed over the pp group. Every rank calls it."""
+    params = list(strategy.module.parameters())
+    counts = torch.tensor([sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)],
+                          dtype=torch.float64)
+    if rt.distributed and layout.pp > 1:
+        dist.all_reduce(counts, group=rt.axis_group("pp"))
+    return int(counts[0]), int(counts[1])
+
+
+def tracker_params(cfg, layout_line: str, counts: tuple[int, int], world: int) -> dict[str, str]:
+    """What the trackers record as the run's parameters: every resolved config key (section.key), the layout and
+    the model's parameter counts, so runs filter and compare by hyperparameter."""
+    flat = {f"{section}.{key}": value for section, keys in config_to_dict(cfg).items() for key, value in keys.items()}
+    flat.update({"plait.layout": layout_line, "plait.world_size": world, "plait.params": counts[0],
+                 "plait.trainable_params": counts[1]})
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in flat.items()}
 
 
 class Telemetry:
@@ -62,8 +82,11 @@ class Telemetry:
         self.progress = Progress(cfg.train.steps, start, cfg.log.progress and rt.is_main, "tok" if self.lm else "samples")
         if self.writes and run_dir is not None:
             write_run_files(run_dir, cfg, bundle)
+        self.counts = model_counts(strategy, layout, rt)
+        params = tracker_params(cfg, layout_text(layout, strategy), self.counts, rt.world_size) \
+            if self.writes and cfg.log.trackers else None
         self.writer = MetricsWriter(run_dir / "metrics.jsonl" if self.writes else None, keep_through=start,
-                                    trackers=cfg.log.trackers)
+                                    trackers=cfg.log.trackers, params=params)
         self.measure_at = {start + 1, stop}  # memory is measured on the session's first and last step
         self.step = start
         self.grads_seen = 0
@@ -113,10 +136,12 @@ class Telemetry:
 
     def _announce(self) -> None:
         cfg, rt, layout = self.cfg, self.rt, self.layout
-        n_params = sum(p.numel() for p in self.strategy.module.parameters())
+        total, trainable = self.counts
         what = cfg.model.hf_class or cfg.model.factory or cfg.model.name  # a transformers class by its name
+        counted = f"{human_count(total)} params" + (f", {human_count(trainable)} trainable" if trainable != total else "")
+        loaded = f" from {cfg.train.init_from}" if cfg.train.init_from else ""
         rt.print(
-            f"plait: {what} ({human_count(n_params)} params) on {self.bundle.spec.name} · "
+            f"plait: {what} ({counted}){loaded} on {self.bundle.spec.name} · "
             f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(layout, self.strategy)}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
