@@ -72,7 +72,8 @@ class WandbTracker:
         settings = wandb.Settings(mode="offline", console="off", silent=True, x_disable_stats=True, disable_git=True,
                                   save_code=False)
         self._run = wandb.init(dir=str(run_dir.resolve()), project="plait", name=run_dir.resolve().name,
-                               settings=settings, config={**params, "plait.first_step": (keep_through or 0) + 1}, reinit="create_new")
+                               settings=settings, config={**params, "plait.first_step": (keep_through or 0) + 1},
+                               reinit="create_new")
 
     def log(self, step: int, scalars: list[tuple[str, float]]) -> None:
         self._run.log(dict(scalars), step=step)
