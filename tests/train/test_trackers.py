@@ -46,3 +46,29 @@ def test_an_unknown_tracker_is_a_config_error():
                        match=r"log.trackers: 'comet' is not a tracker plait writes; choose from \['mlflow', 'tensorboard', "
                              r"'wandb'\]"):
         load_config(None, ["log.trackers=['comet']"])
+
+
+def _counts(cfg_args):
+    """Pool task: the header's parameter counts of a one-step run at this layout."""
+    from helpers import tiny_gpt_config  # noqa: F401 -- the harness's path
+    from plait.parallel import check_config
+    from plait.train.telemetry import model_counts
+    from plait.train.trainer import train
+
+    cfg, run_dir = cfg_args
+    result = train(cfg, run_dir)
+    return model_counts(result.strategy, check_config(cfg), result.runtime)
+
+
+def test_the_header_counts_the_whole_model_at_pp2(pool2, tiny_text, tmp_path):
+    """At pp = 2 each stage holds half the blocks: the count is summed over the stages, equal to dp = 2's."""
+    from helpers import tiny_gpt_config
+
+    base = ("train.steps=1", "train.sample_tokens=0", "train.eval_samples=0", "log.report=false")
+    runs = {}
+    for name, layout in (("dp", ("parallel.dp=2",)), ("pp", ("parallel.dp=1", "parallel.pp=2"))):
+        cfg = tiny_gpt_config(tiny_text, *base, *layout)
+        runs[name] = pool2.run(_counts, (cfg, tmp_path / name))
+    assert runs["dp"][0] == runs["dp"][1] == runs["pp"][0] == runs["pp"][1]
+    total, trainable = runs["pp"][0]
+    assert total == trainable > 1000

@@ -164,6 +164,11 @@ class PipelineStrategy(Strategy):
         copies = [p for p in params if id(p) in self._alias_ids]
         return clip_grad_norm([], max_norm, partial=counted, group=self.pp_group, clip_also=copies)
 
+    @property
+    def tied_copies(self) -> frozenset[int]:
+        """ids of this stage's parameters that copy a weight of another stage (the last stage's tied head)."""
+        return self._alias_ids
+
     # ---- a weight shared by the first and last stage
     def _setup_tied(self, tied: dict[str, str]) -> None:
         """Process groups joining, for every (dp, tp) position, the ranks of the first and last stage."""

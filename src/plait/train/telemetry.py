@@ -47,7 +47,8 @@ def _fingerprinter(cfg, rt):
 def model_counts(strategy, layout, rt) -> tuple[int, int]:
     """(all, trainable) parameters of the whole model: a sharded DTensor counts its global size, and pipeline stages
     (each holding its own blocks) are summed over the pp group. Every rank calls it."""
-    params = list(strategy.module.parameters())
+    copies = getattr(strategy, "tied_copies", frozenset())  # a tied weight's copy on the last stage counts once
+    params = [p for p in strategy.module.parameters() if id(p) not in copies]
     counts = torch.tensor([sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)],
                           dtype=torch.float64)
     if rt.distributed and layout.pp > 1:
