@@ -1,6 +1,7 @@
 """log.trackers: TensorBoard event files hold the numbers metrics.jsonl holds (read back with TensorBoard's reader)."""
 
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,17 @@ def test_the_header_counts_the_whole_model_at_pp2(pool2, tiny_text, tmp_path):
     assert runs["dp"][0] == runs["dp"][1] == runs["pp"][0] == runs["pp"][1]
     total, trainable = runs["pp"][0]
     assert total == trainable > 1000
+
+
+def test_each_evaluation_before_the_last_is_printed(tmp_path):
+    """log.progress: an evaluation mid-run prints its validation figures (the last one is in the closing summary)."""
+    from helpers import plait
+
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "mlp"\nwidth = 16\ndepth = 1\n[data]\nname = "digits"\n[train]\nsteps = 4\n'
+                   'global_batch_size = 16\nmicro_batch_size = 16\neval_every = 2\neval_samples = 32\n'
+                   'sample_tokens = 0\n[parallel]\ndp = 1\n[log]\nprogress = true\nreport = false\n')
+    r = plait("train", job, "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ": validation " in ln]
+    assert len(lines) == 1 and re.fullmatch(r"step 2/4: validation loss \d+\.\d{4}, accuracy \d\.\d{4}", lines[0])

@@ -35,6 +35,15 @@ class Progress:
         elif force_line:
             print(f"step {step}/{self.total}  {info}", flush=True)
 
+    def note(self, line: str) -> None:
+        """A line of its own above the bar (an evaluation's result)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

@@ -271,6 +271,11 @@ class Telemetry:
             out = evaluate(self.strategy, self.bundle.val, self.cfg, self.rt, self.bundle.spec.task)
         self.writer.write({"step": step, **out})
         self.evaluated = (step, out)
+        if step != self.stop:  # the last one is in the closing summary
+            shown = [f"{k.removeprefix('val_').replace('_', ' ')} {v:.4f}" for k, v in out.items()
+                     if k.startswith("val_") and isinstance(v, float)]
+            if shown:
+                self.progress.note(f"step {step}/{self.cfg.train.steps}: validation " + ", ".join(shown))
         return out
 
     # ---- the end
