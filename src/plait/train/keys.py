@@ -157,8 +157,9 @@ class LogKeys:
 @keys("distill")
 class DistillKeys:
     teacher: str = opt("", "knowledge distillation from this run directory's model (eval mode, no gradient); '' off")
-    temperature: float = opt(2.0, "distillation: softmax temperature of teacher and student logits")
-    alpha: float = opt(0.5, "distillation: weight of the soft-target KL term (x temperature^2); 1 - alpha: the hard labels")
+    # defaults: what benchmarks/finetune.py found best (docs/finetune.md: 0.5 and 2 did worse than no teacher)
+    temperature: float = opt(1.0, "distillation: softmax temperature of teacher and student logits")
+    alpha: float = opt(0.9, "distillation: weight of the soft-target KL term (x temperature^2); 1 - alpha: the hard labels")
 
     def check(self, cfg) -> None:
         if not self.teacher:
