@@ -220,3 +220,29 @@ def test_out_onto_a_folder_that_is_not_a_run_is_refused(tmp_path, monkeypatch, c
     empty.mkdir()
     assert main(["train", "--dry-run", "--out", str(empty)]) == 0  # an empty folder is fine
     assert main(["train", "--dry-run", "--out", str(empty)]) == 0  # and so is a run's own (config.toml, no checkpoints yet)
+
+
+def test_every_argument_of_every_verb_has_help_and_shows_its_default():
+    """issue 38 item 11: no argument without a description, no option whose default the help hides."""
+    import argparse
+
+    from plait.cli import _Defaults, build_parser
+
+    fmt, missing = _Defaults("plait"), []
+
+    def walk(parser, path):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+                text = fmt._get_help_string(a)
+                if not a.help:
+                    missing.append(f"{path}: {a.dest} has no help")
+                elif a.option_strings and a.default not in (None, False, [], argparse.SUPPRESS) and \
+                        "default" not in text.lower():
+                    missing.append(f"{path}: {a.dest} hides its default")
+
+    walk(build_parser(), "plait")
+    assert not missing, missing
+    assert "(default: 8000)" in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

@@ -119,8 +119,27 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS)
+                and "default" not in text.lower() and "%(default)" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """plait's parsers (sub-commands inherit the class): the defaults formatter."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Defaults)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plait", description="Distributed training and serving for PyTorch.")
+    p = _Parser(prog="plait", description="Distributed training and serving for PyTorch.")
     p.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
@@ -139,11 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
     cs = csub.add_parser("show", help="print every key with its value and description")
     cs.add_argument("config", nargs="?", help="TOML config file (default: the built-in default job)")
-    cs.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    cs.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     cs.set_defaults(fn=cmd_config_show)
 
     e = sub.add_parser("export", help="write the run's weights as one model.safetensors")
-    e.add_argument("run_dir", type=Path)
+    e.add_argument("run_dir", type=Path, help="a run directory (plait train --out)")
     e.add_argument("-o", "--output", type=Path, help="output file (default: RUN_DIR/model.safetensors); .onnx or .pt2: "
                                                       "an edge export with its parity gate (docs/serving.md)")
     e.add_argument("--trust-checkpoint", action="store_true",
@@ -162,14 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     r = sub.add_parser("report", help="where a run's time went, with a verdict; (re)writes RUN_DIR/report.html")
-    r.add_argument("run_dir", type=Path)
+    r.add_argument("run_dir", type=Path, help="a run directory (plait train --out)")
     r.set_defaults(fn=cmd_report)
 
     b = sub.add_parser("bench", help="measure plait on this machine")
     bench = b.add_subparsers(dest="bench_verb", required=True, metavar="WHAT")
     bm = bench.add_parser("memory", help="ZeRO stages 0-3: memory per rank against the ZeRO paper, step time, traffic")
     bm.add_argument("config", nargs="?", help="TOML config file (default: the built-in default job)")
-    bm.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    bm.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     bm.add_argument("--steps", type=int, default=6, help="steps per stage")
     bm.add_argument("--out", type=Path, help="where the runs, memory.json and memory.png go (default: runs/bench-memory-<time>)")
     bm.set_defaults(fn=cmd_bench_memory)

@@ -29,7 +29,7 @@ def cmd_compress(a) -> int:
 
 def add_parsers(sub, bench) -> None:
     c = sub.add_parser("compress", help="low-rank (SVD) or int8 weights of a trained run, with a before/after table")
-    c.add_argument("run_dir", type=Path)
+    c.add_argument("run_dir", type=Path, help="a run directory (plait train --out)")
     c.add_argument("--low-rank", type=int, metavar="R", help="factorise every Linear layer into rank R (where smaller)")
     c.add_argument("--low-rank-energy", type=float, metavar="E",
                    help="per layer, the smallest rank keeping this share of the squared singular values, e.g. 0.9")

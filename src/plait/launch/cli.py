@@ -143,7 +143,7 @@ def add_parsers(sub, bench) -> None:
     e = sub.add_parser("env", help="what the workload manager's environment says: rank, world size, master (torchrun, "
                                    "Slurm, Kubeflow, MPI, Ray)")
     e.add_argument("config", nargs="?", help="TOML config (decides whether plait train here is a worker or a launcher)")
-    e.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    e.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     e.add_argument("--json", action="store_true", help="print JSON")
     e.set_defaults(fn=cmd_env)
 
@@ -168,7 +168,8 @@ def add_parsers(sub, bench) -> None:
                        description="plait k8s [CONFIG] --nodes N --nproc-per-node P --image IMAGE ...   a training job\n"
                                    "plait k8s serve RUN_DIR --image IMAGE [--pvc NAME] ...          serving",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    k.add_argument("args", nargs="*", metavar="CONFIG | serve RUN_DIR")
+    k.add_argument("args", nargs="*", metavar="CONFIG | serve RUN_DIR",
+                   help="a training config, or `serve RUN_DIR` for a model server")
     k.add_argument("--image", type=_checked(_image), required=True, help="container image with plait installed")
     k.add_argument("--nodes", type=_at_least(1), help="pods (nodes) of the training job")
     k.add_argument("--nproc-per-node", type=_at_least(1), help="worker processes per pod")
@@ -191,5 +192,6 @@ def add_parsers(sub, bench) -> None:
                         description="plait launch [--set SECTION.KEY=VALUE ...] [--out DIR] [CONFIG] script.py [args...]")
     la.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     la.add_argument("--out", type=Path, help="run directory for config.toml and logs (default: runs/launch-<time>)")
-    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="[CONFIG] script.py [args...]")
+    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="[CONFIG] script.py [args...]",
+                    help="an optional config, your script and its own arguments")
     la.set_defaults(fn=cmd_launch)

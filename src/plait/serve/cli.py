@@ -118,7 +118,8 @@ def add_parsers(sub, bench) -> None:
                        formatter_class=DefaultsFormatter,
                        description="Serve RUN_DIR (its latest checkpoint), or a model.safetensors, model.onnx or "
                                    "model.pt2 from `plait export`.")
-    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2")
+    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2",
+                   help="what to serve: a run directory, its export, an edge file or a Hugging Face directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     s.add_argument("--name", help="model name in URLs (default: the registry name, e.g. mlp or gpt)")
@@ -165,7 +166,7 @@ def add_parsers(sub, bench) -> None:
 
     b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas",
                          formatter_class=DefaultsFormatter)
-    b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors")
+    b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors", help="the model to serve and load")
     b.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop concurrencies (default 1,4,16)")
     b.add_argument("--rate", type=float, default=0.0, help="open-loop requests per second (0: 60%% of the best "
                                                            "closed-loop throughput of batching off)")
