@@ -13,6 +13,10 @@ import importlib
 import types
 from typing import Any
 
+from plait import quiet as _quiet
+
+_quiet.install()  # known-harmless third-party lines off the consoles (plait.quiet; PLAIT_VERBOSE=1 shows them)
+
 __version__ = "0.1.0"
 __all__ = ["Config", "Result", "Server", "TrainingFailed", "export", "load", "parallelize", "serve", "train"]
 

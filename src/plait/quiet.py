@@ -1,0 +1,44 @@
+"""Known-harmless lines of third-party libraries, kept off plait's consoles (PLAIT_VERBOSE=1 shows them).
+
+Each entry: the logger that emits it, the start of its message, and why it is harmless here. The filters are
+attached to the loggers by name when plait is imported, before the library itself is, so every process (the CLI,
+training workers, replicas) is quiet the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+KNOWN = [
+    ("torchao", "Failed to load ", "torchao's optional CUDA/CUTLASS kernels (_C_*.so) do not load on a CPU build; "
+                                   "plait uses its CPU paths"),
+    ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported",
+     "torchao registers its enums (KernelPreference, ...) the old way; a deprecation notice for torchao"),
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward",
+     "bitsandbytes looks for an optional Hub kernel (no network here); its own CPU nf4 path runs"),
+    ("torch.onnx._internal.exporter._registration", "torchvision is not installed",
+     "the ONNX exporter skips torchvision's operators, which plait's models never use"),
+]
+
+
+class _Known(logging.Filter):
+    def __init__(self, starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def install() -> None:
+    """Attach the filters (once); PLAIT_VERBOSE=1 leaves every line."""
+    if os.environ.get("PLAIT_VERBOSE") == "1":
+        return
+    for name, starts, _why in KNOWN:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Known) and f.starts == starts for f in logger.filters):
+            logger.addFilter(_Known(starts))
+
+
+__all__ = ["KNOWN", "install"]
