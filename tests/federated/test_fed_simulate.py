@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from fed_helpers import fed_config
 from plait.cli import main
+from plait.errors import ConfigError
 from plait.federated.simulate import simulate
 
 
@@ -129,3 +130,13 @@ def test_a_federated_run_exports_serves_and_reports_like_a_training_run(tmp_path
     assert load_file(tmp_path / "m.safetensors").keys() == load_file(out / "model.safetensors").keys()
     assert main(["report", str(out)]) == 0
     assert (out / "report.html").read_text() == page  # the federated report, not "no steps were logged"
+    from plait.serve.model import ModelRef, load_model
+
+    served = load_model(ModelRef(str(out)))  # plait serve RUN: the final global model, not "train it first"
+    assert torch.equal(next(iter(served.module.state_dict().values())), next(iter(model.state_dict().values())))
+    summary = (out / "summary.json").read_text()
+    with pytest.raises(ConfigError, match=f"--resume {out}: that is a federated run \\(plait fed\\), which keeps no "):
+        from plait.launch.start import start_run
+
+        start_run(None, [], resume=out)
+    assert (out / "summary.json").read_text() == summary  # nothing trained into it, nothing overwritten

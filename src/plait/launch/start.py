@@ -95,6 +95,10 @@ def _resumed(run_dir: Path, overrides: list[str], out: str | Path | None, warm: 
     """--resume RUN_DIR [--out NEW]: the run's own config with the overrides a resume may take; a fork into NEW."""
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the --out directory of an earlier run")
+    if (run_dir / "partition.json").is_file() and not (run_dir / "checkpoints").exists():
+        raise ConfigError(f"--resume {run_dir}: that is a federated run (plait fed), which keeps no training "
+                          f"checkpoints to resume; serve its model (plait serve {run_dir}) or start a new run with "
+                          "plait train --out NEW")
     saved = load_config(run_dir / "config.toml")
     cfg = _load_job(run_dir / "config.toml", overrides, warm)
     check_resume_overrides(saved, cfg, run_dir)

@@ -126,6 +126,9 @@ def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
 def load_model(ref: ModelRef) -> ServedModel:
     """Load the weights `ref` names (latest checkpoint of a run dir, or an exported file), in eval mode."""
     path = Path(ref.path)
+    if path.is_dir() and (path / "partition.json").is_file() and not (path / "checkpoints").exists() \
+            and (path / "model.safetensors").is_file():
+        path = path / "model.safetensors"  # a federated run (plait fed): no checkpoints, its final global model
     if is_hf_dir(path):  # a Hugging Face directory (config.json, model.safetensors, tokenizer.json)
         hf_cfg, spec, module, tokenizer = load_hf_model(path)
         served = ServedModel(module, hf_cfg.name, spec, tokenizer, "")
