@@ -152,7 +152,8 @@ def test_serving_manifests_probe_the_health_endpoints(kv, args):
     (["--nodes", "2", "--nproc-per-node", "1", "--elastic", "4:2"], "argument --elastic: --elastic '4:2': need 1 <= MIN <= MAX"),
     (["--nodes", "2", "--nproc-per-node", "1", "--elastic", "1:2", "--kind", "trainjob"], "--elastic needs --kind pytorchjob"),
     (["--nodes", "2", "--nproc-per-node", "1"], "--nodes 2 needs --pvc NAME"),
-    (["--nodes", "2", "--nproc-per-node", "2", "--pvc", "r"], "= 2 processes but --nodes 2 x --nproc-per-node 2 = 4"),
+    (["--nodes", "2", "--nproc-per-node", "2", "--pvc", "r", "--set", "parallel.dp=2"],
+     "= 2 processes but --nodes 2 x --nproc-per-node 2 = 4"),  # pinned: a job file's dp alone follows the launch
     (["--nodes", "2", "--nproc-per-node", "1", "--pvc", "r", "--name", "My_Job"], "--name 'My_Job' must be a DNS label"),
     (["--nproc-per-node", "1"], "plait k8s needs --nodes"),
     (["serve", "/plait/runs/a", "--pvc", "r", "--min-replicas", "0"], "--min-replicas 0 (scale to zero when idle) needs --kserve"),
@@ -294,3 +295,20 @@ def test_a_value_yaml_would_read_otherwise_stays_one_string(value):
     docs = [d for d in yaml.safe_load_all(text) if d]
     assert docs == [{"kind": "ConfigMap", "data": {"script": value}, "args": [value]}]
     assert ("|-" in text) == (value == "plain\n  lines\n\nkept")  # a block only where it is safe
+
+
+def test_the_readme_job_follows_the_launch_unless_dp_is_pinned(tmp_path):
+    """issue 38 item 5: the README's job.toml (plait config show: dp = 2) with --nodes 2 --nproc-per-node 8."""
+    job = tmp_path / "job.toml"
+    code, out, err = cli("config", "show")
+    job.write_text(out)
+    code, out, err = cli("k8s", job, "--nodes", "2", "--nproc-per-node", "8", "--image", "ghcr.io/me/plait:0.1",
+                         "--pvc", "runs")
+    assert code == 0, err
+    assert err.strip() == ("parallel.dp 2 -> 16 to fill --nodes 2 x --nproc-per-node 8 (16 processes / tp 1 x pp 1), "
+                           "train.micro_batch_size 16 -> 2 (the global batch kept); pin it with --set parallel.dp=N")
+    config = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap")["data"]["config.toml"]
+    assert "\ndp = 16\n" in config and "\nmicro_batch_size = 2\n" in config and "\nglobal_batch_size = 32\n" in config
+    code, _, err = cli("k8s", job, "--nodes", "2", "--nproc-per-node", "8", "--image", "ghcr.io/me/plait:0.1",
+                       "--pvc", "runs", "--set", "parallel.dp=auto")
+    assert code == 0 and "parallel.dp 1 -> 16" in err  # "auto" resolved here (no GPU: 1) follows the launch too

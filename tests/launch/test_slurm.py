@@ -36,6 +36,19 @@ def test_plait_slurm_writes_the_batch_script(sgd_job, tmp_path):
     assert "#SBATCH --gpus-per-node=2" in (tmp_path / "gpu" / "job.sbatch").read_text()
 
 
+def test_the_readme_job_fills_the_allocation_unless_dp_is_pinned(tmp_path):
+    """issue 38 item 5: the README's job.toml (dp = 2) with --nodes 2 --gpus-per-node 8: dp follows, batch kept."""
+    code, out, _ = cli("config", "show")
+    (tmp_path / "job.toml").write_text(out)
+    code, out, err = cli("slurm", tmp_path / "job.toml", "--nodes", "2", "--gpus-per-node", "8", "--cpus-per-task",
+                         "32", "--time", "04:00:00", "--out", tmp_path / "a")
+    assert code == 0, err
+    assert err.strip() == ("parallel.dp 2 -> 16 to fill --nodes 2 x --gpus-per-node 8 (16 processes / tp 1 x pp 1), "
+                           "train.micro_batch_size 16 -> 2 (the global batch kept); pin it with --set parallel.dp=N")
+    config = (tmp_path / "a" / "config.toml").read_text()
+    assert "\ndp = 16\n" in config and "\nglobal_batch_size = 32\n" in config and "\nnproc_per_node = 8\n" in config
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
     (["--time", "25:61:00"], "argument --time: --time '25:61:00' is not a time limit Slurm accepts"),
@@ -46,7 +59,7 @@ def test_plait_slurm_writes_the_batch_script(sgd_job, tmp_path):
     (["--partition", "gpu nodes"], "--partition 'gpu nodes'"),
     (["--time", "00:01:00"], "--grace 120 s must be > 0 and shorter than --time 00:01:00"),
     (["--nodes", "3"], "cannot be split evenly over launch.nnodes = --nodes 3"),
-    (["--gpus-per-node", "4"], "nproc_per_node(4) * nnodes(2) = 8"),
+    (["--gpus-per-node", "4", "--set", "parallel.dp=2"], "nproc_per_node(4) * nnodes(2) = 8"),  # dp pinned
 ])
 def test_bad_slurm_flags_exit_2_naming_the_flag(sgd_job, tmp_path, flags, message):
     base = {"--nodes": "2", "--cpus-per-task": "1", "--time": "00:10:00"}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.launch.follow import follow_launch, pinned_dp
 from plait.rundir import timestamped
 
 
@@ -89,7 +90,11 @@ def cmd_slurm(a) -> int:
 
     job = SlurmJob(nodes=a.nodes, time=a.time, cpus_per_task=a.cpus_per_task, gpus_per_node=a.gpus_per_node,
                    partition=a.partition or "", account=a.account or "", grace_s=a.grace, job_name=a.job_name or "")
-    script = write_job(load_config(a.config, a.set), job, Path(a.out))
+    cfg = load_config(a.config, a.set)
+    if a.gpus_per_node:  # one process per GPU: dp follows the allocation unless --set pins it
+        cfg = follow_launch(cfg, a.nodes * a.gpus_per_node, f"--nodes {a.nodes} x --gpus-per-node {a.gpus_per_node}",
+                            pinned_dp(a.set), lambda line: print(line, file=sys.stderr))
+    script = write_job(cfg, job, Path(a.out))
     print(f"wrote {script} and {Path(a.out) / 'config.toml'}")
     if a.submit:
         print(f"submitted job {submit(script)}")
@@ -134,7 +139,10 @@ def cmd_k8s(a) -> int:
         job = k8s.K8sJob(name=a.name or "plait-job", image=a.image, nodes=a.nodes, nproc_per_node=a.nproc_per_node,
                          kind=a.kind or "pytorchjob", elastic=a.elastic, gpus_per_node=a.gpus_per_node, pvc=a.pvc or "",
                          namespace=a.namespace or "")
-        docs = k8s.job_manifests(load_config(args[0] if args else None, a.set), job)
+        cfg = follow_launch(load_config(args[0] if args else None, a.set), a.nodes * a.nproc_per_node,
+                            f"--nodes {a.nodes} x --nproc-per-node {a.nproc_per_node}", pinned_dp(a.set),
+                            lambda line: print(line, file=sys.stderr))
+        docs = k8s.job_manifests(cfg, job)
     sys.stdout.write(k8s.to_yaml(docs))
     return 0
 
