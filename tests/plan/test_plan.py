@@ -274,7 +274,8 @@ def test_bad_plan_inputs():
     with pytest.raises(ConfigError, match=r"--device-memory = 'lots' is not a size; write e.g. 80GB"):
         parse_size("lots", "--device-memory")
     r = subprocess.run([sys.executable, "-m", "plait", "plan"], capture_output=True, text=True, env=ENV, timeout=60)
-    assert r.returncode == 2 and "plait plan needs --devices N (or --calibrate)" in r.stderr
+    assert r.returncode == 2 and "plait plan needs --devices N (or --calibrate first: then it plans for the processes " \
+        "it measured)" in r.stderr
 
 
 def test_profile_steps_write_a_chrome_trace_per_rank(pool2, tiny_text, tmp_path):
@@ -386,9 +387,13 @@ def test_calibrate_names_the_file_it_writes(tmp_path, monkeypatch, capsys):
     import plait.plan.calibrate as calibrate
     from plait.cli import main
 
-    monkeypatch.setattr(calibrate, "calibrate", lambda *args: Hardware(name="this machine", flops=5e10))  # no minutes
+    monkeypatch.setattr(calibrate, "calibrate", lambda *args: Hardware(  # no minutes
+        name="calibrated: 2 CPU processes on 2 cores", flops=5e10, devices_per_node=2))
     profile = tmp_path / "profile.json"
     assert main(["plan", "--calibrate", "--profile", str(profile)]) == 0
     out = capsys.readouterr().out
     assert f"wrote the calibration file {profile}; `plait plan` and `plait simulate` use it with --profile {profile}" in out
     assert Hardware.load(profile).flops == 5e10
+    assert main(["plan", "--profile", str(profile)]) == 0  # no --devices: the processes it calibrated
+    out = capsys.readouterr().out
+    assert "planning for its 2 processes (--devices N plans for more)" in out and "best: " in out

@@ -109,9 +109,13 @@ def cmd_plan(a) -> int:
             print(f"wrote the calibration file {path}; `plait plan` and `plait simulate` use it from now on (they say "
                   f"so; --profile FILE picks another, delete {path} to go back to datasheet figures)")
         return 0
-    if not a.devices:
-        raise ConfigError("plait plan needs --devices N (or --calibrate)")
     hw, source = hardware(a)
+    if not a.devices:
+        if not hw.name.startswith("calibrated"):
+            raise ConfigError("plait plan needs --devices N (or --calibrate first: then it plans for the processes it "
+                              "measured)")
+        a.devices = hw.devices_per_node  # the machine calibrated: plan for what it measured
+        source += f"; planning for its {a.devices} processes (--devices N plans for more)"
     print(source)
     gb = cfg.train.global_batch_size
     whole = plan(shape, a.devices, gb, hw)
