@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -58,6 +59,11 @@ def test_the_search_finds_a_learning_rate_near_the_grids_best_and_pruning_saves_
     assert sum(int(r["steps"]) for r in rows) == s["steps_run"]
     assert {r["state"] for r in rows} <= {"complete", "pruned"}
     assert all(int(r["steps"]) < 40 for r in rows if r["state"] == "pruned")
+    steps = {int(r["trial"]): int(r["steps"]) for r in rows}
+    said = re.findall(r"trial (\d+): .* -> pruned at step (\d+)(?: \(its run stopped at step (\d+), the next "
+                      r"checkpoint\))?\n", first + again)
+    assert len(said) == s["pruned"] and all(steps[int(n)] == int(ran or at) for n, at, ran in said), said
+    assert (out / "importance.png").is_file() == (s["complete"] >= 3)  # fANOVA over fewer finished trials is noise
     assert (out / "best" / "summary.json").is_file() and (out / "report.html").is_file()
     assert (out / "history.png").is_file() and 'src="history.png"' in (out / "report.html").read_text()
 

@@ -10,16 +10,24 @@ from pathlib import Path
 from plait.report.html import STYLE
 
 
+MIN_FOR_IMPORTANCE = 3  # finished trials before parameter importance means anything
+
+
 def _plots(study, out: Path) -> list[tuple[str, str]]:
     import optuna.visualization.matplotlib as ovm
 
     from plait.report.plots import plt  # lazily: matplotlib only when the report is written
 
+    from optuna.trial import TrialState
+
     made = []
+    finished = sum(t.state == TrialState.COMPLETE for t in study.trials)
     for name, title, fn in (("history.png", "optimisation history", ovm.plot_optimization_history),
                             ("intermediate.png", "validation figure during each trial (pruned trials stop early)",
                              ovm.plot_intermediate_values),
                             ("importance.png", "parameter importance (fANOVA)", ovm.plot_param_importances)):
+        if name == "importance.png" and finished < MIN_FOR_IMPORTANCE:
+            continue  # fANOVA over one or two finished trials ranks noise
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental

@@ -183,7 +183,9 @@ class Tuner:
         trial.set_user_attr("steps", int(summary.get("steps") or _last_step(run / "metrics.jsonl")))
         if pruned_at is not None:  # stopped on the pruner's word (a run stopped while finishing may exit != 0)
             with self.lock:
-                print(f"trial {trial.number}: {shown} -> pruned at step {pruned_at}", flush=True)
+                ran = trial.user_attrs["steps"]
+                print(f"trial {trial.number}: {shown} -> pruned at step {pruned_at}"
+                      + (f" (its run stopped at step {ran}, the next checkpoint)" if ran != pruned_at else ""), flush=True)
             raise optuna.TrialPruned()
         if p.returncode != 0:
             tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
