@@ -9,16 +9,14 @@ from pathlib import Path
 
 from plait.report.html import STYLE
 
-
 MIN_FOR_IMPORTANCE = 3  # finished trials before parameter importance means anything
 
 
 def _plots(study, out: Path) -> list[tuple[str, str]]:
     import optuna.visualization.matplotlib as ovm
+    from optuna.trial import TrialState
 
     from plait.report.plots import plt  # lazily: matplotlib only when the report is written
-
-    from optuna.trial import TrialState
 
     made = []
     finished = sum(t.state == TrialState.COMPLETE for t in study.trials)
