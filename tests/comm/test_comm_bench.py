@@ -46,6 +46,12 @@ def test_bad_names_are_rejected_with_the_choices():
     assert str(e.value) == "unknown collective 'gather'; choose from allreduce, allgather, reduce_scatter, broadcast, alltoall"
 
 
+def test_algorithms_a_collective_lacks_are_said_not_silently_dropped():
+    opts = BenchOptions(ops=["allreduce", "allgather", "reduce_scatter"], algos=["native", "ring", "tree"]).validate()
+    assert opts.left_out() == ["allgather: tree left out (allgather runs native, ring here)",
+                               "reduce_scatter: tree left out (reduce_scatter runs native, ring here)"]
+
+
 def test_cli_prints_the_rule_and_exits_2(capsys):
     from plait.cli import main
 

@@ -114,6 +114,15 @@ class BenchOptions:
                               f"({self.warmup}) >= 0")
         return self
 
+    def left_out(self) -> list[str]:
+        """One line per collective for which some asked-for algorithms do not exist (they are skipped for it)."""
+        lines = []
+        for op in self.ops:
+            missing = [a for a in self.algos if a not in ALGORITHMS[op]]
+            if missing:
+                lines.append(f"{op}: {', '.join(missing)} left out ({op} runs {', '.join(ALGORITHMS[op])} here)")
+        return lines
+
 
 def _call(op: str, algo: str, buf, out, local_size: int):
     import torch.distributed as dist

@@ -14,7 +14,9 @@ def cmd_bench_collectives(a) -> int:
                         iters=a.iters, warmup=a.warmup, repeats=a.repeats, max_seconds=a.max_seconds,
                         local_size=a.local_size,
                         out=a.out or timestamped("bench-collectives"))
-    run_collectives(opts.validate())
+    for line in opts.validate().left_out():
+        print(line)
+    run_collectives(opts)
     return 0
 
 
