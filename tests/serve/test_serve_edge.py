@@ -50,3 +50,18 @@ def test_serving_flags_that_do_not_apply_are_refused(onnx_file):
     with pytest.raises(ServeError, match=r"--pp 2 splits a PyTorch model's blocks; .* \(onnxruntime\): serve it with "
                                          r"--replicas instead"):
         Service(str(onnx_file), ServeOptions(pp=2))
+
+
+def test_generate_on_an_exported_language_model_says_why_and_what_to_serve():
+    """issue 38 item 11: an ONNX-served GPT answered /v1/generate with 'does not generate text (it is a gpt lm')."""
+    from types import SimpleNamespace
+
+    from plait.serve.protocol import RequestError
+
+    served = SimpleNamespace(can_generate=False, is_lm=True, backend="onnxruntime", registry_name="gpt",
+                             spec=SimpleNamespace(task="lm"))
+    with pytest.raises(RequestError) as e:
+        Service.require_generation(SimpleNamespace(served=served, name="gpt"))
+    assert e.value.status == 404 and str(e.value).startswith(
+        "model 'gpt' is served from an exported onnxruntime file, which runs one forward pass and has no KV cache")
+    assert "serve the run directory or its model.safetensors for /v1/generate" in str(e.value)

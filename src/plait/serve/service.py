@@ -255,8 +255,14 @@ class Service:
 
     def require_generation(self) -> None:
         if not self.served.can_generate:
-            raise RequestError(404, f"model '{self.name}' does not generate text (it is a {self.served.registry_name} "
-                                    f"{self.served.spec.task} model); use /v2/models/{self.name}/infer")
+            s = self.served
+            if s.is_lm and s.backend != "pytorch":  # an exported file: a graph of one forward, no KV cache to step
+                raise RequestError(404, f"model '{self.name}' is served from an exported {s.backend} file, which runs "
+                                        "one forward pass and has no KV cache to generate with; serve the run "
+                                        "directory or its model.safetensors for /v1/generate (this model answers "
+                                        f"/v2/models/{self.name}/infer with next-token logits)")
+            raise RequestError(404, f"model '{self.name}' does not generate text (it is a {s.registry_name} "
+                                    f"{s.spec.task} model); use /v2/models/{self.name}/infer")
 
     async def generate(self, row: GenRow, arrived: float, on_token=None) -> list[int]:
         """New token ids for one prompt; on_token(position, token) is called as they come (streaming)."""
