@@ -226,8 +226,8 @@ PIPELINE = {"pipeline": {"schedule": "1f1b", "stages": 2, "microbatches": 2, "bu
      "communication-bound: 60% of the step waits in collectives (0.25 MB sent per step); try larger micro-batches, "
      "gradient compression (parallel.compression) or fewer, bigger data-parallel ranks"),
     ([window(2, 0.0, 0.5, 0.1), window(4, 0.0, 0.09, 0.01), window(6, 0.0, 0.09, 0.01)], PIPELINE,
-     "pipeline bubble 33% (theory 33%, unequal slots 0%, fixed cost 0%): 2 micro-batches for 2 stages; raise "
-     "parallel.microbatches to 8 (in theory 11%) or use the interleaved schedule"),
+     "pipeline bubble 30% of the step (33% of the schedule's span; theory 33%, unequal slots 0%, fixed cost 0%): 2 "
+     "micro-batches for 2 stages; raise parallel.microbatches to 8 (in theory 11%) or use the interleaved schedule"),
     # both over their thresholds: the larger share leads
     ([window(2, 0.5, 0.5, 0.1), window(4, 0.06, 0.13, 0.01, 0.09, 1e6), window(6, 0.06, 0.13, 0.01, 0.09, 1e6)], {},
      "communication-bound: 45% of the step waits in collectives (1.00 MB sent per step); try larger micro-batches, "
@@ -285,6 +285,24 @@ def test_profile_steps_write_a_chrome_trace_per_rank(pool2, tiny_text, tmp_path)
         assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
     with pytest.raises(ConfigError, match=r"log.profile_steps = \[3, 2\] must be \[first, last\]"):
         load_config(None, ["log.profile_steps=[3, 2]"])
+
+
+def test_a_pipelines_bubble_is_counted_once_and_its_compute_is_not_zero(tmp_path):
+    """issue 38 item 10: a pp run's report said compute 0.00 ms and bubble 73.9 % against a bubble fraction of 0.8053
+    (the stages' idle receives were counted as wait and again as bubble, and the bubble was taken of the step)."""
+    from plait.report.bottleneck import breakdown
+
+    # the recorded shape: step 1.0 s, forward-backward 0.9 s of which 0.8 s waits (the bubble is in the receives)
+    rows = [window(2, 0.0, 3.0, 0.1, 2.5), window(4, 0.0, 0.9, 0.1, 0.8), window(6, 0.0, 0.9, 0.1, 0.8)]
+    summary = {"pipeline": {**PIPELINE["pipeline"], "bubble_fraction": 0.8053}}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    b = breakdown(tmp_path)
+    parts = b["parts"]
+    assert parts["bubble"] == pytest.approx(0.9 * 0.8053)  # of the schedule's span, not of the step
+    assert parts["exposed_comm"] == pytest.approx(0.8 - 0.9 * 0.8053)
+    assert parts["compute"] > 0 and parts["compute"] == pytest.approx(0.9 - 0.8)
+    assert sum(parts.values()) == pytest.approx(b["step_s"])
 
 
 def test_breakdown_of_a_run_resumed_on_another_world_size(tmp_path):

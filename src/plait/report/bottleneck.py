@@ -37,11 +37,14 @@ def breakdown(run_dir: str | Path) -> dict:
     fb = mean([r["time"].get("forward_backward", 0.0) for r in steady])
     opt = mean([r["time"].get("optimizer", 0.0) for r in steady])
     wait = mean([r.get("comm_wait_s", 0.0) for r in steady])
-    bubble = step * summary.get("pipeline", {}).get("bubble_fraction", 0.0)
-    compute = max(0.0, fb - wait - bubble)
+    # the bubble is the idle share of the pipeline schedule's span (the forward-backward phase), and a stage idles
+    # in its receives: that time is in the collective wait too, so it is counted once, as bubble
+    bubble = min(fb, fb * summary.get("pipeline", {}).get("bubble_fraction", 0.0))
+    exposed = min(fb, max(0.0, wait - bubble))
+    compute = max(0.0, fb - bubble - exposed)
     other = max(0.0, step - data - fb - opt)
-    parts = {"data": data, "compute": compute, "exposed_comm": min(wait, fb), "bubble": min(bubble, fb),
-             "optimizer": opt, "other": other}
+    parts = {"data": data, "compute": compute, "exposed_comm": exposed, "bubble": bubble, "optimizer": opt,
+             "other": other}
     # a resumed run may have changed its world size: judge ranks over the windows of the latest layout
     per_rank = [r["rank_compute_s"] for r in steady if r.get("rank_compute_s")]
     per_rank = [w for w in per_rank if len(w) == len(per_rank[-1])] if per_rank else []
@@ -72,8 +75,8 @@ def verdict(b: dict) -> list[str]:
         more = 4 * stages
         theory = (stages - 1) / (more + stages - 1)
         fixed, imbalance = p.get("fixed_cost_fraction", 0.0), p.get("imbalance_fraction", 0.0)
-        parts = (f" (theory {p.get('bubble_fraction_theory', 0.0):.0%}, unequal slots {imbalance:.0%}, fixed cost "
-                 f"{fixed:.0%})") if "fixed_cost_fraction" in p else ""
+        parts = (f"; theory {p.get('bubble_fraction_theory', 0.0):.0%}, unequal slots {imbalance:.0%}, fixed cost "
+                 f"{fixed:.0%}") if "fixed_cost_fraction" in p else ""
         if fixed >= max(imbalance, p.get("bubble_fraction_theory", 0.0)):
             fix = (f"the fixed cost between slots leads ({p.get('fixed_cost_ms_per_microbatch', 0.0):.2f} ms per "
                    "micro-batch: sends, receives, the schedule's Python): use fewer, larger micro-batches "
@@ -82,8 +85,8 @@ def verdict(b: dict) -> list[str]:
             fix = "unequal stages lead: balance the blocks per stage (parallel.pp_split)"
         else:
             fix = f"raise parallel.microbatches to {more} (in theory {theory:.0%}) or use the interleaved schedule"
-        lines.append((s["bubble"], f"pipeline bubble {s['bubble']:.0%}{parts}: {m} micro-batches for {stages} "
-                                   f"stages; {fix}"))
+        lines.append((s["bubble"], f"pipeline bubble {s['bubble']:.0%} of the step ({p.get('bubble_fraction', 0.0):.0%} "
+                                   f"of the schedule's span{parts}): {m} micro-batches for {stages} stages; {fix}"))
     if s["optimizer"] >= THRESHOLDS["optimizer"]:
         lines.append((s["optimizer"], f"optimizer-bound: {s['optimizer']:.0%} of the step is the optimizer; shard it "
                                       "(parallel.zero=1) or raise the batch per step"))
