@@ -62,6 +62,11 @@ def test_runs_compare_puts_the_runs_side_by_side(tmp_path, capsys):
     text = text_of((tmp_path / "cmp" / "compare.html").read_text())
     assert "a 40 dp2 (ddp) 824,320 2.25 2.312" in text and "b 40 dp2 (ddp) 824,320 1.75 2.312" in text, text
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert "what differs the runs' configs are the same" in text
+    (b / "config.toml").write_text((b / "config.toml").read_text().replace("steps = 40", "steps = 80"))
+    assert main(["runs", "compare", str(a), str(b), "--out", str(tmp_path / "cmp2")]) == 0
+    text = text_of((tmp_path / "cmp2" / "compare.html").read_text())
+    assert "what differs config key a b train.steps 40 80 loss" in text, text
 
 
 def test_runs_compare_names_a_directory_that_is_not_a_run(tmp_path):

@@ -29,16 +29,41 @@ def _layout(parallel) -> str:
     return f"{axes} ({parallel.get('strategy', '?')})"
 
 
+def config_diff(run_dirs: dict[str, Path]) -> list[tuple[str, list]]:
+    """(section.key, [value in each run]) for every config key whose value is not the same in all the runs (a key
+    a run's config.toml lacks shows as None)."""
+    import tomllib
+
+    flat = {}
+    for name, d in run_dirs.items():
+        try:
+            cfg = tomllib.loads((d / "config.toml").read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        flat[name] = {f"{sec}.{k}": v for sec, keys in cfg.items() if isinstance(keys, dict) for k, v in keys.items()}
+    keys = sorted(set().union(*(f.keys() for f in flat.values())))
+    return [(k, [flat[n].get(k) for n in run_dirs]) for k in keys if len({json.dumps(flat[n].get(k)) for n in run_dirs}) > 1]
+
+
+def _diff_table(names: list[str], diff: list[tuple[str, list]]) -> str:
+    if not diff:
+        return "<h2>what differs</h2><p>the runs' configs are the same</p>"
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+    rows = "".join(f"<tr><th>{html.escape(k)}</th>" + "".join(f"<td>{html.escape(json.dumps(v))}</td>" for v in vals)
+                   + "</tr>" for k, vals in diff)
+    return f"<h2>what differs</h2><table><tr><th>config key</th>{head}</tr>{rows}</table>"
+
+
 def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     """Write out_dir/compare.html and compare.png for the runs; returns the page's path."""
     if len(run_dirs) < 2:
         raise CompareError("plait runs compare needs at least two run directories")
-    runs, summaries = {}, {}
+    runs, summaries, dirs = {}, {}, {}
     for d in map(Path, run_dirs):
         if not (d / "metrics.jsonl").is_file():
             raise CompareError(f"{d} has no metrics.jsonl; pass the --out directories of training runs")
         name = d.name if d.name not in runs else str(d)
-        runs[name] = read_metrics(d / "metrics.jsonl")
+        runs[name], dirs[name] = read_metrics(d / "metrics.jsonl"), d
         summaries[name] = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
     out_dir = Path(out_dir) if out_dir else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,6 +80,7 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
 <html><head><meta charset="utf-8"><title>plait: {len(runs)} runs compared</title><style>{STYLE}</style></head>
 <body><h1>{len(runs)} runs compared</h1>
 <table><tr><th>run</th>{head}</tr>{rows}</table>
+{_diff_table(list(dirs), config_diff(dirs))}
 <h2>loss</h2>{img}
 </body></html>
 """
