@@ -159,6 +159,32 @@ def test_deeply_nested_json_is_a_400():
         assert r.status_code in (400, 401), r.text
 
 
+# ------------------------------------------------------------------ issue 37 N15 (part): the token before the body
+
+def test_a_wrong_token_is_401_before_the_body_is_read(monkeypatch):
+    """N15: register parsed its body first, so a wrong token with a malformed body got 400 (and the parse ran)."""
+    import plait.federated.transport as transport
+
+    coord = coordinator("federated.clients=2", "federated.min_clients=1")
+    client = TestClient(make_app(coord, {0: "t0", 1: "t1"}, "fp"), raise_server_exceptions=False)
+    reads = []
+    real = transport._read_body
+    monkeypatch.setattr(transport, "_read_body", lambda request, limit: reads.append(request.url.path) or real(request, limit))
+    bodies = [b"\x00garbage", b"[" * 5000, b'{"client_id": 0, "fingerprint": "fp"}']
+    for path in ("/v1/register", "/v1/unmask"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "t0"}):
+            for body in bodies:
+                r = client.post(path, content=body, headers=headers)
+                assert r.status_code == 401, (path, headers, body[:10], r.status_code, r.text)
+    assert reads == []  # no body was read, let alone parsed
+    # with a token of the server's the body is read, and parsed: malformed is 400, another client's id 401
+    assert client.post("/v1/register", content=b"\x00garbage", headers={"Authorization": "Bearer t1"}).status_code == 400
+    r = client.post("/v1/register", json={"client_id": 0, "fingerprint": "fp"}, headers={"Authorization": "Bearer t1"})
+    assert r.status_code == 401 and reads == ["/v1/register", "/v1/register"]
+    r = client.post("/v1/register", json={"client_id": 0, "fingerprint": "fp"}, headers={"Authorization": "Bearer t0"})
+    assert r.status_code == 200
+
+
 # ------------------------------------------------------------------ row 18: the token file
 
 def test_the_token_file_is_private_whatever_was_there(tmp_path):

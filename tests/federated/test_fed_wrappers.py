@@ -165,7 +165,7 @@ def test_build_strategy_composes_what_the_config_asks_for():
     private = build_strategy(fed_config("federated.dp_noise_multiplier=1.1", "federated.dp_clip_norm=0.7",
                                         "federated.clients_per_round=0.5").federated)
     assert isinstance(plain, FedAvg) and not isinstance(plain.combine, NormBounded)
-    assert isinstance(bounded.combine, NormBounded) and (bounded.combine.clip_norm, bounded.combine.norm_bound) == (0.3, 5.0)
+    assert isinstance(bounded.combine, NormBounded) and (bounded.combine.clip_norm, bounded.combine.norm_bound) == (0.3, 3.0)
     assert isinstance(private, DPFixedClipping) and isinstance(private.inner, FedAvg) and private.name == "fedavg"
     assert (private.policy.z, private.policy.clip_norm, private.policy.expected_clients) == (1.1, 0.7, 5.0)
     assert plain.epsilon() is None and private.epsilon() == 0.0

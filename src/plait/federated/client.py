@@ -137,9 +137,12 @@ class Client:
         set_weights(self.model, weights)
 
     def masked_upload(self, rnd: int, update: ClientUpdate, instructions: dict, peers: dict[int, int]) -> np.ndarray:
-        """Secure aggregation: [w * delta, w] masked, with w = num_samples (or 1 under DP)."""
+        """Secure aggregation: [w * delta, w] masked, with w = num_samples (or 1 under DP) and delta within the round's
+        clip_norm (the bound the server checks the sum against); ValueError for what cannot be encoded."""
         w = 1.0 if instructions.get("unweighted") else float(update.num_samples)
-        vec = torch.cat([flatten(update.delta) * w, torch.tensor([w], dtype=torch.float64)])
+        bound = float(instructions.get("clip_norm") or 0.0)
+        delta = clip(update.delta, bound)[0] if bound > 0 else update.delta
+        vec = torch.cat([flatten(delta) * w, torch.tensor([w], dtype=torch.float64)])
         return self.masking.masked(vec, rnd, peers)
 
 
@@ -161,19 +164,24 @@ def run_client(cfg: Config, server: str, client_id: int, token: str, ca_file: st
     http = FedHTTPClient(server, token, ca_file=ca_file)
     try:
         http.register(client_id, client.masking.public, fingerprint(cfg), connect_timeout_s)
-        done_rounds = 0
+        done_rounds, sat_out = 0, -1
         while True:
             task, weights = http.task(client_id)
             status = task.get("status")
             if status == "done":
                 print(f"client {client_id}: server finished after round {task.get('round')}; trained {done_rounds} rounds")
                 return 0
-            if status == "train":
+            if status == "train" and int(task["round"]) != sat_out:
                 rnd, ins = int(task["round"]), task["instructions"]
                 update = client.train(rnd, weights, ins)
                 if task.get("peers"):
                     peers = {int(k): int(v) for k, v in task["peers"].items()}
-                    masked = client.masked_upload(rnd, update, ins, peers)
+                    try:
+                        masked = client.masked_upload(rnd, update, ins, peers)
+                    except ValueError as e:  # an update that cannot be encoded: this client sits the round out
+                        print(f"client {client_id}: round {rnd} not uploaded: {e}")
+                        sat_out = rnd
+                        continue
                     http.upload(client_id, rnd, {"masked": torch.from_numpy(masked.view(np.int64))}, {"secagg": True})
                 else:
                     http.upload(client_id, rnd, update.delta, {"num_samples": update.num_samples, "loss": update.loss})

@@ -36,9 +36,13 @@ class FederatedKeys:
     trim_fraction: float = opt(0.1, "plait fed: trimmed_mean: share of the largest and smallest values dropped per coordinate",
                                finite=True)
     clip_norm: float = opt(0.0, "plait fed: the server scales every update's L2 norm down to this (0: off)", minimum=0, finite=True)
-    norm_bound: float = opt(5.0, "plait fed: updates above this multiple of the round's median norm are scaled to it (0: off)",
+    norm_bound: float = opt(3.0, "plait fed: updates above this multiple of the round's median norm are scaled to it, and one "
+                            "against the round's coordinate-wise median to the median norm and weight (0: off)",
                             minimum=0, finite=True)
     secure_aggregation: bool = opt(False, "plait fed: pairwise-masked updates; the server learns only their sum (Bonawitz et al.)")
+    secure_clip_norm: float = opt(10.0, "plait fed: secure aggregation: clients clip their updates to this L2 norm and the server "
+                                  "refuses a sum beyond it, so no round moves the model further (clip_norm, if set, instead)",
+                                  finite=True, above=0)
     dp_noise_multiplier: float = opt(0.0, "plait fed: client-level DP: Gaussian noise std / clip norm (0: no DP)",
                                      minimum=0, finite=True)
     dp_clip_norm: float = opt(1.0, "plait fed: client-level DP: each client's update is clipped to this L2 norm",

@@ -22,8 +22,19 @@ Threat model: honest-but-curious server and clients. This keeps the pairwise mas
 paper but not its self-masks and Shamir shares, so a server that *lies* about which clients
 dropped could unmask a client whose upload it already holds; clients refuse to reveal seeds
 when fewer than `min_survivors` peers would remain, so a sum of one is never exposed.
-Robust aggregation (per-update checks, median) is impossible on masked updates; clients clip
-their own update when the plan asks for it.
+Robust aggregation (per-update checks, median) is impossible on masked updates.
+
+What bounds a hostile client instead (server.check_masked_total): each round announces a bound B
+(federated.clip_norm, else federated.secure_clip_norm, or DP's clip norm); honest clients clip
+their update to B and upload [w delta, w] with 1 <= w <= their sample count (w = 1 under DP).
+The server sees only the sum, so no range check of one client's share exists (that would take
+per-client range proofs, which this protocol does not have); it checks the sum: total weight W at
+least one per client, at most the clients' known samples (exactly one per client under DP), and
+|sum| <= W B. A round that fails is skipped with the reason and the model is kept, so one
+client's negative weight or oversize update cannot blow the model up, nor leave honest clients
+with a model they cannot encode in later rounds. The limit: a sum that passes still moves the
+model by up to B (server_lr = 1), in any direction one hostile client picks, since its share can
+cancel the others'; B is the most one round can do, so set it a few times an honest update's norm.
 """
 
 from __future__ import annotations

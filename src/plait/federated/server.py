@@ -11,10 +11,13 @@ values around.
 
 A client's weight in the mean is its sample count, which the client reports. When the
 coordinator knows each client's partition (`sizes`: plait's server rebuilds the same partition
-as its clients) a count above the client's own partition is rejected, and under secure
-aggregation a masked sum whose total weight exceeds the survivors' samples skips the round.
-Without `sizes` (data owners with data the server cannot see) each count is capped at
-WEIGHT_CAP times the round's lower median count. Under secure aggregation the public keys are
+as its clients) a count above the client's own partition is rejected. Without `sizes` (data
+owners with data the server cannot see) each count is capped at WEIGHT_CAP times the round's
+lower median count. Under secure aggregation each client clips its update to the round's
+announced bound B and the server checks the unmasked sum (`check_masked_total`): a total weight
+below one per client or above the survivors' samples, or a sum longer than total weight x B,
+skips the round with the reason, the model kept, so the next round's clients train and encode as
+before; a sum that passes moves the model by at most B. Under secure aggregation the public keys are
 frozen when a round opens; a participant that registers again with another key during the
 round makes its masks unable to cancel, so that round is skipped, never summed wrong.
 """
@@ -32,7 +35,7 @@ import torch
 
 from plait.federated.client import FederatedData, federated_data, fingerprint
 from plait.federated.report import RunRecorder
-from plait.federated.secagg import MaskedSum, check_public_key
+from plait.federated.secagg import FRAC_BITS, MaskedSum, check_public_key
 from plait.federated.strategies import ClientUpdate, RoundPlan, Strategy, build_strategy
 from plait.federated.tensors import Weights, encode, get_weights, set_weights
 from plait.federated.transport import HTTPServerThread, make_app
@@ -167,9 +170,11 @@ class Coordinator:
             if self.secure:
                 available = [c for c in available if c in self.public_keys]
             plan = self.strategy.configure_round(self.round, available, self.rng)
-            if self.secure and self.fed.clip_norm > 0 and "clip_norm" not in plan.instructions:
-                # The server cannot bound masked updates, so clients bound their own; a DP wrapper's bound S stays.
-                plan = RoundPlan(plan.round, plan.clients, {**plan.instructions, "clip_norm": self.fed.clip_norm})
+            if self.secure and "clip_norm" not in plan.instructions:
+                # The server cannot bound masked updates, so clients bound their own (a DP wrapper's bound S stays) and
+                # the server checks the unmasked sum against that bound (check_masked_total).
+                bound = self.fed.clip_norm or self.fed.secure_clip_norm
+                plan = RoundPlan(plan.round, plan.clients, {**plan.instructions, "clip_norm": bound})
             self.plan = plan
             self.updates, self.rejected = {}, {}
             self.round_keys = {c: self.public_keys[c] for c in plan.clients} if self.secure else {}
@@ -253,12 +258,7 @@ class Coordinator:
                 raise ValueError(f"client(s) {sorted(self.rekeyed)} registered again with a new key during the round, so "
                                  "the masks cannot cancel; the round is skipped (never a wrong sum)")
             vec = self.masked.result()
-            total = float(vec[-1])
-            if self.sizes is not None:
-                most = sum(self.sizes.get(c, 0) for c in self.masked.received)
-                if total > most + 0.5:
-                    raise ValueError(f"the masked sum's total weight {total:.6g} is more than the {most} samples its "
-                                     "clients hold: a client claimed more than its partition")
+            total = check_masked_total(vec, len(self.masked.received), self.plan.instructions, self._most_weight())
             return self.strategy.aggregate_sum(self.round, self.weights, vec[:-1], total), []
         # Client-id order, not arrival order: the float sum (and so the run) does not depend on network timing.
         updates = [self.updates[c] for c in sorted(self.updates)]
@@ -266,6 +266,12 @@ class Coordinator:
             updates = cap_weights(updates)
         new = self.strategy.aggregate(self.round, self.weights, updates)
         return new, self.strategy.clipped()
+
+    def _most_weight(self) -> float | None:
+        """What the masked sum's clients may weigh together: their partitions' samples, when the server knows them."""
+        if self.sizes is None:
+            return None
+        return float(sum(self.sizes.get(c, 0) for c in self.masked.received))
 
     def close_round(self) -> dict:
         """Aggregate what arrived (if a quorum did), evaluate, and return the round's metrics record."""
@@ -304,6 +310,34 @@ class Coordinator:
     def finish(self) -> None:
         with self.lock:
             self.phase = "done"
+
+
+def check_masked_total(vec: torch.Tensor, clients: int, instructions: dict, most: float | None) -> float:
+    """The unmasked sum [sum_k w_k delta_k, sum_k w_k] of `clients` uploads: its total weight, once it is within what
+    honest clients can send; ValueError (the round is skipped, the model kept) when it is not.
+
+    Every honest client weighs 1 (DP: exactly 1) up to its partition (`most` together, when the server knows the
+    partitions) and clipped its update to instructions["clip_norm"] = B, so honestly
+    clients <= total <= most and |sum_k w_k delta_k| <= total * B. Only the sum is seen: this bounds the round,
+    not each client (see secagg.py).
+    """
+    total = float(vec[-1])
+    if instructions.get("unweighted") and abs(total - clients) > 0.5:
+        raise ValueError(f"the masked sum's total weight {total:.6g} is not {clients}, one per client: a client sent "
+                         "another weight; the round is skipped")
+    if most is not None and total > most + 0.5:
+        raise ValueError(f"the masked sum's total weight {total:.6g} is more than the {most:.0f} samples its "
+                         "clients hold: a client claimed more than its partition")
+    if not total >= clients - 0.5:
+        raise ValueError(f"the masked sum's total weight {total:.6g} is below {clients}, the least {clients} clients "
+                         "weigh (at least 1 each): a client sent a weight below 1; the round is skipped")
+    bound = float(instructions["clip_norm"])
+    size = float(vec[:-1].norm())
+    slack = clients * math.sqrt(len(vec)) * 2.0**-FRAC_BITS  # the fixed-point rounding of every upload
+    if not size <= total * bound * (1 + 1e-6) + slack:
+        raise ValueError(f"the masked sum's norm {size:.6g} is more than its total weight times the clients' bound "
+                         f"({total:.6g} x {bound:.6g}): a client sent an update beyond the bound; the round is skipped")
+    return total
 
 
 def cap_weights(updates: list[ClientUpdate], cap: float = WEIGHT_CAP) -> list[ClientUpdate]:

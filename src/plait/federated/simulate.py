@@ -45,7 +45,10 @@ def run_round(coord: Coordinator, clients: dict[int, Client], available: list[in
             continue
         if "peers" in task:
             peers = {int(k): int(v) for k, v in task["peers"].items()}
-            masked = client.masked_upload(task["round"], update, task["instructions"], peers)
+            try:
+                masked = client.masked_upload(task["round"], update, task["instructions"], peers)
+            except ValueError:  # cannot be encoded (non-finite, too large): the client drops out, as in run_client
+                continue
             coord.submit(cid, task["round"], {"masked": torch.from_numpy(masked.view(np.int64))}, {"secagg": True})
         else:
             coord.submit(cid, task["round"], update.delta, {"num_samples": update.num_samples, "loss": update.loss})

@@ -11,7 +11,10 @@ server never calls out, so clients may sit behind NAT.
     POST /v1/unmask {client_id, round, seeds}
     GET  /v1/status               -> the round in progress (monitoring and tests)
 
-Bodies above the size of a model upload (plus slack) are refused with 413 before they are read
+The token is checked before a body is read: a request whose bearer token is none of the
+server's gets 401 whatever its body holds; the client's own token (a per-client tokens file)
+is checked once the body has named the client (register, unmask) or from the query (update,
+task). Bodies above the size of a model upload (plus slack) are refused with 413 before they are read
 in full; bodies that do not parse (including JSON nested too deeply, NaN/Infinity or integers
 too long to convert) are answered with 400, as are public keys outside the Diffie-Hellman
 group; rejected updates with 422 and the reason. None of these reach anything that could stop
@@ -89,6 +92,8 @@ def make_app(coord: RoundService, tokens: dict, fingerprint: str) -> FastAPI:
 def _add_register(app: FastAPI, coord: RoundService, tokens: dict, fingerprint: str, max_body: int) -> None:
     @app.post("/v1/register")
     async def register(request: Request):
+        if not authorized(tokens, request.headers.get("authorization"), None):  # before the body is read at all
+            return _deny(401, "missing or wrong bearer token")
         obj = await _read_json(request, max_body)
         if obj is None or not isinstance(obj.get("client_id"), int) or isinstance(obj.get("client_id"), bool):
             return _deny(400, "body must be JSON with an integer client_id")
@@ -147,6 +152,8 @@ def _add_rounds(app: FastAPI, coord: RoundService, tokens: dict, max_body: int) 
 
     @app.post("/v1/unmask")
     async def unmask(request: Request):
+        if not authorized(tokens, request.headers.get("authorization"), None):  # before the body is read at all
+            return _deny(401, "missing or wrong bearer token")
         obj = await _read_json(request, max_body)
         cid = obj.get("client_id") if obj else None
         if not isinstance(cid, int) or not authorized(tokens, request.headers.get("authorization"), cid):

@@ -29,12 +29,16 @@ def weighted_mean(updates: list[ClientUpdate]) -> Weights:
     return unflatten(vec, updates[0].delta)
 
 
+def coordinate_median(x: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median of the rows of x (for an even count, the mean of the two middle values)."""
+    x = x.sort(dim=0).values
+    n = x.shape[0]
+    return x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
+
+
 def median(updates: list[ClientUpdate]) -> Weights:
     """Coordinate-wise median (for an even count, the mean of the two middle values)."""
-    x = _stack(updates).sort(dim=0).values
-    n = len(updates)
-    vec = x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
-    return unflatten(vec, updates[0].delta)
+    return unflatten(coordinate_median(_stack(updates)), updates[0].delta)
 
 
 def trimmed_mean(updates: list[ClientUpdate], trim: float) -> Weights:
