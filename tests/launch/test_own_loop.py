@@ -189,6 +189,7 @@ def _save_on_rank0_only(tmp: str):
         message = str(e)
     waited = time.monotonic() - t0
     userloop.ARRIVAL_S = 60.0
+    dist.barrier()  # both attempts over before either saves again (a rank early here must not meet the other's)
     p.save(tmp)  # called by both ranks, it goes through
     p.close()
     assert dist.is_initialized()
@@ -199,5 +200,5 @@ def test_a_collective_call_on_one_rank_names_itself_instead_of_hanging(pool2, tm
     (message, waited), (other, _) = pool2.run(_save_on_rank0_only, str(tmp_path))
     assert message == ("p.save is collective: call it on every rank, not inside `if p.is_main:` (1 of 2 ranks called "
                        "it within 1 s)")
-    assert other.startswith("p.state_dict is collective: call it on every rank") and 1.0 <= waited < 5
+    assert other.startswith("p.state_dict is collective: call it on every rank") and 1.0 <= waited < 30
     assert (tmp_path / "checkpoints" / "step_0000000").is_dir()
