@@ -74,7 +74,10 @@ def _read_token_file(path: str) -> str:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--token-file {path}: no such file")
-    return p.read_text()
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--token-file {path} is not UTF-8 text; write the token on a line of its own") from None
 
 
 def cmd_simulate(a) -> int:
@@ -122,7 +125,8 @@ def cmd_client(a) -> int:
 
     cfg = _config(a)
     if a.token_file:
-        lines = [ln.split("#", 1)[0].split() for ln in _read_token_file(a.token_file).splitlines()]
+        # a line starting with '#' is a comment; a '#' inside a token is the token's (as the server reads it)
+        lines = [ln.split() for ln in _read_token_file(a.token_file).splitlines() if not ln.strip().startswith("#")]
         lines = [ln for ln in lines if ln]
         if not lines:
             raise ConfigError(f"--token-file {a.token_file} holds no token")
