@@ -23,3 +23,15 @@ def publish(tmp: Path, out: Path) -> Path:
 def cache_dir() -> Path:
     """Where plait keeps what it can rebuild or measure again: $PLAIT_CACHE, else ~/.cache/plait."""
     return Path(os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")
+
+
+def json_objects(node):
+    """Every object (dict) in a parsed JSON value, depth-first without recursion (a hostile file may nest deeply)."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            yield item
+            stack.extend(item.values())

@@ -35,6 +35,7 @@ from plait.data.hf_tokenizer import tokenizer_from_json
 from plait.data.images import PackedImages
 from plait.data.spec import DataBundle, DataSpec
 from plait.errors import DataError
+from plait.files import json_objects
 
 FORMAT = "plait-packed/1"
 SPLITS = ("train", "val")
@@ -154,16 +155,10 @@ def check_formats(index: Path, config: dict, formats) -> None:
         spec = json.loads(config.get("data_spec") or "null")
     except (ValueError, TypeError, RecursionError):
         raise DataError(f"{index}: its data_spec is not JSON; re-pack it with `plait data pack`") from None
-    stack = [spec]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            if item.get("type") not in _SPEC_TYPES:
-                raise DataError(f"{index}: its data_spec names type {str(item.get('type'))[:60]!r}; plait writes "
-                                "dicts of arrays only: re-pack it with `plait data pack`")
-            stack.extend(item.get("children_spec") or [])
+    for item in json_objects(spec):
+        if item.get("type") not in _SPEC_TYPES:
+            raise DataError(f"{index}: its data_spec names type {str(item.get('type'))[:60]!r}; plait writes "
+                            "dicts of arrays only: re-pack it with `plait data pack`")
 
 
 def check_split(folder: Path, expected: int) -> None:

@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from plait.errors import CheckpointError
+from plait.files import json_objects
 
 MAX_ENTRIES = 100_000
 MAX_JSON_BYTES = 256 << 20
@@ -63,20 +64,13 @@ def _expr_ok(text: str) -> bool:
 
 def _walk(node, path: Path, where: str) -> None:
     """Every graph node's target, every symbolic expression and every guard in a serialized program."""
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            target = item.get("target")
-            if isinstance(target, str) and "inputs" in item and not _TARGETS.fullmatch(target):
-                raise _refuse(path, f"{where} calls {target[:80]!r}, which is not a tensor operator")
-            expr = item.get("expr_str")
-            if isinstance(expr, str) and not _expr_ok(expr):
-                raise _refuse(path, f"{where} holds a shape expression that is not plain arithmetic "
-                                    f"({expr[:80]!r})")
-            stack.extend(item.values())
+    for item in json_objects(node):
+        target = item.get("target")
+        if isinstance(target, str) and "inputs" in item and not _TARGETS.fullmatch(target):
+            raise _refuse(path, f"{where} calls {target[:80]!r}, which is not a tensor operator")
+        expr = item.get("expr_str")
+        if isinstance(expr, str) and not _expr_ok(expr):
+            raise _refuse(path, f"{where} holds a shape expression that is not plain arithmetic ({expr[:80]!r})")
 
 
 def _program(z: zipfile.ZipFile, name: str, path: Path) -> None:
