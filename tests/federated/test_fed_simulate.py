@@ -74,6 +74,30 @@ def test_compare_writes_one_run_per_strategy_and_a_combined_report(tmp_path):
     assert acc["fedavg"] > acc["fedsgd"] + 0.1
     page = (out / "report.html").read_text()
     assert 'src="accuracy.png"' in page and "fedsgd/report.html" in page
+    # human units: no strategy reached 90 % in 3 rounds, so no ratio is given against a missing figure
+    assert all(s["rounds_to_90"] is None for s in summary["strategies"].values())
+    assert not any(k.endswith("_over_fedavg_rounds") for k in summary) and "x FedAvg" not in page
+    assert page.count("<td>not reached in 3 rounds</td>") == 3
+    assert f"<td>{100 * acc['fedavg']:.1f} %</td>" in page and "None" not in page
+    run_page = (out / "fedavg" / "report.html").read_text()
+    assert "<th>final test accuracy</th>" in run_page and "<th>rounds to 90 % test accuracy</th>" in run_page
+    assert "rounds_to_90" not in run_page and "None" not in run_page
+
+
+def test_report_figures_read_in_human_units_and_ratios_need_both_figures():
+    from plait.federated.report import human, ratio_line, rounds_ratios
+
+    summary = {"rounds": 30, "test_accuracy": 0.608939, "wall_time_s": 12.345, "secure_aggregation": False}
+    assert human("test_accuracy", 0.608939, summary) == "60.9 %"
+    assert human("rounds_to_90", None, summary) == "not reached in 30 rounds"
+    assert human("rounds_to_90", 12, summary) == "12"
+    assert human("wall_time_s", 12.345, summary) == "12.3 s"
+    assert human("secure_aggregation", False, summary) == "off"
+    assert human("test_loss", None, summary) == "n/a"
+    table = {"fedavg": {"rounds_to_90": 15}, "fedprox": {"rounds_to_90": 12}, "fedsgd": {"rounds_to_90": None}}
+    assert rounds_ratios(table) == {"fedprox_over_fedavg_rounds": 0.8}
+    assert ratio_line("fedprox", table) == "fedprox reached 90 % in 0.80x FedAvg's rounds (12 vs 15)"
+    assert rounds_ratios({"fedavg": {"rounds_to_90": None}, "fedprox": {"rounds_to_90": 12}}) == {}
 
 
 def test_secure_aggregation_with_dropouts_gives_the_plain_runs_model(tmp_path):

@@ -116,7 +116,8 @@ def cmd_server(a) -> int:
         tokens = {"*": token}
         print(f"no --token-file or ${TOKEN_ENV}: clients must use the token in {path}")
     summary = serve(cfg, out, tokens, a.ssl_certfile, a.ssl_keyfile)
-    print(f"done: {summary['rounds']} rounds, test accuracy {summary['test_accuracy']:.4f}; wrote {out}")
+    print(f"done: {summary['rounds']} rounds, test accuracy {100 * summary['test_accuracy']:.1f} %; "
+          f"wrote {out}")
     return 0
 
 

@@ -143,12 +143,48 @@ def label_plot(hist: np.ndarray, out: Path, title: str = "") -> Path | None:
     return out
 
 
-def _table(summary: dict) -> str:
-    def fmt(v):
-        return f"{v:.6g}" if isinstance(v, float) else str(v)
+LABELS = {  # summary.json key -> what the report calls it
+    "strategy": "strategy", "test_accuracy": "final test accuracy", "best_test_accuracy": "best test accuracy",
+    "test_loss": "final test loss", "rounds": "rounds run", "rounds_to_90": "rounds to 90 % test accuracy",
+    "clients": "clients", "partition": "partition", "alpha": "Dirichlet alpha", "local_epochs": "local epochs",
+    "local_lr": "local learning rate", "secure_aggregation": "secure aggregation", "aggregator": "aggregator",
+    "skipped_rounds": "rounds skipped (too few clients)", "wall_time_s": "wall time", "epsilon": "privacy epsilon",
+    "delta": "privacy delta", "noise_multiplier": "noise multiplier",
+}
 
-    return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(fmt(v))}</td></tr>"
-                               for k, v in summary.items()) + "</table>"
+
+def human(key: str, value, summary: dict) -> str:
+    """One summary value in the units a reader expects: accuracies in %, seconds with "s", a missing figure in words."""
+    if key == "rounds_to_90":
+        return str(value) if value else f"not reached in {summary.get('rounds', '?')} rounds"
+    if value is None:
+        return "n/a"
+    if key.endswith("accuracy") and isinstance(value, (int, float)):
+        return f"{100 * value:.1f} %"
+    if key == "wall_time_s":
+        return f"{value:.1f} s"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def rounds_ratios(table: dict) -> dict[str, float]:
+    """Each strategy's rounds to 90 % over FedAvg's, only where both reached it (no ratio against a missing figure)."""
+    base = table.get("fedavg", {}).get("rounds_to_90")
+    return {f"{name}_over_fedavg_rounds": row["rounds_to_90"] / base for name, row in table.items()
+            if name != "fedavg" and base and row.get("rounds_to_90")}
+
+
+def ratio_line(name: str, table: dict) -> str:
+    """e.g. "fedprox reached 90 % in 0.8x FedAvg's rounds (12 vs 15)"."""
+    mine, base = table[name]["rounds_to_90"], table["fedavg"]["rounds_to_90"]
+    return f"{name} reached 90 % in {mine / base:.2f}x FedAvg's rounds ({mine} vs {base})"
+
+
+def _table(summary: dict) -> str:
+    return "<table>" + "".join(
+        f"<tr><th>{html.escape(LABELS.get(k, k.replace('_', ' ')))}</th><td>{html.escape(human(k, v, summary))}</td></tr>"
+        for k, v in summary.items()) + "</table>"
 
 
 def _page(title: str, body: str) -> str:
@@ -189,19 +225,16 @@ def write_compare_report(out_dir: str | Path, run_dirs: dict[str, Path]) -> dict
     summaries = {name: json.loads((d / "summary.json").read_text()) for name, d in run_dirs.items()}
     table = {name: {k: s.get(k) for k in ("rounds_to_90", "test_accuracy", "best_test_accuracy", "rounds", "wall_time_s")}
              for name, s in summaries.items()}
-    summary: dict = {"strategies": table}
-    base = table.get("fedavg", {}).get("rounds_to_90")
-    for name, row in table.items():
-        if name != "fedavg" and base and row["rounds_to_90"]:
-            summary[f"{name}_over_fedavg_rounds"] = row["rounds_to_90"] / base
+    summary: dict = {"strategies": table, **rounds_ratios(table)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     acc = accuracy_plot(runs, out_dir / "accuracy.png")
     rows = "".join(
-        f"<tr><td>{html.escape(n)}</td><td>{r['rounds_to_90'] or 'not reached'}</td><td>{r['test_accuracy']:.4f}</td>"
-        f"<td>{r['rounds']}</td><td>{r['wall_time_s']:.1f}</td></tr>" for n, r in table.items())
-    ratios = "".join(f"<p>{html.escape(k)}: {v:.1f}x</p>" for k, v in summary.items() if k.endswith("_over_fedavg_rounds"))
+        f"<tr><td>{html.escape(n)}</td>" + "".join(f"<td>{html.escape(human(k, r[k], r))}</td>" for k in
+                                                   ("rounds_to_90", "test_accuracy", "rounds", "wall_time_s")) + "</tr>"
+        for n, r in table.items())
+    ratios = "".join(f"<p>{html.escape(ratio_line(k.split('_over_')[0], table))}</p>" for k in rounds_ratios(table))
     body = ("<table><tr><th>strategy</th><th>rounds to 90 %</th><th>final test accuracy</th><th>rounds run</th>"
-            f"<th>wall s</th></tr>{rows}</table>{ratios}<h2>accuracy per round</h2>"
+            f"<th>wall time</th></tr>{rows}</table>{ratios}<h2>accuracy per round</h2>"
             + (f'<img src="{acc.name}" alt="accuracy">' if acc else "")
             + "".join(f'<p><a href="{html.escape(n)}/report.html">{html.escape(n)} run</a></p>' for n in run_dirs))
     (out_dir / "report.html").write_text(_page(f"plait fed comparison {out_dir.name}", body))

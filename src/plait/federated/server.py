@@ -417,5 +417,5 @@ def round_line(record: dict, clients: list[int]) -> str:
     if record.get("rejected"):
         extra += f" rejected {sorted(map(int, record['rejected']))}"
     eps = f" eps {record['epsilon']:.3g}" if "epsilon" in record else ""
-    return (f"round {record['round']:>4}: test acc {record['test_accuracy']:.4f} loss {record['test_loss']:.4f} "
+    return (f"round {record['round']:>4}: test acc {100 * record['test_accuracy']:.1f} % loss {record['test_loss']:.4f} "
             f"clients {record['clients']}/{len(clients)}{eps}{extra}")

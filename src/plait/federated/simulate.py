@@ -20,7 +20,7 @@ import torch
 
 from plait.config import validate_config
 from plait.federated.client import Client, FederatedData, build_client, federated_data
-from plait.federated.report import RunRecorder, write_compare_report
+from plait.federated.report import RunRecorder, human, ratio_line, rounds_ratios, write_compare_report
 from plait.federated.server import Coordinator, build_coordinator, round_line
 from plait.runtime import mix_seed
 
@@ -88,7 +88,8 @@ def simulate(cfg: Config, run_dir: str | Path | None, data: FederatedData | None
     summary = recorder.finish(coord.weights, coord.strategy.name)
     if log:
         log(f"done: {summary['rounds']} rounds of {summary['strategy']} in {summary['wall_time_s']:.1f}s, test accuracy "
-            f"{summary['test_accuracy']:.4f}; {reached_90(summary['rounds_to_90'], summary['rounds'])}")
+            f"{human('test_accuracy', summary['test_accuracy'], summary)}; "
+            f"{reached_90(summary['rounds_to_90'], summary['rounds'])}")
     return summary
 
 
@@ -114,8 +115,8 @@ def compare(cfg: Config, out_dir: str | Path, strategies: list[str], log: Callab
     summary = write_compare_report(out_dir, run_dirs)
     if log:
         for name, row in summary["strategies"].items():
-            log(f"{name:>8}: rounds to 90 % {row['rounds_to_90'] or 'not reached'}, final test accuracy {row['test_accuracy']:.4f}")
-        for k, v in summary.items():
-            if k.endswith("_over_fedavg_rounds"):
-                log(f"{k}: {v:.1f}x")
+            log(f"{name:>8}: rounds to 90 % {human('rounds_to_90', row['rounds_to_90'], row)}, final test accuracy "
+                f"{human('test_accuracy', row['test_accuracy'], row)}")
+        for k in rounds_ratios(summary["strategies"]):
+            log(ratio_line(k.split("_over_")[0], summary["strategies"]))
     return summary
