@@ -19,6 +19,13 @@ KNOWN = [
      "bitsandbytes looks for an optional Hub kernel (no network here); its own CPU nf4 path runs"),
     ("torch.onnx._internal.exporter._registration", "torchvision is not installed",
      "the ONNX exporter skips torchvision's operators, which plait's models never use"),
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers",
+     "the launcher got Ctrl-C or SIGTERM: plait's own line says so, with the checkpoint and the resume command"),
+    ("torch.distributed.elastic.multiprocessing.api", "Closing process %s via signal %s",
+     "the agent passing that signal on to each worker, one line per worker, as part of the same stop"),
+    ("ray.train.v2._internal.execution.controller.placement_group_cleaner", "Failed to query Ray Train Controller",
+     "Ray Train's clean-up watcher asks the State API, which a local Ray cluster started without its dashboard "
+     "(launch.launcher = 'ray') does not serve; ray.shutdown() frees the placement group itself"),
 ]
 
 

@@ -253,7 +253,9 @@ def ray_cluster(tmp_path_factory):
     temp = Path("/tmp") / f"ray-plait-{os.getpid()}"  # Ray's socket paths must stay short
     log = tmp_path_factory.mktemp("ray") / "ray-start.log"  # a file, readable while the head runs (a pipe is not)
     port = free_port()
-    env = {**ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1"}
+    # RAY_AUTH_MODE: a token left in ~/.ray by any earlier local ray.init() turns token auth on for `ray start`, and
+    # `ray status` is then refused; this cluster is loopback-only and lives for the module
+    env = {**ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1", "RAY_AUTH_MODE": "disabled"}
     # the ports a head would take by default are this session's own (others may run a cluster too), and workers stay
     # off 15000-29999, where the Slurm and MPI tests' rendezvous ports are derived
     with log.open("w") as out:

@@ -3,6 +3,7 @@ fixture, reached through RAY_ADDRESS) end on the torchrun weights; a killed work
 fixture's readiness wait, against a stand-in for `ray`: what it reports when the head does not come up."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,11 @@ def test_dp2_under_ray_ends_on_the_torchrun_weights(ray_cluster, sgd_job, sgd_re
     r = plait_env("train", sgd_job, "--set", "launch.launcher='ray'", "--out", run, env=ray_cluster, timeout=RUN_S)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 Ray Train workers on 127.0.0.1" in r.stdout
+    # each plait line once (Ray Train's print patch would tee it), no State API chatter from Ray Train's watcher
+    out = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)  # Ray colours its "(RayTrainWorker pid=...)" prefixes
+    assert sum(1 for line in out.splitlines() if ") plait: mlp" in line) == 1, out
+    assert sum(1 for line in out.splitlines() if ") done: 10 steps" in line) == 1, out
+    assert "Failed to query Ray Train Controller" not in out, out
     session = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert (session["manager"], session["world_size"], session["restart_count"]) == ("ray", 2, 0)
     assert max_diff(sgd_reference, run_weights(run)) <= 1e-5

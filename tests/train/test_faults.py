@@ -77,6 +77,8 @@ def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path, 
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
     assert f"{said}: stopped cleanly at step_" in out, out + err
+    assert (out + err).count("continue with plait train --resume") == 1, out + err  # said once, by rank 0
+    assert "death signal" not in err and "via signal" not in err, err  # the agent's echo of the same stop
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, out + err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted"] and 2 <= summary["steps"] < 10
@@ -241,7 +243,7 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
                 p.kill()
     assert node0.returncode == 0, out
     assert out.count("world size is 1 (the config asks for 2): data parallel 2 -> 1, accumulation 1 -> 2") == 2, out
-    assert re.search(r"stopped by SIGTERM after step \d+: checkpoint \d+ written", out), out
+    assert re.search(r"preempted \(SIGTERM\): stopped cleanly at step_\d+; continue with", out), out
     sessions = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "session"' in x]
     assert [x["world_size"] for x in sessions] == [1, 2, 1], sessions
     assert [x["restart_count"] for x in sessions] == [0, 0, 1], sessions  # joining is no restart; a lost node is

@@ -45,6 +45,9 @@ def worker_env(cfg: Config, local_cluster: bool) -> dict[str, str]:
     if local_cluster and "GLOO_SOCKET_IFNAME" not in env and cfg.launch.backend != "nccl":
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Ray Train sends a worker's print() to its logger and, as Ray's workers' stdout is not sys.__stdout__, to the
+    # stream as well: every line of plait's would reach the console twice
+    env.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     return env
 
 
@@ -89,7 +92,9 @@ def launch_ray(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     local = not address
     env = worker_env(cfg, local)
     use_gpu = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and _cuda())
-    init = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "configure_logging": False}
+    # plait.quiet's filters in every Ray worker process (the train workers and Ray Train's own actors)
+    init = {"runtime_env": {"env_vars": env, "worker_process_setup_hook": "plait.quiet.install"},
+            "log_to_driver": True, "configure_logging": False}
     if local:
         init.update(num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False)
     ray.init(**init) if not ray.is_initialized() else None

@@ -261,6 +261,8 @@ def report_preemption(run_dir: Path, e) -> int:
               flush=True)
         return 0
     if preempted and ckpt is not None:
+        if done.get("stop_said"):  # rank 0 printed this very line, with the checkpoint and the resume command
+            return 0
         what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"preempted ({e.sigval.name})"
         print(f"{what}: stopped cleanly at {ckpt.name}; continue with "
               f"plait train --resume {run_dir}", flush=True)

@@ -30,6 +30,7 @@ from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
 from plait.config import config_to_dict, dump_config
 from plait.models.protocols import WindowMetricsModel
+from plait.train.checkpoint import step_name
 from plait.train.evaluate import evaluate, generate_sample, linear_probe
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
@@ -281,11 +282,11 @@ class Telemetry:
     # ---- the end
     def preempted(self, step: int, saved_at: int) -> dict:
         self.writer.close()
-        how = {"SIGINT": "interrupted (Ctrl-C)", "SIGTERM": "stopped by SIGTERM"}.get(self.watchdog.stop_signal,
-                                                                                 "stopped on request")
-        self.rt.print(f"{how} after step {step}: checkpoint {saved_at} written; continue with "
-                      f"plait train --resume {self.run_dir}")
-        summary = {"steps": step, "preempted": True, "resumed_from_step": self.start or None}
+        sig = self.watchdog.stop_signal
+        how = {"SIGINT": "interrupted (Ctrl-C)", "": "stopped on request"}.get(sig, f"preempted ({sig})")
+        self.rt.print(f"{how}: stopped cleanly at {step_name(saved_at)}; continue with plait train --resume {self.run_dir}")
+        # stop_said: that line reached the console, so plait's launcher does not say it again
+        summary = {"steps": step, "preempted": True, "resumed_from_step": self.start or None, "stop_said": True}
         if self.writes:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
