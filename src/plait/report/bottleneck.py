@@ -24,6 +24,24 @@ from plait.report.runfiles import read_metrics
 THRESHOLDS = {"data": 0.20, "exposed_comm": 0.25, "bubble": 0.20, "optimizer": 0.25}
 
 
+def split(step: float, data: float, fb: float, opt: float, wait: float, bubble_fraction: float) -> dict[str, float]:
+    """One step's seconds in the categories above, from the phases a metrics record holds (`time`: data,
+    forward_backward, optimizer; comm_wait_s) and the pipeline's measured bubble fraction."""
+    # the bubble is the idle share of the pipeline schedule's span (the forward-backward phase), and a stage idles
+    # in its receives: that time is in the collective wait too, so it is counted once, as bubble
+    bubble = min(fb, fb * bubble_fraction)
+    exposed = min(fb, max(0.0, wait - bubble))
+    return {"data": data, "compute": max(0.0, fb - bubble - exposed), "exposed_comm": exposed, "bubble": bubble,
+            "optimizer": opt, "other": max(0.0, step - data - fb - opt)}
+
+
+def row_split(row: dict, bubble_fraction: float = 0.0) -> dict[str, float]:
+    """split() of one metrics record (a logging window's mean step)."""
+    t = row["time"]
+    return split(row["step_time_s"], t.get("data", 0.0), t.get("forward_backward", 0.0), t.get("optimizer", 0.0),
+                 row.get("comm_wait_s", 0.0), bubble_fraction)
+
+
 def breakdown(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if "step_time_s" in m]
@@ -37,14 +55,7 @@ def breakdown(run_dir: str | Path) -> dict:
     fb = mean([r["time"].get("forward_backward", 0.0) for r in steady])
     opt = mean([r["time"].get("optimizer", 0.0) for r in steady])
     wait = mean([r.get("comm_wait_s", 0.0) for r in steady])
-    # the bubble is the idle share of the pipeline schedule's span (the forward-backward phase), and a stage idles
-    # in its receives: that time is in the collective wait too, so it is counted once, as bubble
-    bubble = min(fb, fb * summary.get("pipeline", {}).get("bubble_fraction", 0.0))
-    exposed = min(fb, max(0.0, wait - bubble))
-    compute = max(0.0, fb - bubble - exposed)
-    other = max(0.0, step - data - fb - opt)
-    parts = {"data": data, "compute": compute, "exposed_comm": exposed, "bubble": bubble, "optimizer": opt,
-             "other": other}
+    parts = split(step, data, fb, opt, wait, summary.get("pipeline", {}).get("bubble_fraction", 0.0))
     # a resumed run may have changed its world size: judge ranks over the windows of the latest layout
     per_rank = [r["rank_compute_s"] for r in steady if r.get("rank_compute_s")]
     per_rank = [w for w in per_rank if len(w) == len(per_rank[-1])] if per_rank else []

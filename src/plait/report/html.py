@@ -126,7 +126,7 @@ def write_report(run_dir: str | Path) -> Path:
     plots = [
         training_curves(metrics, run_dir / "curves.png"),
         loss_curve(metrics, run_dir / "loss.png", summary.get("unigram_val_loss")),
-        step_time_breakdown(metrics, run_dir / "step_time.png"),
+        step_time_breakdown(metrics, run_dir / "step_time.png", summary.get("pipeline", {}).get("bubble_fraction", 0.0)),
         expert_load(metrics, run_dir / "expert_load.png"),
         freeze_points(metrics, run_dir / "freeze.png"),
     ]

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PHASES = ("data", "forward_backward", "optimizer")
+from plait.report.bottleneck import row_split  # noqa: E402
 
 
 def save(fig, out: Path) -> Path:
@@ -39,25 +39,34 @@ def loss_curve(metrics: list[dict], out: Path, baseline: float | None = None) ->
     return out
 
 
-def step_time_breakdown(metrics: list[dict], out: Path) -> Path | None:
-    """Stacked bars: mean seconds per step in each phase, per logging window."""
-    rows = [m for m in metrics if "time" in m]
+COLOURS = {"data": "C2", "compute": "C0", "exposed_comm": "C3", "bubble": "C1", "optimizer": "C4",
+           "other": "lightgray"}
+LABELS = {"exposed_comm": "communication (exposed)", "bubble": "pipeline bubble"}
+
+
+def step_time_breakdown(metrics: list[dict], out: Path, bubble_fraction: float = 0.0) -> Path | None:
+    """Stacked bars: mean ms per step in each category of the bottleneck report (data, compute, exposed
+    communication, pipeline bubble, optimizer, other), per logging window. The first window holds start-up (the
+    first step's allocation, compilation, ...) and is left out when there are others, as the report's figures do."""
+    rows = [m for m in metrics if "time" in m and "step_time_s" in m]
     if not rows:
         return None
-    phases = list(PHASES) + sorted({k for m in rows for k in m["time"]} - set(PHASES))
+    warm_up = rows[0]["step"] if len(rows) > 1 else None
+    rows = rows[1:] if len(rows) > 1 else rows
+    splits = [row_split(m, bubble_fraction) for m in rows]
     steps = [m["step"] for m in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(rows)
     width = max(1.0, (steps[-1] - steps[0]) / max(1, len(steps)) * 0.8) if len(steps) > 1 else 0.8
-    for ph in phases:
-        vals = [m["time"].get(ph, 0.0) * 1000 for m in rows]
-        ax.bar(steps, vals, width=width, bottom=bottom, label=ph)
+    for part, colour in COLOURS.items():
+        vals = [sp[part] * 1000 for sp in splits]
+        if any(vals) or part in ("compute", "exposed_comm"):
+            ax.bar(steps, vals, width=width, bottom=bottom, label=LABELS.get(part, part), color=colour)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    other = [max(0.0, m["step_time_s"] * 1000 - b) for m, b in zip(rows, bottom)]
-    ax.bar(steps, other, width=width, bottom=bottom, label="other", color="lightgray")
     ax.set_xlabel("step")
     ax.set_ylabel("ms per step")
-    ax.set_title("where each step's time goes")
+    ax.set_title("where each step's time goes"
+                 + (f" (warm-up window to step {warm_up} left out)" if warm_up is not None else ""), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     save(fig, out)
