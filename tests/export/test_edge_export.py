@@ -34,13 +34,17 @@ def test_cli_exports_onnx_and_prints_its_parity(mlp_run, tmp_path, capsys):  # n
     out = tmp_path / "m.onnx"
     assert main(["export", str(mlp_run), "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"wrote {out} (onnx, batch 1, " in text
+    assert f"wrote {out} (onnx, batch dynamic, " in text
     assert "parity on 179 validation inputs: max abs diff" in text and "[onnxruntime] -> ok" in text
     onnx.checker.check_model(str(out), full_check=True)
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    assert session.get_inputs()[0].shape == [1, 1, 8, 8]  # a fixed batch of 1 by default
+    assert session.get_inputs()[0].shape == ["batch", 1, 8, 8]  # a batch axis of any size by default
     meta = session.get_modelmeta().custom_metadata_map
-    assert meta["plait.batch"] == "1" and '"name": "mlp"' in meta["plait.model"]
+    assert meta["plait.batch"] == "dynamic" and '"name": "mlp"' in meta["plait.model"]
+    fixed = tmp_path / "m1.onnx"
+    assert main(["export", str(mlp_run), "-o", str(fixed), "--batch", "1"]) == 0
+    assert f"wrote {fixed} (onnx, batch 1, " in capsys.readouterr().out
+    assert ort.InferenceSession(str(fixed), providers=["CPUExecutionProvider"]).get_inputs()[0].shape == [1, 1, 8, 8]
 
 
 def validation_set(run: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,10 +62,9 @@ class EdgeReport:
 
 
 def parse_batch(text: str | int | None) -> int | None:
-    """--batch: 'dynamic' -> None, else a positive integer (default 1)."""
-    if text is None:
-        return 1
-    if str(text) == "dynamic":
+    """--batch: 'dynamic' (the default: a batch axis of any size, as users of an exported model expect) -> None, else
+    a positive integer, the fixed batch size."""
+    if text is None or str(text) == "dynamic":
         return None
     if str(text).isdigit() and 0 < int(text) <= 1 << 16:
         return int(text)

@@ -5,8 +5,8 @@ Every file carries the metadata `plait serve` needs to describe the model (`plai
 `load_edge` returns a torch-in, torch-out module around the runtime, so the serving code (runner,
 batcher, replicas) runs an exported file exactly as it runs an eager model.
 
-A file exported with a fixed batch (`--batch N`, default 1) is run in chunks of N rows, the last
-one padded with zeros; `--batch dynamic` takes any number of rows at once.
+A file exported with `--batch dynamic` (the default) takes any number of rows at once; one with a fixed batch
+(`--batch N`) is run in chunks of N rows, the last one padded with zeros.
 """
 
 from __future__ import annotations
