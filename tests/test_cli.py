@@ -88,7 +88,7 @@ def test_train_resume_export_through_the_launcher(tiny_config, tmp_path):
     # 1. two workers through torchrun's agent
     r = plait("train", tiny_config, "--set", "train.steps=6", "--out", run)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 processes (dp=2, ddp)" in r.stdout and "unigram baseline" in r.stdout
+    assert "2 processes (dp=2, DDP)" in r.stdout and "unigram baseline" in r.stdout
     for name in ("config.toml", "metrics.jsonl", "summary.json", "report.html", "loss.png", "step_time.png",
                  "tokenizer.json", "spec.json"):
         assert (run / name).is_file(), name
@@ -184,7 +184,7 @@ def test_two_nodes_on_one_machine_form_one_job(tiny_config, tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], outs
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
-    assert sum("2 processes (dp=2, ddp)" in o for o in outs) == 1  # one job, one rank 0
+    assert sum("2 processes (dp=2, DDP)" in o for o in outs) == 1  # one job, one rank 0
 
 
 def test_a_dry_run_calls_no_data_factory(tmp_path, monkeypatch):

@@ -91,4 +91,22 @@ def test_the_header_names_every_axis_zero_and_compression():
     strategy = SimpleNamespace(name="pipeline-1f1b", labels=["fp16 compression"])  # DDP's build adds its label
     assert layout_text(Layout.from_config(cfg), strategy) == "dp=2 tp=2 pp=2 ep=2, pipeline-1f1b, ZeRO-1, fp16 compression"
     plain = load_config(None, ["parallel.dp=2"])
-    assert layout_text(Layout.from_config(plain), SimpleNamespace(name="ddp", labels=[])) == "dp=2, ddp"
+    assert layout_text(Layout.from_config(plain), SimpleNamespace(name="ddp", labels=[])) == "dp=2, DDP"
+    # no jargon: a lone replica's strategy is not named, ZeRO is said once, one process is said in words
+    tp = load_config(None, ["parallel.dp=1", "parallel.tp=2"])
+    assert layout_text(Layout.from_config(tp), SimpleNamespace(name="single", labels=[])) == "tp=2"
+    assert layout_text(Layout.from_config(tp), SimpleNamespace(name="tp+dp", labels=[])) == "tp=2"
+    z3 = load_config(None, ["parallel.dp=2", "parallel.zero=3"])
+    assert layout_text(Layout.from_config(z3), SimpleNamespace(name="zero3", labels=[])) == "dp=2, ZeRO-3"
+    one = load_config(None, ["parallel.dp=1"])
+    assert layout_text(Layout.from_config(one), SimpleNamespace(name="single", labels=[])) == "one process"
+
+
+def test_the_header_names_a_users_data_factory_by_its_path():
+    from types import SimpleNamespace
+
+    from plait.train.telemetry import data_text
+
+    cfg = SimpleNamespace(data=SimpleNamespace(factory="mypkg.data:build"))
+    assert data_text(cfg, SimpleNamespace(name="factory")) == "your data (mypkg.data:build)"
+    assert data_text(SimpleNamespace(data=SimpleNamespace(factory="")), SimpleNamespace(name="digits")) == "digits"

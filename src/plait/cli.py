@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "an edge export with its parity gate (docs/serving.md)")
     e.add_argument("--trust-checkpoint", action="store_true",
                    help="accept a checkpoint that has no manifest.json (plait 0.1); see docs/security.md")
-    e.add_argument("--batch", metavar="dynamic|N", help="edge exports: a batch axis of any size (default: dynamic) or a fixed batch of N rows")
+    e.add_argument("--batch", metavar="dynamic|N", help="edge exports: any number of rows (default: dynamic) or a fixed batch of N")
     e.add_argument("--quantize", dest="edge_quantize", choices=["int8"],
                    help="-o model.onnx: onnxruntime's dynamic int8 quantization (accuracy and size reported)")
     e.add_argument("--aoti", action="store_true", help="-o model.pt2: also compile with AOTInductor (needs a C++ compiler)")

@@ -35,6 +35,15 @@ def test_an_nf4_base_takes_one_eighth_of_fp32_plus_a_scale_per_64_values():
                                rtol=0, atol=1e-5)
     torch.testing.assert_close(layer.to_linear()(x), layer(x), rtol=0, atol=1e-5)
     assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
+    # the header's counts: the nf4 base counts as the weights it stands for, the same as LoRA's fp32 base
+    from types import SimpleNamespace
+
+    from plait.runtime import single_process
+    from plait.train.telemetry import model_counts
+
+    counts = {q: model_counts(SimpleNamespace(module=LoRALinear(nn.Linear(128, 96), rank=4, alpha=8, quantize=q)),
+                              SimpleNamespace(pp=1), single_process()) for q in ("nf4", "none")}
+    assert counts["nf4"] == counts["none"] == (n + 96 + 4 * 128 + 96 * 4, 4 * 128 + 96 * 4)
 
 
 def test_qlora_trains_and_exports_a_plain_model(pretrained, tiny_text, tmp_path):

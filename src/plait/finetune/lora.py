@@ -73,6 +73,10 @@ class LoRALinear(nn.Module):
                                 dtype=torch.float32)
         return bnbf.dequantize_4bit(self.weight_nf4, quant_state=state)
 
+    def packed_weight_numel(self) -> int:
+        """Weights held packed in buffers rather than as parameters (the nf4 base): counted with the model's params."""
+        return self.out_features * self.in_features if self.quantize == "nf4" else 0
+
     def base_bytes(self) -> int:
         if self.quantize == "nf4":
             return self.weight_nf4.numel() * self.weight_nf4.element_size() + self.weight_absmax.numel() * 4

@@ -50,7 +50,9 @@ def model_counts(strategy, layout, rt) -> tuple[int, int]:
     (each holding its own blocks) are summed over the pp group. Every rank calls it."""
     copies = getattr(strategy, "tied_copies", frozenset())  # a tied weight's copy on the last stage counts once
     params = [p for p in strategy.module.parameters() if id(p) not in copies]
-    counts = torch.tensor([sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)],
+    # QLoRA's frozen base weights are nf4 buffers, not parameters: counted as the weights they stand for
+    packed = sum(m.packed_weight_numel() for m in strategy.module.modules() if hasattr(m, "packed_weight_numel"))
+    counts = torch.tensor([sum(p.numel() for p in params) + packed, sum(p.numel() for p in params if p.requires_grad)],
                           dtype=torch.float64)
     if rt.distributed and layout.pp > 1:
         dist.all_reduce(counts, group=rt.axis_group("pp"))
@@ -143,7 +145,7 @@ class Telemetry:
         counted = f"{human_count(total)} params" + (f", {human_count(trainable)} trainable" if trainable != total else "")
         loaded = f" from {cfg.train.init_from}" if cfg.train.init_from else ""
         rt.print(
-            f"plait: {what} ({counted}){loaded} on {self.bundle.spec.name} · "
+            f"plait: {what} ({counted}){loaded} on {data_text(cfg, self.bundle.spec)} · "
             f"{rt.world_size} process{'es' if rt.world_size > 1 else ''} ({layout_text(layout, self.strategy)}) · "
             f"{rt.backend or 'no process group'} on {rt.device.type} · global batch {cfg.train.global_batch_size} = "
             f"{cfg.train.micro_batch_size} x {layout.grad_accum} accum x {layout.dp} dp"
@@ -404,11 +406,24 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def data_text(cfg, spec) -> str:
+    """The data as the header names it: the source's name, or the user's factory by its import path."""
+    if spec.name == "factory" and getattr(cfg.data, "factory", ""):
+        return f"your data ({cfg.data.factory})"
+    return spec.name
+
+
 def layout_text(layout, strategy) -> str:
-    """The layout as the header shows it: every axis larger than 1 (dp always), the strategy, ZeRO, its labels."""
-    axes = [f"dp={layout.dp}"] + [f"{n}={v}" for n, v in (("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)) if v > 1]
-    extra = [strategy.name] + ([f"ZeRO-{layout.zero}"] if layout.zero else []) + list(strategy.labels)
-    return f"{' '.join(axes)}, {', '.join(extra)}"
+    """The layout as the header shows it: every axis larger than 1 ("one process" when none is), the strategy in the
+    words users know it by (none for a lone replica, whose axes say it all), ZeRO, the strategy's labels."""
+    degrees = (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep))
+    axes = [f"{n}={v}" for n, v in degrees if v > 1] or ["one process"]
+    name = strategy.name
+    words = {"single": "", "ddp": "DDP", "tp+dp": "DDP" if layout.dp > 1 else ""}.get(name, name)
+    if name.startswith("zero"):  # zero1 / zero3: the ZeRO-n label below says it
+        words = ""
+    extra = [w for w in [words] if w] + ([f"ZeRO-{layout.zero}"] if layout.zero else []) + list(strategy.labels)
+    return " ".join(axes) + (f", {', '.join(extra)}" if extra else "")
 
 
 class Compute:
