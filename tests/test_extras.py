@@ -3,6 +3,7 @@ torchvision built for another torch is said at start-up (issue 38 items 1-2)."""
 
 import importlib.metadata as metadata
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,11 @@ def test_a_torchvision_for_another_torch_is_said_in_one_line(monkeypatch):
     monkeypatch.setattr(metadata, "requires", lambda name: ["torch==2.13.0"])
     assert extras.torchvision_warning() is None
     assert extras.install_command("data") == "pip install 'plait[data]' 'torch==2.13.0'"
+
+
+def test_no_message_in_plait_gives_an_install_command_that_moves_torch():
+    """Every install command plait prints comes from plait.extras.install_command (the installed torch pinned)."""
+    src = Path(__file__).resolve().parents[1] / "src" / "plait"
+    bare = [f"{p.relative_to(src)}:{i}" for p in sorted(src.rglob("*.py")) if p.name != "extras.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "pip install 'plait[" in line]
+    assert bare == []

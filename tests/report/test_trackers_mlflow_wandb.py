@@ -7,6 +7,7 @@ import json
 import struct
 
 import pytest
+import torch
 
 from plait.config import load_config
 from plait.errors import ConfigError
@@ -80,4 +81,6 @@ def test_a_missing_package_is_a_config_error_naming_the_extra(tracker, monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find_spec(name, *a))
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"log.trackers=['{tracker}']"])
-    assert str(e.value) == f"log.trackers = ['{tracker}'] needs the {tracker} package: pip install 'plait[{tracker}]'"
+    # the install command pins the installed torch, so installing the extra keeps it
+    assert str(e.value) == (f"log.trackers = ['{tracker}'] needs the {tracker} package: pip install 'plait[{tracker}]' "
+                            f"'torch=={torch.__version__.split('+')[0]}'")

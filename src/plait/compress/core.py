@@ -18,6 +18,7 @@ import torch.nn as nn
 from plait.data import build_data
 from plait.data.datasets import eval_batches
 from plait.errors import ConfigError
+from plait.extras import install_command
 from plait.files import publish
 from plait.finetune.lowrank import energy_rank, factorise
 from plait.train.loss import loss_for
@@ -55,7 +56,7 @@ def int8_weight_only(model: nn.Module, layers: list[str] | None = None) -> list[
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
-        raise ConfigError("int8 quantization uses torchao: pip install 'plait[lowbit]'") from None
+        raise ConfigError(f"int8 quantization uses torchao: {install_command('lowbit')}") from None
     if layers is None:
         layers = [n for n, m in own_linears(model).items() if type(m.weight) in (torch.Tensor, nn.Parameter)]
     wanted = set(layers)
@@ -133,7 +134,7 @@ def compress_int8(run_dir: str | Path, out: str | Path) -> dict:
     try:
         import torchao.quantization  # noqa: F401
     except ImportError:
-        raise ConfigError("plait compress --quantize int8 uses torchao: pip install 'plait[lowbit]'") from None
+        raise ConfigError(f"plait compress --quantize int8 uses torchao: {install_command('lowbit')}") from None
     run_dir, out = Path(run_dir), Path(out)
     cfg, spec, model = load_run_model(run_dir)
     bundle = build_data(cfg.data, cfg.model)

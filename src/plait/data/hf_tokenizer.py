@@ -16,8 +16,9 @@ import numpy as np
 
 from plait.data.tokenizer import CharTokenizer
 from plait.errors import DataError
+from plait.extras import install_command
 
-INSTALL = "pip install 'plait[hf]' (the tokenizers library)"
+INSTALL = f"{install_command('hf')} (the tokenizers library)"
 
 
 class HFTokenizer:

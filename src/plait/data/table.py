@@ -7,7 +7,7 @@
 Features must be numbers; a cell that is not is an error naming the file, the row (the data row, 1 for
 the first after the header, with its line in a CSV), the column and the value. Text labels become class
 indices in sorted order. Regression trains with the mean squared error (validation reports it as val_loss).
-Parquet needs pyarrow (pip install 'plait[table]'); CSV is read with Python's csv module.
+Parquet needs pyarrow (the table extra); CSV is read with Python's csv module.
 
 `data.text_column` makes a text column the input (sentence classification, a BERT fine-tuned on a table):
 each text encoded with data.tokenizer to model.context ids (cut texts keep their special tokens) and an
@@ -25,6 +25,7 @@ import torch
 from plait.data.datasets import split_tensors
 from plait.data.spec import DataBundle, DataSpec
 from plait.errors import ConfigError, DataError
+from plait.extras import install_command
 
 SUFFIXES = (".csv", ".parquet", ".pq")
 
@@ -65,8 +66,8 @@ def _read_parquet(path: Path) -> tuple[list[str], list[list], int]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError(f"data.path = {str(path)!r} is Parquet, which plait reads with pyarrow: pip install "
-                          "'plait[table]'") from None
+        raise ConfigError(f"data.path = {str(path)!r} is Parquet, which plait reads with pyarrow: "
+                          f"{install_command('table')}") from None
     try:
         data = pq.read_table(path).to_pydict()
     except Exception as e:  # pyarrow's own error types for files that are not Parquet

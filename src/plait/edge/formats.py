@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from plait.errors import CheckpointError, ConfigError
+from plait.extras import install_command
 
 MAX_DYNAMIC_BATCH = 1 << 16
 META_FILE = "plait.json"  # the .pt2 archive's extra file holding the metadata
@@ -106,7 +107,7 @@ def _onnx_session(path: Path, threads: int):
     try:
         import onnxruntime as ort
     except ImportError:
-        raise ConfigError(f"{path}: serving an .onnx file needs onnxruntime: pip install 'plait[edge]'") from None
+        raise ConfigError(f"{path}: serving an .onnx file needs onnxruntime: {install_command('edge')}") from None
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1

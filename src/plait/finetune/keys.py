@@ -10,6 +10,7 @@ import math
 
 from plait.config import keys, opt
 from plait.errors import ConfigError
+from plait.extras import install_command
 
 
 @keys("finetune")
@@ -43,7 +44,7 @@ class FinetuneKeys:
                 raise ConfigError(f"finetune.quantize_base = {self.quantize_base!r} quantizes the base under LoRA "
                                   "adapters: set finetune.lora_rank (e.g. 8) or finetune.quantize_base='none'")
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise ConfigError("finetune.quantize_base = 'nf4' uses bitsandbytes: pip install 'plait[qlora]', or set "
+                raise ConfigError(f"finetune.quantize_base = 'nf4' uses bitsandbytes: {install_command('qlora')}, or set "
                                   "finetune.quantize_base='none'")
         if self.lora_rank and cfg.train.compile:
             raise ConfigError("finetune.lora_rank with train.compile = true is not supported yet; set train.compile=false")

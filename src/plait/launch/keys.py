@@ -28,7 +28,7 @@ class LaunchKeys:
     heartbeat_s: int = opt(5, "elastic jobs (c10d rendezvous): seconds between a node's heartbeats; a node silent for "
                               "3 of them is dropped and the others re-form without it", minimum=1)
     launcher: str = opt("torchrun", "what starts the workers: torchrun (its elastic agent) or ray (a Ray Train TorchTrainer "
-                                    "on RAY_ADDRESS or a local Ray cluster; pip install 'plait[ray]')", ("torchrun", "ray"))
+                                    "on RAY_ADDRESS or a local Ray cluster; the ray extra)", ("torchrun", "ray"))
     backend: str = opt("auto", "process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl", ("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
     timeout_s: int = opt(300, "seconds a collective may wait before it is an error naming the ranks that did not join",

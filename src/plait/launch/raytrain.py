@@ -8,7 +8,7 @@ with GPUs); each worker then runs the same code as under torchrun (plait.launch.
 PLAIT_RAY_* variables set here (plait.launch.env). A worker that dies makes Ray restart the whole group, up to
 launch.max_restarts times (Ray's FailureConfig.max_failures); the new group resumes from the run's latest
 checkpoint, so the run dir must be on storage every Ray node sees (any path works on a local cluster).
-Needs `pip install 'plait[ray]'` (Ray Train; it does not bring its own torch).
+Needs the ray extra (Ray Train; it does not bring its own torch): plait.extras.install_command('ray').
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
+from plait.extras import install_command
 from plait.parallel.layout import Layout
 
 FORWARDED = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PYTHONUNBUFFERED")
@@ -33,7 +34,7 @@ def _import_ray():
         import ray.train  # noqa: F401
         import ray.train.torch  # noqa: F401
     except ImportError:
-        raise ConfigError("launch.launcher = 'ray' needs Ray Train: pip install 'plait[ray]' "
+        raise ConfigError(f"launch.launcher = 'ray' needs Ray Train: {install_command('ray')} "
                           "(or set launch.launcher='torchrun')") from None
     return ray
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.extras import install_command
 
 FACTORY = "plait.models.hf_auto:build"
 
@@ -22,7 +23,7 @@ def build(hf_class: str, path: str, num_labels: int = 0, **overrides):
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model.hf_class builds a transformers model: pip install 'plait[hf]' (transformers)") from None
+        raise ConfigError(f"model.hf_class builds a transformers model: {install_command('hf')} (transformers)") from None
     cls = getattr(transformers, hf_class, None)
     if cls is None or not hasattr(cls, "from_config"):
         raise ConfigError(f"model.hf_class = {hf_class!r} is not a transformers model class; give one such as "

@@ -21,6 +21,7 @@ from plait.config import load_config
 from plait.data import build_data
 from plait.data.datasets import eval_batches
 from plait.errors import ConfigError
+from plait.extras import install_command
 from plait.serve.protocol import ServeError
 from plait.train.loss import loss_for
 
@@ -33,7 +34,7 @@ def quantize_int8(module: nn.Module) -> nn.Module:
     try:
         int8_weight_only(q)  # a tied head keeps fp32: quantizing it would change the embedding table too
     except ConfigError:
-        raise ServeError("--quantize int8 uses torchao: pip install 'plait[lowbit]', or serve without --quantize") from None
+        raise ServeError(f"--quantize int8 uses torchao: {install_command('lowbit')}, or serve without --quantize") from None
     return q
 
 

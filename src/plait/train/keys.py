@@ -13,6 +13,7 @@ from pathlib import Path
 
 from plait.config import keys, opt
 from plait.errors import ConfigError
+from plait.extras import install_command
 from plait.report.trackers import TRACKERS
 
 # optim.name: every optimizer plait builds (plait.train.optim), and those whose update is elementwise, so that a step
@@ -109,7 +110,7 @@ class OptimKeys:
         if not 0 < self.trust_coefficient < math.inf:
             raise ConfigError(f"optim.trust_coefficient = {self.trust_coefficient} must be > 0, e.g. 0.001")
         if self.name == "adamw8bit" and importlib.util.find_spec("torchao") is None:
-            raise ConfigError("optim.name = 'adamw8bit' uses torchao's AdamW8bit: pip install 'plait[lowbit]' "
+            raise ConfigError(f"optim.name = 'adamw8bit' uses torchao's AdamW8bit: {install_command('lowbit')} "
                               "(torchao), or set optim.name='adamw'")
 
 
@@ -139,7 +140,7 @@ class LogKeys:
     profile_steps: list = opt([], "torch.profiler Chrome traces of steps [first, last] to RUN_DIR/traces/rank<r>.json")
     trackers: list = opt([], "live views of the metrics besides metrics.jsonl (rank 0): \"tensorboard\" (event files in "
                              "RUN_DIR/tensorboard), \"mlflow\" (a file store in RUN_DIR/mlruns), \"wandb\" (an offline run "
-                             "in RUN_DIR/wandb); each its extra: pip install 'plait[NAME]'")
+                             "in RUN_DIR/wandb); each needs its extra of the same name")
 
     def check(self, cfg) -> None:
         ps = self.profile_steps
@@ -151,7 +152,7 @@ class LogKeys:
                 raise ConfigError(f"log.trackers: {tracker!r} is not a tracker plait writes; choose from {sorted(TRACKERS)}")
             package = TRACKERS[tracker][0]
             if importlib.util.find_spec(package) is None:
-                raise ConfigError(f"log.trackers = [{tracker!r}] needs the {package} package: pip install 'plait[{tracker}]'")
+                raise ConfigError(f"log.trackers = [{tracker!r}] needs the {package} package: {install_command(tracker)}")
 
 
 @keys("distill")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.extras import install_command
 from plait.rundir import timestamped
 
 
@@ -19,7 +20,7 @@ def cmd_tune(a) -> int:
     try:
         import optuna  # noqa: F401
     except ImportError:
-        raise ConfigError("plait tune uses Optuna: pip install 'plait[tune]'") from None
+        raise ConfigError(f"plait tune uses Optuna: {install_command('tune')}") from None
     if a.pruner not in PRUNERS:
         raise ConfigError(f"--pruner {a.pruner!r}: choose one of {', '.join(PRUNERS)}")
     opts = TuneOptions(a.config, a.set, read_space(a.space), a.trials, a.concurrency, a.metric, a.direction,
