@@ -135,9 +135,12 @@ def plait_loop(model: str, world: int, steps: int, warmup: int, run_dir: str, ex
 
 
 def agreement(raw_losses: list[float], logged: list[dict], every: int = WINDOW) -> float:
-    """The largest difference between plait's logged window losses and the raw loop's over the same steps."""
-    diffs = [abs(r["loss"] - statistics.mean(raw_losses[r["step"] - every:r["step"]]))
-             for r in logged if r["step"] % every == 0 and r["step"] >= every]
+    """The largest difference between plait's logged losses (each the mean over the steps since the record before:
+    step 1 is logged alone) and the raw loop's over the same steps."""
+    diffs, prev = [], 0
+    for r in logged:
+        diffs.append(abs(r["loss"] - statistics.mean(raw_losses[prev:r["step"]])))
+        prev = r["step"]
     return max(diffs)
 
 
