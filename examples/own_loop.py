@@ -23,7 +23,8 @@ data = torch.utils.data.TensorDataset(torch.tensor(x / 16, dtype=torch.float32),
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 p = plait.parallelize(model, loss=F.cross_entropy, optimizer=lambda params: torch.optim.SGD(params, lr=0.2))
-log = [vars(p.step(batch)) for batch in p.batches(data)]  # this rank's share of each global batch
+steps = [p.step(batch) for batch in p.batches(data)]  # this rank's share of each global batch
+log = [{"loss": r.loss, "grad_norm": r.grad_norm} for r in steps]  # read after the loop: the steps never waited
 p.save(out)  # DCP, the plain model's names: p.load(out) resumes at any layout
 weights = p.state_dict()
 if p.is_main:

@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,10 +43,41 @@ class CollectiveError(PlaitError):
     """A collective call of Parallel (save, load, state_dict) made by some ranks only."""
 
 
-@dataclass
 class StepResult:
-    loss: float  # the global batch's mean loss (every rank gets the same)
-    grad_norm: float  # the global gradient norm before clipping
+    """What p.step returns: the global batch's mean loss (every rank gets the same) and the global gradient norm before
+    clipping, as floats. Both are read when first used, not at the step: the step waits on neither (no host-device
+    sync), and the loss's average over dp, started on every rank at the step, is waited for only then, so reading it
+    on rank 0 alone (`if p.is_main: print(out.loss)`) is fine."""
+
+    __slots__ = ("_loss", "_norm", "_work", "_dp", "_values")
+
+    def __init__(self, loss: torch.Tensor, norm: torch.Tensor | None, work=None, dp: int = 1):
+        self._loss, self._norm, self._work, self._dp = loss, norm, work, dp
+        self._values: tuple[float, float] | None = None
+
+    def _read(self) -> tuple[float, float]:
+        if self._values is None:
+            self.wait()
+            norm = float("nan") if self._norm is None else float(self._norm)
+            self._values = (float(self._loss) / self._dp, norm)
+        return self._values
+
+    def wait(self) -> None:
+        """The loss's all-reduce has finished (p.step calls this for the step before: it is done by then)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def loss(self) -> float:
+        return self._read()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[1]
+
+    def __repr__(self) -> str:
+        return f"StepResult(loss={self.loss!r}, grad_norm={self.grad_norm!r})"
 
 
 class _MapData:
@@ -117,6 +147,7 @@ class Parallel:
         self.strategy = build_strategy(b)
         self.strategy.model.train()
         self.steps_done = 0
+        self._last: StepResult | None = None  # the latest step's result (its loss all-reduce may be in flight)
         self._calls: dict[str, int] = {}
         self._uid = [os.urandom(8).hex()]  # one key space per Parallel, the same on every rank (rank 0's)
         if self.rt.distributed:
@@ -174,15 +205,20 @@ class Parallel:
         s = self.strategy
         if self._schedule:
             set_lr(s.optimizer, lr_at(self.steps_done, self.cfg.optim, self.cfg.train.steps, self.cfg.train.global_batch_size))
+        if self._last is not None:
+            self._last.wait()  # the step before's loss all-reduce: long done, this keeps one in flight at most
         micro = [(x.to(self.rt.device), y.to(self.rt.device)) for x, y in batch]
         loss = s.forward_backward(micro).detach().float().reshape(())
         norm = s.clip_grad_norm(max_norm, need_norm=True)
+        norm = None if norm is None else norm.detach()
         s.optimizer_step()
-        if self.rt.distributed and self.layout.dp > 1:  # each dp rank has its share's mean: average them
-            dist.all_reduce(loss, group=self.rt.axis_group("dp"))
-            loss = loss / self.layout.dp
+        work, dp = None, 1
+        if self.rt.distributed and self.layout.dp > 1:  # each dp rank has its share's mean: averaged when read
+            loss = loss.clone()
+            work, dp = dist.all_reduce(loss, group=self.rt.axis_group("dp"), async_op=True), self.layout.dp
         self.steps_done += 1
-        return StepResult(float(loss), float(norm))
+        self._last = StepResult(loss, norm, work, dp)
+        return self._last
 
     # ---- checkpoints: DCP, the plain model's names, any layout can load them
     def save(self, run_dir: str | Path, step: int | None = None, keep: int = 2) -> Path:
@@ -215,6 +251,8 @@ class Parallel:
     def _all_arrive(self, what: str) -> None:
         """Before a collective call: every rank must make it within ARRIVAL_S, or this rank says which call is
         collective (a save under `if p.is_main:` would otherwise hang until launch.timeout_s, then die in gloo)."""
+        if self._last is not None:
+            self._last.wait()  # the latest step's loss all-reduce, before any other collective
         if not (self.rt.distributed and dist.is_initialized()):
             return
         self._calls[what] = n = self._calls.get(what, 0) + 1
@@ -232,6 +270,8 @@ class Parallel:
 
     def close(self) -> None:
         """Leave the process group if parallelize made it (call it at the end of the script)."""
+        if self._last is not None:
+            self._last.wait()
         self.strategy.finish()
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a half-closed pair)
