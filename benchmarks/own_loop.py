@@ -123,7 +123,7 @@ def command(side: str, script: Path, warmup: int, steps: int, work: Path) -> lis
 
 
 def run_side(side: str, work: Path, warmup: int, steps: int) -> float:
-    script = work / f"{side}.py"
+    script = work / f"loop_{side}.py"  # not plait.py: the script's folder comes first on sys.path
     script.write_text(COMMON + SIDES[side])
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     for leftover in (work / "plait-run").glob("*"):
