@@ -31,28 +31,29 @@ WARMUP, STEPS = int(sys.argv[1]), int(sys.argv[2])
 def report(times, rank):
     if rank == 0:
         print(f"median_ms {statistics.median(times[WARMUP:]) * 1000:.4f}", flush=True)
+def loop(model, opt, backward, rank):
+    # the hand-written loop every peer runs, with its own backward (loss.backward, acc.backward, ...)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(WARMUP + STEPS):
+        t0 = time.perf_counter()
+        idx = torch.randint(0, len(X), (32,), generator=g)
+        loss = F.cross_entropy(model(X[idx]), Y[idx])
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0:
+            float(loss)
+        times.append(time.perf_counter() - t0)
+    report(times, rank)
 """
 
 SIDES = {
     "torchrun": """
 import torch.distributed as dist
 dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
 model = torch.nn.parallel.DistributedDataParallel(mlp())
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-g = torch.Generator().manual_seed(rank)
-times = []
-for step in range(WARMUP + STEPS):
-    t0 = time.perf_counter()
-    idx = torch.randint(0, len(X), (32,), generator=g)
-    loss = F.cross_entropy(model(X[idx]), Y[idx])
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if step % 10 == 0:
-        float(loss)
-    times.append(time.perf_counter() - t0)
-report(times, rank)
+loop(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lambda loss: loss.backward(), dist.get_rank())
 dist.destroy_process_group()
 """,
     "plait": """
@@ -75,19 +76,7 @@ from accelerate import Accelerator
 acc = Accelerator(cpu=True)
 net = mlp()
 model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-g = torch.Generator().manual_seed(acc.process_index)
-times = []
-for step in range(WARMUP + STEPS):
-    t0 = time.perf_counter()
-    idx = torch.randint(0, len(X), (32,), generator=g)
-    loss = F.cross_entropy(model(X[idx]), Y[idx])
-    acc.backward(loss)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if step % 10 == 0:
-        float(loss)
-    times.append(time.perf_counter() - t0)
-report(times, acc.process_index)
+loop(model, opt, acc.backward, acc.process_index)
 """,
     "fabric": """
 from lightning.fabric import Fabric
@@ -95,19 +84,7 @@ fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
 fabric.launch()
 net = mlp()
 model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-g = torch.Generator().manual_seed(fabric.global_rank)
-times = []
-for step in range(WARMUP + STEPS):
-    t0 = time.perf_counter()
-    idx = torch.randint(0, len(X), (32,), generator=g)
-    loss = F.cross_entropy(model(X[idx]), Y[idx])
-    fabric.backward(loss)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if step % 10 == 0:
-        float(loss)
-    times.append(time.perf_counter() - t0)
-report(times, fabric.global_rank)
+loop(model, opt, fabric.backward, fabric.global_rank)
 """,
 }
 NEEDS = {"accelerate": "accelerate", "fabric": "lightning"}
