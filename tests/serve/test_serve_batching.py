@@ -214,3 +214,20 @@ def test_batched_answers_are_bitwise_the_lone_answers(kind, request):
         assert lt.shape == (len(x) * 10,)
         assert lt.tobytes() == la.tobytes()  # bitwise
         assert t.json()["outputs"][1]["data"] == a.json()["outputs"][1]["data"]
+
+
+def test_strict_blas_lets_a_lone_request_run_as_one_row(mlp_run):  # noqa: F811
+    """`plait serve` asks MKL for strict reproducibility before its first matrix product: every batch size is then
+    exact, so a lone request runs unpadded (without it the sizes are whatever the probe finds on this CPU)."""
+    import subprocess
+    import sys
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL: MKL_CBWR has no effect, the probe decides the sizes alone")
+    probe = ("import sys; from plait.serve.runner import strict_blas, Runner; from plait.serve.model import ModelRef, "
+             "load_model; strict_blas() if sys.argv[1] == 'strict' else None; "
+             "r = Runner(load_model(ModelRef(sys.argv[2])), pad_to=16); r.prepare(); print(r.padded(1), r.sizes)")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_CBWR"}
+    rows, sizes = subprocess.run([sys.executable, "-c", probe, "strict", str(mlp_run)], env=env, capture_output=True,
+                                 text=True, check=True).stdout.split(" ", 1)
+    assert rows == "1" and sizes.strip() == str(list(range(1, 17)))

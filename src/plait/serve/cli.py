@@ -53,6 +53,10 @@ def exposure_warning(host: str, token: str | None) -> str | None:
 
 
 def cmd_serve(a) -> int:
+    if not a.no_exact_batching:
+        from plait.serve.runner import strict_blas  # lazily: plait --help must not import torch
+
+        strict_blas()  # before the first matrix product: a lone request then needs no padding rows to be exact
     from plait.serve.server import run  # lazily: plait --help must not import torch or FastAPI
     from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
 
@@ -160,8 +164,8 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: cores - 1 in-process, "
                                                           "cores / N for N replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",
-                   help="do not pad classifier batches to --max-batch-size rows (faster when lightly loaded; answers "
-                        "may then differ from a lone request's in the last bit)")
+                   help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
+                        "(MKL_CBWR), no padding rows (plait.serve.runner)")
     s.set_defaults(fn=cmd_serve)
 
     b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas",

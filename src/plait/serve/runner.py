@@ -8,11 +8,18 @@ serves in-process and behind a pipe:
 
 Exact batching: CPU GEMM kernels pick their blocking (and so the order of each row's sums)
 from the matrix shape and thread count, which is why a batch of 7 and a batch of 1 can differ
-in the last bit. At start-up the runner probes which batch sizes give every row exactly the
-bits it gets in a batch of `pad_to` (= max_batch_size) rows, at the front and at the back of the
-batch (on x86 with MKL: every size from 4 up, typically); each classifier batch is padded with
-zero rows to the smallest such size. A request's answer is then bitwise the one it gets alone,
-and a lone request pays for a few padding rows, not for a whole batch.
+in the last bit (with MKL a lone row takes a matrix-vector path of its own). Two things keep a
+request's answer bitwise the one it gets alone:
+
+- `strict_blas()`, which `plait serve` calls before its first matrix product, asks MKL for its
+  strict conditional numerical reproducibility (`MKL_CBWR=AUTO,STRICT`): each output element is
+  then summed in an order that depends on neither the thread count nor the number of rows. With
+  it every batch size is exact and a lone request runs as one row, unpadded.
+- Whatever the BLAS, the runner probes at start-up which batch sizes give every row exactly the
+  bits it gets in a batch of `pad_to` (= max_batch_size) rows, at the front and at the back of
+  the batch, and pads each classifier batch with zero rows to the smallest such size. Without
+  strict mode (a GEMM already ran in this process, MKL_CBWR set otherwise, another BLAS) that
+  may be `pad_to` alone: answers stay exact, and a lone request pays for the padding rows.
 
 The device (--device, plait.serve.device): the runner moves the model there once, each batch's
 input there, and the outputs back to host numpy; generation does its own moves (kvcache.generate).
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +39,20 @@ import torch
 from plait.serve.kvcache import DECODERS, generate
 from plait.serve.model import ServedModel
 from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+
+
+STRICT_BLAS = "AUTO,STRICT"  # MKL's conditional numerical reproducibility, strict: results independent of the row count
+
+
+def strict_blas() -> bool:
+    """Ask MKL for strict reproducibility (MKL_CBWR), unless the user chose a mode; True when it was set here.
+
+    MKL reads it at its first call, so this must run before the process's first matrix product (the probe in
+    `Runner.prepare` checks the effect rather than trusting it). Replica processes inherit it."""
+    if "MKL_CBWR" in os.environ:
+        return False
+    os.environ["MKL_CBWR"] = STRICT_BLAS
+    return True
 
 
 def exact_sizes(module: torch.nn.Module, input_shape: list, pad_to: int, trials: int = 2,

@@ -260,7 +260,8 @@ def run(path: str, opts: ServeOptions) -> int:
         def banner() -> None:  # once the workers are up: whoever reads it may send requests
             print(f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
                   f"{service.layout} on {service.device} · batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, "
-                  f"queue {opts.max_queue}, timeout {opts.timeout_ms:g} ms" + (" · bearer token required" if opts.token else ""),
+                  f"queue {opts.max_queue}, timeout {opts.timeout_ms:g} ms" + service.exactness
+                  + (" · bearer token required" if opts.token else ""),
                   flush=True)
             print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
                   + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)

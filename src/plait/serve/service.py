@@ -52,7 +52,7 @@ class ServeOptions:
     quantize: str | None = None
     max_body_mb: float = 16.0
     max_new_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
-    exact_batching: bool = True  # pad classifier batches to max_batch_size rows (bitwise batch invariance)
+    exact_batching: bool = True  # every answer bitwise the lone one (strict BLAS, padding to probed sizes: plait.serve.runner)
     threads: int = 0  # torch threads per model process; 0: the cores left after the HTTP loop (in-process), cores / N
     max_prompt_chars: int = 65_536  # a longer /v1/generate prompt gets 413 (checked before it is tokenized)
     read_timeout_s: float = 10.0  # request head, then the whole body, must each arrive within this, else 408 / closed
@@ -174,6 +174,15 @@ class Service:
             m.cold_start.labels(phase).set(value)
         print(f"replica {index}: cold start {total:.2f} s (process start {split['process_s']:.2f} s, imports "
               f"{split['imports_s']:.2f} s, weight load {split['load_s']:.2f} s)", file=sys.stderr, flush=True)
+
+    @property
+    def exactness(self) -> str:
+        """' · exact: a lone request runs as N row(s)' for an in-process classifier (known once started), else ''."""
+        ex = self.executor
+        if not isinstance(ex, LocalExecutor) or ex.runner.pad_to is None or ex.runner.sizes is None:
+            return ""
+        rows = ex.runner.padded(1)
+        return f" · exact answers: a lone request runs as {rows} row{'s' if rows > 1 else ''}"
 
     @property
     def layout(self) -> str:
