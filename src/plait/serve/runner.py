@@ -40,7 +40,6 @@ from plait.serve.kvcache import DECODERS, generate
 from plait.serve.model import ServedModel
 from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
 
-
 STRICT_BLAS = "AUTO,STRICT"  # MKL's conditional numerical reproducibility, strict: results independent of the row count
 
 
