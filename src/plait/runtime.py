@@ -30,6 +30,7 @@ class Runtime:
     coords: dict = field(default_factory=dict)  # this rank's coordinate on each axis (the layout's, mesh or not)
     degrees: dict = field(default_factory=dict)  # each axis's size in the layout
     expert_mesh: object | None = None  # DeviceMesh ("ep_replica", "ep") of expert parallelism (ep > 1), from the layout
+    context_mesh: object | None = None  # DeviceMesh ("cp",) of context parallelism (cp > 1), from the layout
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -145,6 +145,7 @@ class Parallel:
         b = Build(cfg, self.rt, layout, model, make_optimizer, with_extra_loss(loss, model),
                   Precision(cfg.precision.dtype, self.rt.device), SCHEMES)
         self.strategy = build_strategy(b)
+        self._transform = b.batch_transform()  # what the schemes do to each micro-batch (context parallel's cut)
         self.strategy.model.train()
         self.steps_done = 0
         self._last: StepResult | None = None  # the latest step's result (its loss all-reduce may be in flight)
@@ -197,8 +198,8 @@ class Parallel:
             raise ConfigError(f"p.batches(): the loop is at step {start} and train.steps = {t.steps}: nothing is left "
                               "to draw; pass steps=N for N more steps, or raise train.steps")
         sampler = make_sampler(dataset, t.global_batch_size, t.seed, self.cfg.data.sampler)
-        return iter(StepLoader(dataset, sampler, start, stop, self.rt.axis_rank("dp"), self.layout.dp,
-                               t.micro_batch_size, pin_memory=self.rt.device.type == "cuda"))
+        return iter(StepLoader(dataset, sampler, start, stop, self.rt.axis_rank("batch"), self.layout.dp,
+                               t.micro_batch_size, pin_memory=self.rt.device.type == "cuda", transform=self._transform))
 
     def step(self, batch: list, max_norm: float = 0.0) -> StepResult:
         """One optimizer step on this rank's micro-batches (from `batches`); max_norm > 0 clips the global norm."""
@@ -213,9 +214,9 @@ class Parallel:
         norm = None if norm is None else norm.detach()
         s.optimizer_step()
         work, dp = None, 1
-        if self.rt.distributed and self.layout.dp > 1:  # each dp rank has its share's mean: averaged when read
+        if self.rt.distributed and self.layout.replicas > 1:  # each dp (and cp) rank has its share's mean: averaged when read
             loss = loss.clone()
-            work, dp = dist.all_reduce(loss, group=self.rt.axis_group("dp"), async_op=True), self.layout.dp
+            work, dp = dist.all_reduce(loss, group=self.rt.axis_group("dp"), async_op=True), self.layout.replicas
         self.steps_done += 1
         self._last = StepResult(loss, norm, work, dp)
         return self._last

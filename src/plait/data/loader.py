@@ -45,12 +45,13 @@ class StepLoader:
     """
 
     def __init__(self, dataset, sampler: GlobalBatchSampler, start: int, stop: int, dp_rank: int, dp: int,
-                 micro: int, prefetch: int = 2, pin_memory: bool = False, workers: int = 0, slices=None):
+                 micro: int, prefetch: int = 2, pin_memory: bool = False, workers: int = 0, slices=None, transform=None):
         self.dataset, self.sampler = dataset, sampler
         self.start, self.stop = start, stop
         self.dp_rank, self.dp, self.micro = dp_rank, dp, micro
         self.prefetch, self.pin, self.workers = prefetch, pin_memory, workers
         self.slices = slices  # (step, dp rank) -> [begin, end) of the global batch (parallel.hetero); None: equal
+        self.transform = transform  # (inputs, targets) -> what the step takes (context parallel's cut); None: as is
 
     def _plan(self, step: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
         """(indices, step, epochs) of each of this rank's micro-batches at `step`."""
@@ -87,6 +88,13 @@ class StepLoader:
             del it  # shuts the workers down
 
     def __iter__(self) -> Generator[list[Batch], None, None]:
+        if self.transform is None:
+            yield from self._steps()
+            return
+        for batches in self._steps():
+            yield [self.transform(b) for b in batches]
+
+    def _steps(self) -> Generator[list[Batch], None, None]:
         if self.workers > 0 and self.stop > self.start:
             if not multiprocessing.current_process().daemon:
                 yield from self._from_workers()

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
         self.dropout = dropout
 
+    # The attention itself, a seam: context parallel (plait.parallel.context) puts ring attention here.
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x attends to the cached tokens and to itself; `mask` (see attention_mask) replaces the plain causal one."""
         b, t, _ = x.shape
@@ -52,8 +55,7 @@ class Attention(nn.Module):
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         if cache is not None:
             k, v = cache.extend(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     @property

@@ -97,6 +97,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=bias != "none")
         self.o_proj = nn.Linear(heads * self.head_dim, width, bias=bias == "all")
 
+    # The attention itself, a seam: context parallel (plait.parallel.context) puts ring attention here.
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None,
                 pos: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -111,8 +114,8 @@ class Attention(nn.Module):
             p = torch.arange(t, device=x.device)[None]
             mask = window_mask(p, p, self.window)
         # enable_gqa: each of the k.shape[1] kv heads serves q.shape[1] / k.shape[1] consecutive query heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+                      enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -98,13 +98,13 @@ class DDPStrategy(Strategy):
 
 def applies(layout: Layout, keys: DDPKeys) -> bool:
     """Whole replicas (tensor parallel ones included) averaged by DDP's all-reduce or by hand."""
-    return (layout.dp > 1 and layout.zero == 0 and layout.sync == "allreduce" and layout.embedding_sharding == "none"
+    return (layout.replicas > 1 and layout.zero == 0 and layout.sync == "allreduce" and layout.embedding_sharding == "none"
             and layout.pp == 1)
 
 
 def check(layout: Layout, keys: DDPKeys) -> None:
     if keys.allreduce != "native":
-        if not (layout.plain_data_parallel and layout.dp >= 2):
+        if not (layout.plain_data_parallel and layout.replicas >= 2):
             raise ConfigError(
                 f"parallel.allreduce = {keys.allreduce!r} runs DDP's gradient all-reduce as a comm hook: it needs "
                 f"parallel.sync = 'allreduce' and dp >= 2 with tp = pp = ep = 1, zero = 0 and no embedding_sharding "
@@ -120,7 +120,7 @@ def check(layout: Layout, keys: DDPKeys) -> None:
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
             f"{layout.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
-    if not (layout.plain_data_parallel and layout.dp >= 2):
+    if not (layout.plain_data_parallel and layout.replicas >= 2):
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
             f"with tp = pp = ep = 1, zero = 0 and no embedding_sharding (here {layout.describe()}); set "

@@ -229,9 +229,9 @@ def shard_init(layout: Layout, enabled: bool, reads_whole_model: bool) -> bool:
 
 def check_zero(layout: Layout, stages: tuple[int, ...]) -> None:
     """What every ZeRO stage needs: data-parallel ranks to shard over (the optimizer's rule is the optimizer's)."""
-    if layout.zero in stages and layout.dp == 1:
+    if layout.zero in stages and layout.replicas == 1:
         raise ConfigError(f"parallel.zero = {layout.zero} shards over the data-parallel axis, but parallel.dp = 1; "
-                          "set parallel.dp >= 2 or parallel.zero=0")
+                          "set parallel.dp >= 2 (or parallel.cp >= 2) or parallel.zero=0")
 
 
 def check(layout: Layout, keys) -> None:

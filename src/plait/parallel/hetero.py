@@ -118,9 +118,9 @@ def check(layout: Layout, keys: HeteroKeys) -> None:
     if not keys.hetero:
         return
     parse(keys.hetero, layout.dp)
-    if layout.dp < 2 or not layout.plain_data_parallel:
+    if layout.dp < 2 or not layout.plain_data_parallel or layout.cp > 1:
         raise ConfigError(f"parallel.hetero = {keys.hetero!r} splits the batch of data-parallel ranks that all-reduce "
-                          f"their gradients: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0, "
+                          f"their gradients: it needs parallel.dp >= 2 with tp = pp = ep = cp = 1, zero = 0, "
                           f"sync = 'allreduce' (here dp = {layout.dp}, tp = {layout.tp}, pp = {layout.pp}, zero = "
                           f"{layout.zero}, sync = {layout.sync!r}); set parallel.hetero='' or change the layout")
 

@@ -3,7 +3,7 @@
 Torch-free (plait config show lists them without importing torch). Each scheme's keys are a group of
 their own, named for it, which its Scheme declares (`Scheme(..., keys=PipelineKeys)`) and receives in
 its check; a group's `check(cfg)` holds the rules that need no layout. The degrees themselves
-(dp, tp, pp, ep, zero, sync) are the layout's: plait.parallel.layout.Layout reads them.
+(dp, tp, pp, ep, cp, zero, sync) are the layout's: plait.parallel.layout.Layout reads them.
 """
 
 from __future__ import annotations
@@ -132,6 +132,13 @@ class ExpertKeys:
     ep: int = opt(1, "expert-parallel degree: each MoE layer's experts split over ep data-parallel ranks "
                      "(ep divides dp and model.moe_experts); the dense part stays data parallel", minimum=1,
                   why="1: experts replicated on every rank", fix="1")
+
+
+@keys("parallel")
+class ContextParallelKeys:
+    cp: int = opt(1, "context-parallel degree: each sequence's tokens split over cp ranks (ring attention, zig-zag "
+                     "chunks so that causal attention costs every rank the same); the cp ranks see the same samples "
+                     "and average gradients as dp ranks do", minimum=1, why="1: whole sequences on every rank", fix="1")
 
 
 @keys("parallel")

@@ -1,9 +1,9 @@
 """The one owner of a job's parallel degrees, its ranks' roles, its meshes and what the layout can do.
 
     layout = Layout.from_config(cfg)                  # checks the arithmetic, numbers in the message
-    layout.world_size                                 # dp * tp * pp (+ the parameter servers)
+    layout.world_size                                 # dp * cp * tp * pp (+ the parameter servers)
     layout.role(rank)                                 # "trainer", or a parameter server's "worker" / "server"
-    layout.coords(rank)                               # {"pp": .., "dp": .., "tp": ..} of a training rank
+    layout.coords(rank)                               # {"pp", "dp", "tp", "cp", "batch"} of a training rank
     layout.plain_data_parallel, layout.shards_gradients, layout.outputs_on_one_rank, ...   # named predicates
     rt = layout.init_runtime(cfg.launch)              # process group (or RPC), the mesh and the expert mesh
 
@@ -12,6 +12,14 @@ ask this object; nothing else multiplies degrees or decides what kind of layout 
 is (pp, dp, tp), tp innermost: a tensor-parallel group is made of consecutive ranks (one machine, the
 fastest links), pipeline stages are the outermost split. Expert parallelism cuts each dp group into
 (ep_replica, ep): ep consecutive dp ranks share out the experts, ep_replica holds the same ones.
+
+Context parallelism (cp > 1) cuts the sequence, not the model: the ranks of a cp group hold the same
+weights and see the same samples, each its own tokens (plait.parallel.context). For everything that
+averages gradients or losses (DDP, ZeRO, FSDP, the reported loss) they are data-parallel replicas, so
+the mesh's "dp" axis holds dp * cp ranks, cp consecutive ones to a group (torchtitan's dp_shard_cp);
+each rank's loss is the mean over its own tokens, equal in number, so their average is the sequence's.
+What reads the global batch asks for the "batch" coordinate instead (the true dp one, dp of them): the
+ranks of a cp group read the same samples. The cp groups are cut out of the dp axis, as ep's are.
 
 With a parameter server (parallel.sync = 'ps') ranks [0, dp) are workers and [dp, dp + ps_servers)
 servers (none with parallel.ps_placement = 'colocated': each worker serves a shard). Workers join
@@ -53,6 +61,7 @@ class Layout:
     microbatches: int = 0  # pipeline micro-batches per step (0: the accumulation count)
     nodes: tuple[int, int] = (1, 1)  # (min, max) machines: an elastic range when they differ
     nproc_per_node: int = 0  # launch.nproc_per_node (0: the layout spread evenly over the machines)
+    cp: int = 1  # context parallel: each sequence's tokens split over cp ranks (ring attention)
 
     @classmethod
     def from_config(cls, cfg) -> Layout:
@@ -64,13 +73,13 @@ class Layout:
                      t.activation_checkpointing, p.sequence_parallel, p.ep, p.sync,
                      p.ps_servers if p.sync == "ps" and not colocated else 0, colocated, p.embedding_sharding,
                      p.offload, cfg.precision.dtype == "fp16", t.global_batch_size, p.microbatches, cfg.node_range,
-                     nproc if isinstance(nproc, int) else 0)
+                     nproc if isinstance(nproc, int) else 0, p.cp)
         layout.check()
         return layout
 
     # ---- arithmetic
     def check(self) -> None:
-        for axis in ("dp", "tp", "pp", "ep"):
+        for axis in ("dp", "tp", "pp", "ep", "cp"):
             if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1; set --set parallel.{axis}=1")
         if self.global_batch and self.micro_batch:
@@ -83,8 +92,14 @@ class Layout:
 
     @property
     def trainers(self) -> int:
-        """Processes on the (pp, dp, tp) mesh: dp * tp * pp."""
-        return self.dp * self.tp * self.pp
+        """Processes on the (pp, dp, tp) mesh: dp * cp * tp * pp."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks on the mesh's dp axis, which average gradients and losses: dp * cp (a cp group's ranks see the same
+        samples, each its own tokens)."""
+        return self.dp * self.cp
 
     devices = trainers  # the planner's word for it
 
@@ -134,8 +149,9 @@ class Layout:
     @property
     def replicas_without_a_mesh_axis(self) -> bool:
         """Whole replicas on the dp axis alone, however they agree (all-reduce, parameter server, gossip): what a
-        parameter server or gossip replaces DDP on. tp = pp = ep = 1, zero = 0, no sharded embeddings."""
-        return self.tp == 1 and self.pp == 1 and self.ep == 1 and self.zero == 0 and self.embedding_sharding == "none"
+        parameter server or gossip replaces DDP on. tp = pp = ep = cp = 1, zero = 0, no sharded embeddings."""
+        return (self.tp == 1 and self.pp == 1 and self.ep == 1 and self.cp == 1 and self.zero == 0
+                and self.embedding_sharding == "none")
 
     @property
     def splits_model(self) -> bool:
@@ -144,13 +160,13 @@ class Layout:
 
     @property
     def shards_optimizer(self) -> bool:
-        """ZeRO >= 1 over dp ranks: each holds 1/dp of the optimizer state."""
-        return self.zero >= 1 and self.dp > 1
+        """ZeRO >= 1 over the dp axis (dp * cp ranks): each holds 1/(dp * cp) of the optimizer state."""
+        return self.zero >= 1 and self.replicas > 1
 
     @property
     def shards_gradients(self) -> bool:
         """ZeRO >= 2 over dp ranks: gradients reduce-scattered, and (FSDP2) parameters sharded at rest."""
-        return self.zero >= 2 and self.dp > 1
+        return self.zero >= 2 and self.replicas > 1
 
     @property
     def elementwise_optimizer_only(self) -> bool:
@@ -181,10 +197,10 @@ class Layout:
     def describe(self) -> str:
         """The degrees for an error message: "dp = 2, tp = 1, pp = 1, ep = 1, zero = 0, sync = 'allreduce'"."""
         return (f"dp = {self.dp}, tp = {self.tp}, pp = {self.pp}, ep = {self.ep}, zero = {self.zero}, "
-                f"sync = {self.sync!r}")
+                f"sync = {self.sync!r}" + (f", cp = {self.cp}" if self.cp > 1 else ""))
 
     def formula(self) -> str:
-        text = f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})"
+        text = f"dp({self.dp}) * " + (f"cp({self.cp}) * " if self.cp > 1 else "") + f"tp({self.tp}) * pp({self.pp})"
         return text + (f" + ps_servers({self.ps_servers})" if self.ps_servers else "")
 
     # ---- the launch
@@ -223,14 +239,17 @@ class Layout:
         return "worker" if rank < self.dp else "server"
 
     def coords(self, rank: int) -> dict[str, int]:
-        """(pp, dp, tp) coordinates of a training rank; a parameter-server worker's dp coordinate is its rank."""
+        """(pp, dp, tp) mesh coordinates of a training rank, its place in its cp group ("cp") and the slice of the
+        global batch it reads ("batch": dp // cp on the mesh's dp axis); a parameter-server worker's dp and batch
+        coordinate is its rank."""
         if self.ps:
             if rank >= self.dp:
                 raise ValueError(f"rank {rank} is a parameter server, not on the mesh")
-            return {"pp": 0, "dp": rank, "tp": 0}
-        pp, rest = divmod(rank, self.dp * self.tp)
+            return {"pp": 0, "dp": rank, "tp": 0, "cp": 0, "batch": rank}
+        pp, rest = divmod(rank, self.replicas * self.tp)
         dp, tp = divmod(rest, self.tp)
-        return {"pp": pp, "dp": dp, "tp": tp}
+        batch, cp = divmod(dp, self.cp)
+        return {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "batch": batch}
 
     # ---- the planner's view
     def sets(self) -> str:
@@ -245,6 +264,8 @@ class Layout:
             parts.append("parallel.sequence_parallel=true")
         if self.ep > 1:
             parts.append(f"parallel.ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"parallel.cp={self.cp}")
         if self.activation_checkpointing:
             parts.append("train.activation_checkpointing=true")
         return " ".join(f"--set {p}" for p in parts)
@@ -254,7 +275,7 @@ class Layout:
         if self.pp > 1:
             s += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (s + (" sp" if self.sequence_parallel else "") + (" ac" if self.activation_checkpointing else "")
-                + (f" ep{self.ep}" if self.ep > 1 else ""))
+                + (f" ep{self.ep}" if self.ep > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else ""))
 
     # ---- the runtime
     def init_runtime(self, launch_cfg):
@@ -265,15 +286,18 @@ class Layout:
             return self._init_ps(launch_cfg)
         rank, world, local_rank, device, backend = init_process_group(launch_cfg)
         self.check_world(world)
-        mesh = experts = None
+        mesh = experts = context = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh  # lazily: as the runtime above
 
-            mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=AXES)
+            mesh = init_device_mesh(device.type, (self.pp, self.replicas, self.tp), mesh_dim_names=AXES)
             if self.ep > 1:  # the dp axis cut into (ep_replica, ep): groups for the two new axes only
                 experts = mesh._unflatten("dp", (self.dp // self.ep, self.ep), EXPERT_AXES[1:3])["ep_replica", "ep"]
+            if self.cp > 1:  # the dp axis cut into (batch, cp): the cp groups, cp consecutive dp ranks each
+                context = mesh._unflatten("dp", (self.dp, self.cp), ("batch", "cp"))["cp"]
         return Runtime(rank, world, local_rank, device, backend, mesh, "trainer", self.coords(rank),
-                       {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep}, expert_mesh=experts)
+                       {"pp": self.pp, "dp": self.replicas, "tp": self.tp, "ep": self.ep, "cp": self.cp,
+                        "batch": self.dp}, expert_mesh=experts, context_mesh=context)
 
     def _init_ps(self, launch_cfg):
         import torch  # lazily: as in init_runtime
@@ -287,5 +311,6 @@ class Layout:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cpu") if role == "server" else pick_device(launch_cfg.device, local_rank)
         join(rank, world, self.dp, launch_cfg.timeout_s)
-        coords = self.coords(rank) if role != "server" else {"pp": 0, "dp": 0, "tp": 0}
-        return Runtime(rank, world, local_rank, device, "rpc", None, role, coords, {"pp": 1, "dp": self.dp, "tp": 1})
+        coords = self.coords(rank) if role != "server" else {"pp": 0, "dp": 0, "tp": 0, "cp": 0, "batch": 0}
+        return Runtime(rank, world, local_rank, device, "rpc", None, role, coords,
+                       {"pp": 1, "dp": self.dp, "tp": 1, "batch": self.dp})

@@ -51,6 +51,9 @@ class Scheme:
     wrap_optimizer: Callable[[Any, Build], Any] | None = None
     # (Build, strategy) -> callbacks for the training loop (plait.train.callbacks.Callback's members), e.g. hetero's shares
     callbacks: Callable[[Build, Any], list] | None = None
+    # Build -> a function of each micro-batch (inputs, targets) before the step sees it (context parallel keeps this
+    # rank's tokens); the global batch itself is the sampler's, whatever the schemes
+    batches: Callable[[Build], Callable] | None = None
 
     def keys_of(self, cfg) -> Any:
         """This scheme's view of its keys in cfg (None when it declares none)."""
@@ -98,6 +101,19 @@ class Build:
                 optimizer = scheme.wrap_optimizer(optimizer, self)
         return optimizer
 
+    def batch_transform(self) -> Callable | None:
+        """What every scheme that applies does to a micro-batch before the step, in SCHEMES order (None: nothing)."""
+        fns = [s.batches(self) for s in self.schemes if s.batches is not None and self.uses(s)]
+        if not fns:
+            return None
+
+        def apply(batch):
+            for fn in fns:
+                batch = fn(batch)
+            return batch
+
+        return apply
+
     def callbacks(self, strategy: Any) -> list:
         """The loop callbacks every scheme that applies brings, in SCHEMES order."""
         return [c for s in self.schemes if s.callbacks is not None and self.uses(s) for c in s.callbacks(self, strategy)]
@@ -140,8 +156,9 @@ def require_plain_data_parallel(layout: Layout) -> None:
     if not layout.replicas_without_a_mesh_axis:
         raise ConfigError(
             f"parallel.sync = {layout.sync!r} replaces DDP's all-reduce and works on plain data parallelism: it needs "
-            f"tp = pp = ep = 1, zero = 0 and no embedding_sharding (here dp = {layout.dp}, tp = {layout.tp}, pp = "
-            f"{layout.pp}, ep = {layout.ep}, zero = {layout.zero}); set parallel.sync='allreduce' or change the layout")
+            f"tp = pp = ep = cp = 1, zero = 0 and no embedding_sharding (here dp = {layout.dp}, tp = {layout.tp}, pp = "
+            f"{layout.pp}, ep = {layout.ep}, cp = {layout.cp}, zero = {layout.zero}); set parallel.sync='allreduce' or "
+            "change the layout")
     if layout.loss_scaling:
         raise ConfigError(f"parallel.sync = {layout.sync!r} does not take fp16 loss scaling; set precision.dtype='bf16' "
                           "or 'fp32'")

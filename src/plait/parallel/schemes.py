@@ -4,7 +4,8 @@
     strategy = build_strategy(b)  # b: a plait.parallel.scheme.Build; the Strategy that owns the step
 
 SCHEMES fixes the order once (see plait.parallel.scheme): module transforms run in this order
-(tensor parallel -> sharded embeddings -> activation checkpointing -> compile -> FSDP -> DDP), and
+(tensor parallel -> context parallel -> sharded embeddings -> activation checkpointing -> compile -> FSDP ->
+DDP), and
 the step belongs to the first scheme in it that applies and builds a strategy (PipeDream, then the
 pipeline, then the parameter server and (asynchronous) gossip, which replace the all-reduce, then
 sharded embeddings, expert parallel, ZeRO-1, FSDP, DDP, and a single replica last). Offload wraps
@@ -16,6 +17,7 @@ from __future__ import annotations
 from plait.parallel import (
     checkpointing,
     compiling,
+    context,
     ddp,
     embedding,
     expert,
@@ -42,6 +44,7 @@ SCHEMES: list[Scheme] = [
     gossip_async.SCHEME,
     gossip.SCHEME,
     tp.SCHEME,
+    context.SCHEME,
     embedding.SCHEME,
     expert.SCHEME,
     zero.SCHEME,

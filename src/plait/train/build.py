@@ -109,8 +109,9 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files and run_dir else None
     slices = next((c.batch_slices for c in callbacks.items if c.batch_slices is not None), None)
     loader = StepLoader(bundle.train, make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler), start,
-                        stop, rt.axis_rank("dp"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
-                        pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices)
+                        stop, rt.axis_rank("batch"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
+                        pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices,
+                        transform=b.batch_transform())
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
     tel.fields = callbacks.fields
     return Job(cfg, rt, layout, strategy, callbacks, tel, ckpt, loader, start, stop)

@@ -310,7 +310,7 @@ class Telemetry:
             "steps": step, "resumed_from_step": self.start or None,
             "initial_loss": self.initial_loss, "final_loss": self.final_loss, **final_eval,
             "world_size": rt.world_size,
-            "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "strategy": strategy.name},
+            "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "strategy": strategy.name},
             "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
             "grad_accum": layout.grad_accum, "precision": cfg.precision.dtype, "device": rt.device.type,
             "backend": rt.backend, "params": sum(p.numel() for p in strategy.module.parameters()),
@@ -416,7 +416,7 @@ def data_text(cfg, spec) -> str:
 def layout_text(layout, strategy) -> str:
     """The layout as the header shows it: every axis larger than 1 ("one process" when none is), the strategy in the
     words users know it by (none for a lone replica, whose axes say it all), ZeRO, the strategy's labels."""
-    degrees = (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep))
+    degrees = (("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep))
     axes = [f"{n}={v}" for n, v in degrees if v > 1] or ["one process"]
     name = strategy.name
     words = {"single": "", "ddp": "DDP", "tp+dp": "DDP" if layout.dp > 1 else ""}.get(name, name)

@@ -1,0 +1,215 @@
+"""Ring attention (Liu et al. 2023; Megatron-LM's context parallelism): attention over sequences cut across ranks.
+
+    out = ring_attention(q, k, v, q_meta, k_meta, group, causal=True)
+
+Every rank of `group` holds a piece of each sequence: q (batch, heads, t, head_dim) of its own tokens, k and v
+(batch, kv_heads, t, head_dim) likewise (grouped-query attention: each kv head serves heads / kv_heads
+consecutive query heads, as SDPA's enable_gqa), and each token's meta (2, batch, t): its index in the whole
+sequence and its document id. Key j is visible to query i when both are in the same document, and (causal) j's
+index <= i's, and (window > 0) i's index - j's index < window.
+
+Forward: the K/V blocks travel round the ring (rank r sends to r + 1, receives from r - 1), one hop per step.
+The receive of the next block is posted before this block's compute (isend/irecv), so the transfer overlaps the
+arithmetic; each block's partial softmax is merged into the running output by its log-sum-exp (the online
+softmax of FlashAttention), in float32 (or the inputs' dtype when wider). Backward: the same ring again,
+FlashAttention-2's recomputation from the saved log-sum-exp; each block's dK/dV accumulator travels with the
+block, picking up every rank's share, and one more hop brings it home; its exchange too overlaps the next
+block's compute.
+
+Each rank's tokens are cut into `pieces` (2: the zig-zag layout's two chunks, plait.parallel.context) and a
+pair of pieces none of whose (query, key) entries is visible is skipped: that is where the causal layout's work
+is saved, and `plan_blocks` (pure, no communication) says which pairs are computed, which is how the balance of
+the layouts is measured.
+
+Written in plain torch so it runs on gloo. On NCCL the same isend/irecv overlap on a side stream; a fused kernel
+(FlashAttention's, or SDPA's with `return_lse`) would replace `_block` and `_block_backward` with the same
+log-sum-exp merge, never materialising a block's scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TAG_KV, TAG_META, TAG_GRAD = 71, 72, 73  # distinct tags: the three kinds of message may be in flight at once
+
+
+def visible(q_meta: torch.Tensor, k_meta: torch.Tensor, causal: bool, window: int = 0) -> torch.Tensor:
+    """(batch, tq, tk) boolean: which keys each query may see (same document; causal; within `window`)."""
+    qi, qd = q_meta[0], q_meta[1]
+    ki, kd = k_meta[0], k_meta[1]
+    mask = qd[:, :, None] == kd[:, None, :]
+    if causal:
+        mask &= ki[:, None, :] <= qi[:, :, None]
+    if window:
+        mask &= (qi[:, :, None] - ki[:, None, :]) < window
+    return mask
+
+
+def cuts(t: int, pieces: int) -> list[slice]:
+    """`pieces` equal consecutive slices of t tokens (one slice when t does not divide)."""
+    if pieces <= 1 or t % pieces:
+        return [slice(0, t)]
+    size = t // pieces
+    return [slice(i * size, (i + 1) * size) for i in range(pieces)]
+
+
+def plan_blocks(q_meta: torch.Tensor, k_meta: torch.Tensor, causal: bool, window: int = 0,
+                pieces: int = 2) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """The (query piece, key piece, mask) pairs to compute: those with a visible entry; mask None when all are."""
+    blocks = []
+    for qs in cuts(q_meta.shape[-1], pieces):
+        for ks in cuts(k_meta.shape[-1], pieces):
+            mask = visible(q_meta[..., qs], k_meta[..., ks], causal, window)
+            if not bool(mask.any()):
+                continue
+            blocks.append((qs, ks, None if bool(mask.all()) else mask))
+    return blocks
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads repeated to the query heads (each kv head serves consecutive query heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of _expand: each kv head's query heads summed back."""
+    b, h, t, d = dx.shape
+    return dx if h == kv_heads else dx.view(b, kv_heads, h // kv_heads, t, d).sum(2)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """What softmax statistics and sums are kept in: float32, or the inputs' dtype when wider (float64 tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)).to(_acc(q.dtype)) * scale
+    return s if mask is None else s.masked_fill(~mask[:, None], float("-inf"))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf (a query that sees nothing) as 0, so exp(s - x) is 0 for its masked scores rather than NaN."""
+    return x.masked_fill(torch.isneginf(x), 0.0)
+
+
+def _block(q, k, v, scale, mask, out, lse) -> None:
+    """Attend q to one key piece and merge the result into (out, lse) in place, by log-sum-exp."""
+    s = _scores(q, k, scale, mask)
+    block_lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(block_lse)[..., None])
+    block_out = torch.matmul(p.to(v.dtype), v).to(out.dtype)
+    new = torch.logaddexp(lse, block_lse)
+    keep, add = torch.exp(lse - _finite(new)), torch.exp(block_lse - _finite(new))
+    out.mul_(keep[..., None]).add_(block_out * add[..., None])
+    lse.copy_(new)
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, mask, dq, dk, dv) -> None:
+    """One key piece's share of dq, dk, dv (FlashAttention-2: probabilities recomputed from the saved lse)."""
+    s = _scores(q, k, scale, mask)
+    p = torch.exp(s - _finite(lse)[..., None])
+    acc = p.dtype
+    dv.add_(torch.matmul(p.transpose(-2, -1), dout.to(acc)))
+    dp = torch.matmul(dout.to(acc), v.to(acc).transpose(-2, -1))
+    ds = p * (dp - delta[..., None]) * scale
+    dq.add_(torch.matmul(ds, k.to(acc)))
+    dk.add_(torch.matmul(ds.transpose(-2, -1), q.to(acc)))
+
+
+class _Ring:
+    """The group's ring: this rank's neighbours as global ranks, and the async exchange with them."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        if self.size > 1:
+            me = dist.get_rank(group)
+            self.next = dist.get_global_rank(group, (me + 1) % self.size)
+            self.prev = dist.get_global_rank(group, (me - 1) % self.size)
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        """Start sending `tensor` to the next rank and receiving the previous rank's into a new buffer."""
+        buf = torch.empty_like(tensor)
+        reqs = [dist.irecv(buf, self.prev, group=self.group, tag=tag),
+                dist.isend(tensor, self.next, group=self.group, tag=tag)]
+        return buf, reqs
+
+
+def _wait(reqs: list) -> None:
+    for req in reqs:
+        req.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_meta, k_meta, group, causal: bool, window: int, scale: float, pieces: int):
+        ring = _Ring(group)
+        heads = q.shape[1]
+        out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        kv, meta = torch.stack([k, v]).contiguous(), k_meta.contiguous()
+        for step in range(ring.size):
+            reqs: list = []
+            if step < ring.size - 1:  # the next block is on the wire while this one is computed
+                nkv, r1 = ring.shift(kv, TAG_KV)
+                nmeta, r2 = ring.shift(meta, TAG_META)
+                reqs = r1 + r2
+            kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
+            for qs, ks, mask in plan_blocks(q_meta, meta, causal, window, pieces):
+                _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, mask, out[:, :, qs], lse[:, :, qs])
+            _wait(reqs)
+            if reqs:
+                kv, meta = nkv, nmeta
+        ctx.save_for_backward(q, k, v, out, lse, q_meta, k_meta)
+        ctx.ring, ctx.causal, ctx.window, ctx.scale, ctx.pieces = ring, causal, window, scale, pieces
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_meta, k_meta = ctx.saved_tensors
+        ring, heads, kv_heads = ctx.ring, q.shape[1], k.shape[1]
+        acc = out.dtype
+        delta = (dout.to(acc) * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv, meta = torch.stack([k, v]).contiguous(), k_meta.contiguous()
+        arriving = None  # (buffer, requests): the accumulated dK/dV of the block held now, from the previous rank
+        for step in range(ring.size):
+            reqs: list = []
+            if step < ring.size - 1:
+                nkv, r1 = ring.shift(kv, TAG_KV)
+                nmeta, r2 = ring.shift(meta, TAG_META)
+                reqs = r1 + r2
+            kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
+            dk = torch.zeros(kk.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(vv.shape, dtype=acc, device=q.device)
+            for qs, ks, mask in plan_blocks(q_meta, meta, ctx.causal, ctx.window, ctx.pieces):
+                _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], lse[:, :, qs], delta[:, :, qs],
+                                ctx.scale, mask, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
+            dkv = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
+            if arriving is not None:  # what the ranks before this one added to this block
+                _wait(arriving[1])
+                dkv += arriving[0]
+            if ring.size > 1:  # on to the next rank; after the last step, that is the block's owner
+                arriving = ring.shift(dkv, TAG_GRAD)
+            else:
+                arriving = (dkv, [])
+            _wait(reqs)
+            if reqs:
+                kv, meta = nkv, nmeta
+        _wait(arriving[1])
+        dkv = arriving[0]
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_meta: torch.Tensor, k_meta: torch.Tensor,
+                   group=None, causal: bool = True, window: int = 0, scale: float | None = None,
+                   pieces: int = 2) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v over the whole sequences of which each rank of `group` holds a piece.
+
+    group None (or of one rank) attends to the local tokens alone: the same arithmetic, no communication.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, q_meta, k_meta, group, causal, window, scale, pieces)

@@ -1,0 +1,177 @@
+"""Context parallel: every sequence's tokens split over the ranks of a cp group; attention runs as a ring.
+
+    plait train --set parallel.cp=2                               # alone, or with dp, tp and ZeRO 1-3
+    plait train --set parallel.dp=2 --set parallel.cp=2 --set parallel.zero=3
+
+Long sequences run out of activation memory, not parameters: whatever dp, tp, pp or ZeRO do, every rank
+holds the activations of whole sequences. Here each rank of a cp group holds T / cp of every sequence's
+tokens (torchtitan's and Megatron-LM's context parallelism), so every activation of the blocks, attention's
+and the MLP's, is 1 / cp of its size at cp = 1.
+
+The layout is zig-zag ("load-balanced"): a sequence of T tokens is cut into 2 cp chunks and cp rank i holds
+chunks i and 2 cp - 1 - i. Under a causal mask chunk c sees chunks 0..c, so each rank's two chunks see
+2 cp + 1 chunks' worth of keys between them, the same on every rank (contiguous chunks would give rank i
+4 i + 3, the last rank twice the average).
+
+What changes for a step: each micro-batch (inputs, targets) is cut before the strategy sees it (`shard`): the
+inputs become rows of (ids, positions, global index, document id) of this rank's tokens, the targets this
+rank's targets. A forward pre-hook on the model keeps the index and document rows for this forward's
+attention and hands the model (ids, positions), the packed-rows input plait's GPT and Llama read: learned and
+rotary positions alike see each token's position in its sequence (restarting per document in packed rows).
+Each attention module's `sdpa` is replaced by a RingCore, which runs ring attention (plait.comm.ring_attention)
+on such a forward, confined to each document, and plain SDPA on any other: evaluation and generation read
+whole sequences, one per rank, as at cp = 1.
+
+Gradients need nothing new: the ranks of a cp group are replicas on the mesh's dp axis (plait.parallel.layout),
+so DDP, ZeRO 1-3 and FSDP average over dp * cp ranks, and each rank's loss is the mean over its own T / cp
+tokens, so that average is the global batch's mean, step for step the one-process trajectory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.comm.ring_attention import ring_attention
+from plait.errors import ConfigError
+from plait.parallel.keys import ContextParallelKeys
+from plait.parallel.layout import Layout
+from plait.parallel.scheme import Build, Scheme
+
+ROWS = 4  # a context-parallel input: ids, positions, global index, document id (each row this rank's tokens)
+
+
+def zigzag(t: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The indices in a sequence of t tokens of those cp rank `rank` holds: chunks rank and 2 cp - 1 - rank of 2 cp."""
+    size = t // (2 * cp)
+    first, second = rank * size, (2 * cp - 1 - rank) * size
+    return torch.cat([torch.arange(first, first + size, device=device),
+                      torch.arange(second, second + size, device=device)])
+
+
+def contiguous(t: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The naive layout, for comparison: rank i holds the i-th of cp consecutive pieces."""
+    size = t // cp
+    return torch.arange(rank * size, (rank + 1) * size, device=device)
+
+
+def shard(x: torch.Tensor, y: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of a micro-batch: inputs (batch, ROWS, t / cp) and targets (batch, t / cp).
+
+    x: ids (batch, t), or packed rows (batch, 2, t) of ids and positions, a document starting wherever the
+    position is 0 (plait.models.gpt.packed_mask reads them the same way).
+    """
+    if x.dim() == 3:
+        ids, pos = x[:, 0], x[:, 1]
+        doc = (pos == 0).cumsum(1)
+    else:
+        ids = x
+        pos = torch.arange(x.shape[1], device=x.device).expand_as(x)
+        doc = torch.zeros_like(x)
+    t = ids.shape[1]
+    keep = zigzag(t, cp, rank, x.device)
+    index = torch.arange(t, device=x.device).expand_as(ids)
+    return torch.stack([ids, pos, index, doc], 1)[:, :, keep].contiguous(), y[:, keep].contiguous()
+
+
+class _Forward:
+    """What the model's pre-hook leaves for its attention modules: (2, batch, t) global index and document id of
+    this forward's tokens, or None for a forward of whole sequences."""
+
+    meta: torch.Tensor | None = None
+
+
+class RingCore:
+    """An attention module's `sdpa` under context parallel: ring attention on a cp forward, SDPA on any other."""
+
+    def __init__(self, forward: _Forward, group, window: int = 0):
+        self.forward, self.group, self.window = forward, group, window
+
+    def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        meta = self.forward.meta
+        if meta is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)
+        # The model built its mask from this rank's positions alone: the ring's own comes from the global index
+        # and documents (causal: plait's language models are decoders; check_model admits no other).
+        return ring_attention(q, k, v, meta, meta, self.group, causal=True, window=self.window, scale=scale)
+
+    def __deepcopy__(self, memo):  # a copied model (an EMA, a teacher) shares the ring: its group cannot be copied
+        return self
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose attention context parallel replaces: those with an `sdpa` (plait's GPT and Llama)."""
+    return [m for m in model.modules() if callable(getattr(m, "sdpa", None))]
+
+
+def apply_cp(model: nn.Module, group) -> nn.Module:
+    """Ring attention in every attention module of `model`, on the forwards whose inputs `shard` cut."""
+    state = _Forward()
+    for m in attention_modules(model):
+        m.sdpa = RingCore(state, group, getattr(m, "window", 0))
+
+    def enter(module, args, kwargs):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == ROWS and not x.is_floating_point():
+            state.meta = x[:, 2:].transpose(0, 1).contiguous()
+            return (x[:, :2], *args[1:]), kwargs
+        state.meta = None
+        return None
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    return model
+
+
+def check(layout: Layout, keys: ContextParallelKeys) -> None:
+    if layout.cp == 1:
+        return
+    what = f"parallel.cp = {layout.cp}"
+    if layout.pp > 1:
+        raise ConfigError(f"{what} with parallel.pp = {layout.pp} is not available yet: a later pipeline stage receives "
+                          "hidden states, not the token positions its ring attention needs; set parallel.pp=1 or "
+                          "parallel.cp=1")
+    if layout.ep > 1:
+        raise ConfigError(f"{what} with parallel.ep = {layout.ep} is not available yet: both cut the dp axis; set "
+                          "parallel.ep=1 or parallel.cp=1")
+    if layout.sync != "allreduce":
+        raise ConfigError(f"{what} needs parallel.sync = 'allreduce': a cp group's ranks hold pieces of the same "
+                          f"sequences and must average every step (here {layout.sync!r})")
+    if layout.embedding_sharding != "none":
+        raise ConfigError(f"{what} splits sequences; parallel.embedding_sharding is for DeepFM's tables: set "
+                          "parallel.cp=1")
+
+
+def check_model(layout: Layout, keys: ContextParallelKeys, m, model: nn.Module | None) -> None:
+    """A causal language model with an attention seam, no dropout, and sequences that cut into 2 cp chunks."""
+    cp = layout.cp
+    if model is not None and not attention_modules(model):
+        raise ConfigError(f"parallel.cp = {cp} replaces each attention's `sdpa` with ring attention, but "
+                          f"{m.factory or type(model).__name__} has none (plait's gpt and llama do); set parallel.cp=1")
+    if model is None and m.name not in ("gpt", "llama"):
+        raise ConfigError(f"parallel.cp = {cp} splits the sequences of a language model (model.name = 'gpt' or "
+                          f"'llama'), not model.name = {m.name!r}; set parallel.cp=1")
+    if getattr(m, "dropout", 0.0):
+        raise ConfigError(f"parallel.cp = {cp}: ring attention has no attention dropout; set model.dropout=0")
+    if (m.rope_scaling or {}).get("rope_type") == "dynamic":
+        raise ConfigError(f"parallel.cp = {cp}: dynamic rope scaling depends on the longest position a rank sees; "
+                          "use another model.rope_scaling or parallel.cp=1")
+    if m.context % (2 * cp):
+        raise ConfigError(f"model.context ({m.context}) must be divisible by 2 x parallel.cp = {2 * cp}: the zig-zag "
+                          f"layout cuts each sequence into {2 * cp} equal chunks; set model.context to a multiple of "
+                          f"{2 * cp}")
+
+
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    return apply_cp(model, b.rt.context_mesh.get_group())
+
+
+def batches(b: Build):
+    """Each micro-batch cut to this rank's tokens, before the strategy sees it."""
+    cp, rank = b.layout.cp, b.rt.axis_rank("cp")
+    return lambda batch: shard(batch[0], batch[1], cp, rank)
+
+
+SCHEME = Scheme("context_parallel", applies=lambda layout, keys: layout.cp > 1, keys=ContextParallelKeys, check=check,
+                check_model=check_model, transform=transform, batches=batches)
