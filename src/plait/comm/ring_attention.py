@@ -146,7 +146,10 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_meta, k_meta, group, causal: bool, window: int, scale: float, pieces: int):
         ring = _Ring(group)
         heads = q.shape[1]
-        out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
+        # (batch, t, heads, head_dim) underneath, as SDPA's own output: the model's transpose back to (batch, t, width)
+        # is then a view, not a copy that the output projection would save beside this one
+        b, h, t, d = q.shape
+        out = torch.zeros((b, t, h, d), dtype=_acc(q.dtype), device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
         kv, meta = torch.stack([k, v]).contiguous(), k_meta.contiguous()
         for step in range(ring.size):
