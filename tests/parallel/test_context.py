@@ -240,3 +240,52 @@ def test_each_rank_saves_a_cp_th_of_the_activations(pool2, pool4):
         per_rank = pool.run(activation_bytes)
         assert len(set(per_rank)) == 1  # the same on every rank
         assert abs(per_rank[0] * cp - (whole + 16 * LONG)) <= 4 * cp, (cp, per_rank[0], whole)
+
+
+# ---- document masks: a packed row at cp = 2 gives the logits its documents give one by one
+DOCS = (10, 13, 9)  # tokens of each document packed into one row of 32
+
+
+def packed_logits(family: str) -> torch.Tensor | None:
+    """Pool task: the logits (1, 32, vocab) of one packed row at cp = 2, gathered on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    from plait.parallel.context import apply_cp
+
+    model = tiny_lm(family)
+    ids = torch.randint(0, 64, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
+    apply_cp(model, dist.group.WORLD)
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    x, _ = shard(torch.stack([ids, pos], 1), ids, cp, rank)
+    with torch.no_grad():
+        logits = model(x)
+    pieces = [torch.empty_like(logits) for _ in range(cp)]
+    dist.all_gather(pieces, logits)
+    if rank:
+        return None
+    order = torch.cat([zigzag(sum(DOCS), cp, r) for r in range(cp)]).argsort()
+    return torch.cat(pieces, 1)[:, order]
+
+
+def tiny_lm(family: str):
+    from plait.models.gpt import GPT
+    from plait.models.llama import Llama
+
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(64, 32, 32, 2, 2)
+    return Llama(64, 32, 32, 4, 2, kv_heads=2, hidden=48, vocab_multiple=1, sliding_window=6 if family == "mistral" else 0)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "mistral"])
+def test_a_packed_row_under_cp_gives_each_documents_own_logits(pool2, family):
+    got = pool2.run(packed_logits, family)[0]
+    model = tiny_lm(family)
+    ids = torch.randint(0, 64, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        alone = torch.cat([model(doc) for doc in ids.split(DOCS, 1)], 1)
+    assert torch.allclose(got, alone, rtol=0, atol=1e-5), float((got - alone).abs().max())
+    # and the documents do matter: attention across them (one document of 32) gives other logits
+    with torch.no_grad():
+        assert float((model(ids) - alone).abs().max()) > 1e-2
