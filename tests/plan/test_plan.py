@@ -63,7 +63,9 @@ def test_every_enumerated_layout_is_a_valid_config():
     cfg = load_config(None)
     shape = Shape.from_config(cfg.model, 114)
     found = layouts(shape, 4, 32)
-    assert {(lay.dp, lay.tp, lay.pp) for lay in found} == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
+    assert {(lay.dp, lay.tp, lay.pp, lay.cp) for lay in found} == {
+        (4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1),
+        (2, 1, 1, 2), (1, 1, 1, 4), (1, 2, 1, 2)}  # context parallel: not with pp (plait.parallel.context)
     for lay in found[::7]:
         load_config(None, [s.strip() for s in lay.sets().split("--set ")[1:]] + ["model.vocab_size=114"])
 
@@ -135,7 +137,8 @@ def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
     assert t["ep_comm_s"] == pytest.approx(4 * layers * 1 * one)
     assert predict_time(shape, Layout(dp=4, zero=3, micro_batch=8), 32, hw)["ep_comm_s"] == 0.0
     # the planner offers expert parallel where the experts and dp allow it, as valid configs (MoE runs with tp = pp = 1)
-    assert {(lay.dp, lay.tp, lay.pp, lay.ep) for lay in layouts(shape, 4, 32)} == {(4, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4)}
+    assert {(lay.dp, lay.tp, lay.pp, lay.ep, lay.cp) for lay in layouts(shape, 4, 32)} == {
+        (4, 1, 1, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 4, 1), (2, 1, 1, 1, 2), (1, 1, 1, 1, 4)}  # cp: not with ep
     load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro_batch=8).sets().split("--set ")[1:]] + [
         "model.moe_experts=8", "model.moe_every=2"])
 
@@ -378,9 +381,12 @@ def test_simulate_refuses_layouts_plait_train_refuses_and_names_the_rule():
                                          "* parallel.dp (64)")
     eff = [r["efficiency"] for r in ran]
     assert eff == sorted(eff, reverse=True)  # no jump: a refused layout has no figures
-    free = scaling(shape, 32, Hardware(), 1024)  # best at each size; none past dp32 x tp2 x pp4 = 256 (vocab 114: tp <= 2)
-    assert [r["devices"] for r in free if "refused" in r] == [512, 1024]
-    assert free[-1]["refused"].startswith("no layout of 1024 devices divides the global batch (32) and the model")
+    # best at each size: past dp32 x tp2 x pp4 = 256 (vocab 114: tp <= 2) only context parallel (which takes no pp)
+    # splits the batch further: 512 = dp32 x tp2 x cp8 and 1024 = dp32 x tp2 x cp16 (chunks of 4 of the 128 tokens)
+    free = scaling(shape, 32, Hardware(), 1024)
+    assert not [r for r in free if "refused" in r]
+    assert [r["layout"].split()[-1] for r in free[-2:]] == ["cp8", "cp16"]
+    assert [r["layout"].split()[:2] for r in free[-2:]] == [["dp32", "tp2"]] * 2
 
 
 def test_plans_name_the_calibration_file_they_use(tmp_path, monkeypatch):

@@ -28,6 +28,8 @@ log-sum-exp merge, never materialising a block's scores.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -136,14 +138,22 @@ class _Ring:
         return buf, reqs
 
 
-def _wait(reqs: list) -> None:
+def _wait(reqs: list, stats: dict | None = None) -> None:
+    t0 = time.perf_counter() if stats is not None else 0.0
     for req in reqs:
         req.wait()
+    if stats is not None:
+        stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - t0
+
+
+def _timed(stats: dict | None, key: str, t0: float) -> None:
+    if stats is not None:
+        stats[key] = stats.get(key, 0.0) + time.perf_counter() - t0
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_meta, k_meta, group, causal: bool, window: int, scale: float, pieces: int):
+    def forward(ctx, q, k, v, q_meta, k_meta, group, causal: bool, window: int, scale: float, pieces: int, stats):
         ring = _Ring(group)
         heads = q.shape[1]
         # (batch, t, heads, head_dim) underneath, as SDPA's own output: the model's transpose back to (batch, t, width)
@@ -158,14 +168,16 @@ class RingAttention(torch.autograd.Function):
                 nkv, r1 = ring.shift(kv, TAG_KV)
                 nmeta, r2 = ring.shift(meta, TAG_META)
                 reqs = r1 + r2
+            t0 = time.perf_counter()
             kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
             for qs, ks, mask in plan_blocks(q_meta, meta, causal, window, pieces):
                 _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, mask, out[:, :, qs], lse[:, :, qs])
-            _wait(reqs)
+            _timed(stats, "compute_s", t0)
+            _wait(reqs, stats)
             if reqs:
                 kv, meta = nkv, nmeta
         ctx.save_for_backward(q, k, v, out, lse, q_meta, k_meta)
-        ctx.ring, ctx.causal, ctx.window, ctx.scale, ctx.pieces = ring, causal, window, scale, pieces
+        ctx.ring, ctx.causal, ctx.window, ctx.scale, ctx.pieces, ctx.stats = ring, causal, window, scale, pieces, stats
         return out.to(q.dtype)
 
     @staticmethod
@@ -183,6 +195,7 @@ class RingAttention(torch.autograd.Function):
                 nkv, r1 = ring.shift(kv, TAG_KV)
                 nmeta, r2 = ring.shift(meta, TAG_META)
                 reqs = r1 + r2
+            t0 = time.perf_counter()
             kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
             dk = torch.zeros(kk.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vv.shape, dtype=acc, device=q.device)
@@ -190,29 +203,32 @@ class RingAttention(torch.autograd.Function):
                 _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], lse[:, :, qs], delta[:, :, qs],
                                 ctx.scale, mask, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
             dkv = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
+            _timed(ctx.stats, "compute_s", t0)
             if arriving is not None:  # what the ranks before this one added to this block
-                _wait(arriving[1])
+                _wait(arriving[1], ctx.stats)
                 dkv += arriving[0]
             if ring.size > 1:  # on to the next rank; after the last step, that is the block's owner
                 arriving = ring.shift(dkv, TAG_GRAD)
             else:
                 arriving = (dkv, [])
-            _wait(reqs)
+            _wait(reqs, ctx.stats)
             if reqs:
                 kv, meta = nkv, nmeta
-        _wait(arriving[1])
+        _wait(arriving[1], ctx.stats)
         dkv = arriving[0]
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_meta: torch.Tensor, k_meta: torch.Tensor,
                    group=None, causal: bool = True, window: int = 0, scale: float | None = None,
-                   pieces: int = 2) -> torch.Tensor:
+                   pieces: int = 2, stats: dict | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v over the whole sequences of which each rank of `group` holds a piece.
 
     group None (or of one rank) attends to the local tokens alone: the same arithmetic, no communication.
+    stats: a dict to which the seconds spent computing blocks ("compute_s") and blocked waiting for the ring's
+    transfers ("wait_s", what the overlap left exposed) are added, forward and backward.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, q_meta, k_meta, group, causal, window, scale, pieces)
+    return RingAttention.apply(q, k, v, q_meta, k_meta, group, causal, window, scale, pieces, stats)

@@ -85,8 +85,9 @@ class _Forward:
 class RingCore:
     """An attention module's `sdpa` under context parallel: ring attention on a cp forward, SDPA on any other."""
 
-    def __init__(self, forward: _Forward, group, window: int = 0):
+    def __init__(self, forward: _Forward, group, window: int = 0, stats: dict | None = None):
         self.forward, self.group, self.window = forward, group, window
+        self.stats = stats  # the ring's compute and exposed-wait seconds (plait.comm.ring_attention), when given
 
     def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         meta = self.forward.meta
@@ -95,7 +96,8 @@ class RingCore:
                                                   scale=scale, enable_gqa=enable_gqa)
         # The model built its mask from this rank's positions alone: the ring's own comes from the global index
         # and documents (causal: plait's language models are decoders; check_model admits no other).
-        return ring_attention(q, k, v, meta, meta, self.group, causal=True, window=self.window, scale=scale)
+        return ring_attention(q, k, v, meta, meta, self.group, causal=True, window=self.window, scale=scale,
+                              stats=self.stats)
 
     def __deepcopy__(self, memo):  # a copied model (an EMA, a teacher) shares the ring: its group cannot be copied
         return self
@@ -106,11 +108,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, "sdpa", None))]
 
 
-def apply_cp(model: nn.Module, group) -> nn.Module:
-    """Ring attention in every attention module of `model`, on the forwards whose inputs `shard` cut."""
+def apply_cp(model: nn.Module, group, stats: dict | None = None) -> nn.Module:
+    """Ring attention in every attention module of `model`, on the forwards whose inputs `shard` cut (stats: see
+    plait.comm.ring_attention.ring_attention)."""
     state = _Forward()
     for m in attention_modules(model):
-        m.sdpa = RingCore(state, group, getattr(m, "window", 0))
+        m.sdpa = RingCore(state, group, getattr(m, "window", 0), stats)
 
     def enter(module, args, kwargs):
         x = args[0] if args else None

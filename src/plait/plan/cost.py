@@ -147,6 +147,7 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     the gradients and activations that travel (4 in fp32, 2 in 16-bit mixed precision)."""
     d, t, p, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
     m = global_batch // (d * layout.micro_batch)
+    cp = layout.cp
     per_rank = shape.device_params(layout)
     busiest = max(per_rank)
     imbalance = busiest / (sum(per_rank) / p)  # the slowest stage sets the pace
@@ -157,8 +158,15 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     if hw.cores:  # timed with devices_per_node ranks on the cores: fewer ranks have a larger share each
         compute *= _slowdown(ranks, hw.cores) / _slowdown(hw.devices_per_node, hw.cores)
     backward = compute * (2 / 3 if not layout.activation_checkpointing else 2 / 4)
-    act = elem * layout.micro_batch * shape.context * shape.width  # one micro-batch's hidden states
-    tp_span, dp_span = t, d * t
+    act = elem * layout.micro_batch * shape.context * shape.width // cp  # one micro-batch's hidden states on this rank
+    tp_span, dp_span = t, d * cp * t
+    # context parallel: per block, K and V go round the ring in forward and again in backward (cp - 1 hops each),
+    # and the dK/dV accumulators cp hops (float32); counted as exposed, although the ring posts each transfer before
+    # the block's compute (benchmarks/context_parallel.py measures how much of it overlaps)
+    cp_comm = 0.0
+    if cp > 1:
+        hop = hw.collective("send", 2 * act, 2, cp * t)
+        cp_comm = (2 * (cp - 1) * hop + cp * hw.collective("send", 2 * 4 * act / elem, 2, cp * t)) * shape.layers * m
     tp_comm = 0.0
     if t > 1:
         per = hw.collective("all_reduce", act, t, tp_span)
@@ -172,6 +180,7 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     if shape.moe_layers and layout.ep > 1:
         a2a = hw.collective("all_to_all", act * shape.top_k, layout.ep, layout.ep)
         ep_comm = (6 if layout.activation_checkpointing else 4) * a2a * shape.moe_layers * m
+    d = layout.replicas  # gradients average over dp * cp ranks
     if d > 1:
         if z == 0:
             dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span)
@@ -191,9 +200,10 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     optimizer = hw.optimizer_s_per_param * ((busiest - experts) / (d if z >= 1 else 1) + experts)
     if d > 1 and z == 3:  # fully_shard's hooks and copies, per layer (ZeRO-2 is one group for the whole model)
         optimizer += hw.layer_overhead_s.get("fsdp", 0.0) * shape.layers / p
-    step = compute + tp_comm + pp_comm + ep_comm + bubble + exposed_dp + optimizer
+    step = compute + tp_comm + pp_comm + ep_comm + cp_comm + bubble + exposed_dp + optimizer
     return {
         "step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm, "ep_comm_s": ep_comm,
+        "cp_comm_s": cp_comm,
         "bubble_s": bubble,
         "dp_comm_s": dp_comm, "dp_exposed_s": exposed_dp, "optimizer_s": optimizer,
         "mfu": model_flops(shape, global_batch) / (step * layout.devices * hw.flops) if step > 0 else 0.0,

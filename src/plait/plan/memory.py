@@ -16,6 +16,7 @@ the tensors autograd saves in forward (flash attention, so no s x s scores):
     + seq. par. e s b (2 h + 14 h / t + (4 + a) / t)        LN inputs sharded; the gathered LN outputs not
     act. ckpt.  e s b h per block (its input), plus one block recomputed at a time in backward
     head        e s b (2 h + 2 + V) + 8 b s               ln_f in and out, log-softmax over V, token ids
+    context par. every term above with s / cp tokens, + 16 b s / cp: each token's index and document (int64)
 
 A pipeline stage holds the micro-batches in flight: m under GPipe, at most p - stage under 1F1B
 (per model chunk; an interleaved rank holds v chunks). `activations_per_microbatch` is one chunk's
@@ -133,7 +134,8 @@ def _is_expert(name: str) -> bool:
 
 def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[int]]:
     """Activations one micro-batch leaves saved in each model chunk a pipeline rank holds (bytes)."""
-    s, b, h, a, t = shape.context, layout.micro_batch, shape.width, shape.heads, layout.tp
+    # context parallel: each rank holds s / cp of every sequence's tokens (the ring saves what flash attention does)
+    s, b, h, a, t = shape.context // layout.cp, layout.micro_batch, shape.width, shape.heads, layout.tp
     # MoE blocks (tp = 1 and pp = 1, as plait runs them) in place of that many dense ones: see the module docstring
     moe_extra = shape.moe_layers * elem * s * b * (shape.top_k * 10 * h + 2 * shape.experts - 8 * h) / shape.layers
     if layout.activation_checkpointing:
@@ -144,7 +146,7 @@ def activation_bytes(shape: Shape, layout: Layout, elem: int = 4) -> list[list[i
         block = elem * s * b * (4 * h + 12 * h / t + 4 + a / t)
     else:
         block = elem * s * b * (2 * h + 14 * h / t + (4 + a) / t)
-    head = elem * s * b * (2 * h + 2 + shape.vocab) + 8 * b * s
+    head = elem * s * b * (2 * h + 2 + shape.vocab) + 8 * b * s + (16 * b * s if layout.cp > 1 else 0)
     stages = layout.pp * layout.virtual_stages
     per_stage_layers = _layers_per_stage(shape, layout)
     out: list[list[int]] = [[] for _ in range(layout.pp)]
@@ -179,7 +181,7 @@ def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k:
     per_mb = activation_bytes(shape, layout, elem)
     for r in range(layout.pp):
         n = per_rank_params[r]
-        z, d = layout.zero, layout.dp
+        z, d = layout.zero, layout.replicas  # ZeRO shards over the dp axis: dp * cp ranks
         experts = shape.local_expert_params(layout)  # split over ep already; ZeRO shards the dense rest
         dense = n - experts
         params = 4 * dense / (d if z >= 2 else 1) + 4 * experts
@@ -187,7 +189,8 @@ def predict_memory(shape: Shape, layout: Layout, global_batch: int, optimizer_k:
         optim = optimizer_k * dense / (d if z >= 1 else 1) + optimizer_k * experts
         act = sum(per_mb[r]) * inflight(layout, m, r)
         if layout.activation_checkpointing:  # one block's full activations while it is recomputed in backward
-            act += elem * shape.context * layout.micro_batch * (16 * shape.width + 4 + shape.heads) / max(1, layout.tp)
+            act += (elem * shape.context // layout.cp * layout.micro_batch * (16 * shape.width + 4 + shape.heads)
+                    / max(1, layout.tp))
         ranks.append({"params": params, "grads": grads, "optimizer": optim, "activations": act,
                       "activations_per_microbatch": max(per_mb[r]), "total": params + grads + optim + act})
     return max(ranks, key=lambda x: x["total"]) | {"per_pp_rank": ranks}

@@ -33,7 +33,7 @@ def refusal(lay: Layout, shape: Shape, global_batch: int) -> str | None:
         cfg.model.moe_every = shape.layers // shape.moe_layers
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.zero, p.sequence_parallel = lay.dp, lay.tp, lay.pp, lay.zero, lay.sequence_parallel
-    p.pp_schedule, p.virtual_stages, p.ep = lay.schedule, lay.virtual_stages, lay.ep
+    p.pp_schedule, p.virtual_stages, p.ep, p.cp = lay.schedule, lay.virtual_stages, lay.ep, lay.cp
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, lay.micro_batch
     cfg.train.activation_checkpointing = lay.activation_checkpointing
     try:
@@ -49,25 +49,34 @@ def layouts(shape: Shape, devices: int, global_batch: int) -> list[Layout]:
     for tp in _divisors(devices):
         if shape.heads % tp or shape.vocab % tp:
             continue
-        for pp in _divisors(devices // tp):
-            if pp > shape.layers:
-                continue
-            dp = devices // (tp * pp)
+        for pp, cp in _pp_cp(shape, devices // tp):
+            dp = devices // (tp * pp * cp)
             if global_batch % dp:
                 continue
             local = global_batch // dp
             for micro in [m for m in _divisors(local) if m <= 64]:
                 schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
-                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                for zero in ((0,) if dp * cp == 1 else (0, 1, 2, 3)):
                     for schedule, virtual in schedules:
                         # expert parallel: every degree that divides dp and the experts (the checks say which)
                         for ep in [k for k in _divisors(dp) if shape.experts % k == 0] if shape.experts else [1]:
-                            lay = Layout(dp, tp, pp, zero, micro, schedule, virtual, ep=ep)
+                            lay = Layout(dp, tp, pp, zero, micro, schedule, virtual, ep=ep, cp=cp)
                             if not supported(lay, shape, global_batch):
                                 continue
                             for ac in (False, True):
                                 for sp in ((False, True) if tp > 1 else (False,)):
                                     out.append(replace(lay, activation_checkpointing=ac, sequence_parallel=sp))
+    return out
+
+
+def _pp_cp(shape: Shape, devices: int) -> list[tuple[int, int]]:
+    """(pp, cp) pairs of the devices left after tp: pipeline stages or (without them) context-parallel groups, whose
+    degree cuts each sequence into 2 cp equal chunks."""
+    out = []
+    for pp in _divisors(devices):
+        if pp > shape.layers:
+            continue
+        out += [(pp, cp) for cp in _divisors(devices // pp) if cp == 1 or (pp == 1 and shape.context % (2 * cp) == 0)]
     return out
 
 
