@@ -118,7 +118,8 @@ def test_shard_keeps_every_token_once_with_its_position_and_document():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("parallel.cp=2", "parallel.pp=2"), "parallel.cp = 2 with parallel.pp = 2 is not available yet"),
+    (("parallel.cp=2", "parallel.ep=2", "model.moe_experts=2"),
+     "parallel.cp = 2 with parallel.ep = 2 is not available yet: both cut the dp axis"),
     (("parallel.cp=4", "model.context=20"),
      "model.context (20) must be divisible by 2 x parallel.cp = 8: the zig-zag layout cuts each sequence into 8 equal "
      "chunks; set model.context to a multiple of 8"),
@@ -157,6 +158,9 @@ TWO = {
 }
 FOUR = {
     "cp4": ("parallel.dp=1", "parallel.cp=4"),
+    "pp2xcp2-1f1b": ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule='1f1b'"),
+    "pp2xcp2-gpipe-ckpt": ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule='gpipe'",
+                           "train.activation_checkpointing=true"),
     "dp2xcp2": ("parallel.dp=2", "parallel.cp=2"),
     "cp2xtp2": ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2"),
 }

@@ -1,6 +1,6 @@
 """Context parallel: every sequence's tokens split over the ranks of a cp group; attention runs as a ring.
 
-    plait train --set parallel.cp=2                               # alone, or with dp, tp and ZeRO 1-3
+    plait train --set parallel.cp=2                               # alone, or with dp, tp, pp and ZeRO 1-3
     plait train --set parallel.dp=2 --set parallel.cp=2 --set parallel.zero=3
 
 Long sequences run out of activation memory, not parameters: whatever dp, tp, pp or ZeRO do, every rank
@@ -28,6 +28,8 @@ tokens, so that average is the global batch's mean, step for step the one-proces
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
@@ -108,18 +110,30 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, "sdpa", None))]
 
 
-def apply_cp(model: nn.Module, group, stats: dict | None = None) -> nn.Module:
+def apply_cp(model: nn.Module, group, stats: dict | None = None, hidden: tuple[int, int, int] | None = None) -> nn.Module:
     """Ring attention in every attention module of `model`, on the forwards whose inputs `shard` cut (stats: see
-    plait.comm.ring_attention.ring_attention)."""
+    plait.comm.ring_attention.ring_attention).
+
+    hidden = (t, cp, rank): a later pipeline stage, whose input is the hidden states of this rank's tokens of
+    sequences of t tokens (no documents: every token's place is its zig-zag index); they get those positions too
+    (`pos`, where the model's forward takes them: rotary positions are applied in every block).
+    """
     state = _Forward()
     for m in attention_modules(model):
         m.sdpa = RingCore(state, group, getattr(m, "window", 0), stats)
+    index = None if hidden is None else zigzag(*hidden)
+    takes_pos = "pos" in inspect.signature(model.forward).parameters
 
     def enter(module, args, kwargs):
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == ROWS and not x.is_floating_point():
             state.meta = x[:, 2:].transpose(0, 1).contiguous()
             return (x[:, :2], *args[1:]), kwargs
+        if (index is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 3
+                and x.shape[1] == len(index)):
+            at = index.to(x.device).expand(x.shape[0], -1)
+            state.meta = torch.stack([at, torch.zeros_like(at)])
+            return (args, kwargs | {"pos": at}) if takes_pos else None
         state.meta = None
         return None
 
@@ -131,10 +145,6 @@ def check(layout: Layout, keys: ContextParallelKeys) -> None:
     if layout.cp == 1:
         return
     what = f"parallel.cp = {layout.cp}"
-    if layout.pp > 1:
-        raise ConfigError(f"{what} with parallel.pp = {layout.pp} is not available yet: a later pipeline stage receives "
-                          "hidden states, not the token positions its ring attention needs; set parallel.pp=1 or "
-                          "parallel.cp=1")
     if layout.ep > 1:
         raise ConfigError(f"{what} with parallel.ep = {layout.ep} is not available yet: both cut the dp axis; set "
                           "parallel.ep=1 or parallel.cp=1")
@@ -167,13 +177,24 @@ def check_model(layout: Layout, keys: ContextParallelKeys, m, model: nn.Module |
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
-    return apply_cp(model, b.rt.context_mesh.get_group())
+    hidden = (b.cfg.model.context, b.layout.cp, b.rt.axis_rank("cp")) if b.layout.pp > 1 else None
+    return apply_cp(model, b.rt.context_mesh.get_group(), hidden=hidden)
 
 
 def batches(b: Build):
     """Each micro-batch cut to this rank's tokens, before the strategy sees it."""
-    cp, rank = b.layout.cp, b.rt.axis_rank("cp")
-    return lambda batch: shard(batch[0], batch[1], cp, rank)
+    cp, rank, context = b.layout.cp, b.rt.axis_rank("cp"), b.cfg.model.context
+
+    def cut(batch):
+        x, y = batch
+        if b.layout.pp > 1 and (x.dim() == 3 or x.shape[-1] != context):
+            # a later stage knows its tokens' places only as the zig-zag index of a whole row (apply_cp's hidden)
+            raise ConfigError(f"parallel.cp = {cp} with parallel.pp = {b.layout.pp} takes rows of model.context = "
+                              f"{context} tokens without documents; these are {tuple(x.shape)}: set parallel.pp=1 "
+                              "(or parallel.cp=1)")
+        return shard(x, y, cp, rank)
+
+    return cut
 
 
 SCHEME = Scheme("context_parallel", applies=lambda layout, keys: layout.cp > 1, keys=ContextParallelKeys, check=check,
