@@ -294,10 +294,3 @@ def test_a_packed_row_under_cp_gives_each_documents_own_logits(pool2, family):
     with torch.no_grad():
         assert float((model(ids) - alone).abs().max()) > 1e-2
 
-
-def test_chat_data_is_refused_under_cp_with_the_reason(tmp_path):
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text('{"prompt": "a", "response": "b"}\n')
-    with pytest.raises(ConfigError, match="parallel.cp = 2 with data.name = 'chat' is not available yet: each row's loss "
-                                          "is normalised by its trained"):
-        load_config(None, ["parallel.cp=2", "data.name='chat'", f"data.path='{chat}'"])

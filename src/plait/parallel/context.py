@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.comm.ring_attention import ring_attention
+from plait.data.chat import IGNORE
 from plait.errors import ConfigError
 from plait.parallel.keys import ContextParallelKeys
 from plait.parallel.layout import Layout
@@ -181,9 +182,17 @@ def transform(model: nn.Module, b: Build) -> nn.Module:
     return apply_cp(model, b.rt.context_mesh.get_group(), hidden=hidden)
 
 
+def masked_rows(cfg) -> bool:
+    """Targets masked to the answers (chat data) under plait's own loss: a row's loss is the mean over its trained
+    tokens, which a cp group's ranks hold unevenly, so a cut row carries the whole row's count."""
+    return cfg.data.name == "chat" and not cfg.train.loss
+
+
 def batches(b: Build):
-    """Each micro-batch cut to this rank's tokens, before the strategy sees it."""
+    """Each micro-batch cut to this rank's tokens, before the strategy sees it; with masked targets, each row's
+    targets followed by the number of trained tokens in the whole row (one more column, which `loss` takes off)."""
     cp, rank, context = b.layout.cp, b.rt.axis_rank("cp"), b.cfg.model.context
+    counts = masked_rows(b.cfg)
 
     def cut(batch):
         x, y = batch
@@ -192,10 +201,33 @@ def batches(b: Build):
             raise ConfigError(f"parallel.cp = {cp} with parallel.pp = {b.layout.pp} takes rows of model.context = "
                               f"{context} tokens without documents; these are {tuple(x.shape)}: set parallel.pp=1 "
                               "(or parallel.cp=1)")
-        return shard(x, y, cp, rank)
+        x_cut, y_cut = shard(x, y, cp, rank)
+        if counts:
+            y_cut = torch.cat([y_cut, (y != IGNORE).sum(1, keepdim=True)], 1)
+        return x_cut, y_cut
 
     return cut
 
 
+def loss(inner, b: Build):
+    """With masked targets, this rank's share of each row's mean over its trained tokens: the sum of its own tokens'
+    losses over the whole row's count, times cp (the dp axis averages over the cp ranks, whose shares add up to the
+    row's mean). Whole rows (evaluation) take the loss as it is."""
+    if not masked_rows(b.cfg):
+        return inner
+    cp = b.layout.cp
+
+    def cut_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if targets.shape[-1] != outputs.shape[1] + 1:
+            return inner(outputs, targets)
+        y, trained = targets[:, :-1], targets[:, -1]
+        per = F.cross_entropy(outputs.flatten(0, 1).float(), y.flatten(), reduction="none").view(y.shape)
+        local = (per.sum(1) / (y != IGNORE).sum(1).clamp(min=1)).mean()  # the inner loss's own term, on these tokens
+        share = cp * (per.sum(1) / trained.clamp(min=1)).mean()
+        return inner(outputs, y) - local + share  # what the inner loss adds (an MoE's balancing term) is kept
+
+    return cut_loss
+
+
 SCHEME = Scheme("context_parallel", applies=lambda layout, keys: layout.cp > 1, keys=ContextParallelKeys, check=check,
-                check_model=check_model, transform=transform, batches=batches)
+                check_model=check_model, transform=transform, batches=batches, loss=loss)

@@ -140,12 +140,6 @@ class ContextParallelKeys:
                      "chunks so that causal attention costs every rank the same); the cp ranks see the same samples "
                      "and average gradients as dp ranks do", minimum=1, why="1: whole sequences on every rank", fix="1")
 
-    def check(self, cfg) -> None:
-        if self.cp > 1 and cfg.data.name == "chat":
-            raise ConfigError(f"parallel.cp = {self.cp} with data.name = 'chat' is not available yet: each row's loss is "
-                              "normalised by its trained (answer) tokens, which the cp ranks hold unevenly; set "
-                              "parallel.cp=1")
-
 
 @keys("parallel")
 class HeteroKeys:

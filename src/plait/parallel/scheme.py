@@ -54,6 +54,9 @@ class Scheme:
     # Build -> a function of each micro-batch (inputs, targets) before the step sees it (context parallel keeps this
     # rank's tokens); the global batch itself is the sampler's, whatever the schemes
     batches: Callable[[Build], Callable] | None = None
+    # (loss, Build) -> the loss the step uses, for a scheme whose cut batches need their own (context parallel's
+    # masked targets)
+    loss: Callable[[Callable, Build], Callable] | None = None
 
     def keys_of(self, cfg) -> Any:
         """This scheme's view of its keys in cfg (None when it declares none)."""

@@ -120,6 +120,9 @@ def build_strategy(b: Build):
     """Parallelize b.module as the layout says and build the optimizer and the Strategy that owns the step."""
     if not b.schemes:
         b.schemes = SCHEMES
+    for scheme in b.schemes:
+        if scheme.loss is not None and b.uses(scheme):
+            b.loss_fn = scheme.loss(b.loss_fn, b)
     build = step_owner(b.cfg, b.schemes, b.layout).strategy
     assert build is not None, "step_owner picks a scheme that builds a strategy"
     return build(b)
