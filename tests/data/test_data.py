@@ -514,3 +514,16 @@ def test_the_stdlib_corpus_is_tokenized_once_then_read_from_the_cache(tmp_path, 
     assert torch.equal(again.train.tokens, built.train.tokens) and entry.stat().st_size > 1000
     build(cfg_for(name="stdlib-text", val_fraction=0.2))
     assert len(list(tmp_path.glob("stdlib-text-*.npz"))) == 2 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_text_documents_restart_positions_at_each_file_and_each_window():
+    """data.pack = true on text: DocumentWindows' positions count from each document's first token, or the window's."""
+    from plait.data.datasets import DocumentWindows
+
+    windows = DocumentWindows(np.arange(40), np.array([0, 6, 13, 14]), context=8)
+    x, y = windows.fetch(torch.tensor([0, 1, 3]))
+    assert torch.equal(x[:, 0], torch.tensor([list(range(8)), list(range(8, 16)), list(range(24, 32))]))
+    assert x[:, 1].tolist() == [[0, 1, 2, 3, 4, 5, 0, 1],  # a document starts at 6
+                                [0, 1, 2, 3, 4, 0, 0, 1],  # the window at 8; documents at 13 and 14
+                                [0, 1, 2, 3, 4, 5, 6, 7]]  # inside the last document: from the window's start
+    assert torch.equal(y, x[:, 0] + 1)

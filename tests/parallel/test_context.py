@@ -186,11 +186,11 @@ def base(tiny_text, eq):
 def reference(base, eq, tmp_path_factory):
     cache: dict = {}
 
-    def get(family: str):
-        if family not in cache:
-            cache[family] = eq.trajectory(load_config(None, [*base[family], "parallel.dp=1"]),
-                                          tmp_path_factory.mktemp("ref") / "run")
-        return cache[family]
+    def get(family: str, *more: str):
+        if (family, *more) not in cache:
+            cache[(family, *more)] = eq.trajectory(load_config(None, [*base[family], "parallel.dp=1", *more]),
+                                                   tmp_path_factory.mktemp("ref") / "run")
+        return cache[(family, *more)]
 
     return get
 
@@ -200,6 +200,27 @@ def reference(base, eq, tmp_path_factory):
 def test_two_rank_cp_layouts_keep_the_trajectory(pool2, eq, base, reference, tmp_path, family, name):
     got = pool2.run(eq.trajectory, load_config(None, [*base[family], *TWO[name]]), tmp_path)[0]
     eq.assert_same_trajectory(reference(family), got)
+
+
+@pytest.fixture(scope="module")
+def documents(tiny_text, tmp_path_factory):
+    """A folder of short text files (3 source lines each, 20-200 characters): most 32-token rows cross a boundary."""
+    lines = [ln for f in sorted(tiny_text.iterdir()) for ln in f.read_text().splitlines() if ln.strip()][:600]
+    out = tmp_path_factory.mktemp("documents")
+    for i in range(0, len(lines), 3):
+        (out / f"doc{i // 3:03d}.txt").write_text("\n".join(lines[i:i + 3]) + "\n")
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_text_documents_under_cp_keep_the_trajectory(pool2, eq, base, reference, tmp_path, documents, family):
+    """data.pack = true on a folder of text files: each file a document (positions restart, attention stays inside);
+    at cp = 2 with ZeRO-3 the same steps as one process with the same documents."""
+    docs = (f"data.path='{documents}'", "data.pack=true")
+    ref = reference(family, *docs)
+    assert ref.loss != reference(family, docs[0]).loss  # the documents change the run
+    got = pool2.run(eq.trajectory, load_config(None, [*base[family], *TWO["cp2-zero3"], *docs]), tmp_path)[0]
+    eq.assert_same_trajectory(ref, got)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -287,9 +308,12 @@ def test_a_packed_row_under_cp_gives_each_documents_own_logits(pool2, family):
     got = pool2.run(packed_logits, family)[0]
     model = tiny_lm(family)
     ids = torch.randint(0, 64, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
     with torch.no_grad():
         alone = torch.cat([model(doc) for doc in ids.split(DOCS, 1)], 1)
+        plain = model(torch.stack([ids, pos], 1))  # the packed row on one process: the block-masked path
     assert torch.allclose(got, alone, rtol=0, atol=1e-5), float((got - alone).abs().max())
+    assert torch.allclose(plain, alone, rtol=0, atol=1e-5), float((plain - alone).abs().max())
     # and the documents do matter: attention across them (one document of 32) gives other logits
     with torch.no_grad():
         assert float((model(ids) - alone).abs().max()) > 1e-2

@@ -26,6 +26,23 @@ class TokenWindows:
         return win[:, :-1], win[:, 1:]
 
 
+class DocumentWindows(TokenWindows):
+    """TokenWindows of a stream of documents (data.pack = true on text): inputs (n, 2, T) of ids and positions, a
+    position restarting at 0 at each document's first token and at each window's, so that attention stays inside
+    documents (plait.models.gpt.packed_mask) and positions inside the model's context."""
+
+    def __init__(self, tokens: np.ndarray | torch.Tensor, starts: np.ndarray | torch.Tensor, context: int):
+        super().__init__(tokens, context)
+        self.starts = torch.as_tensor(starts, dtype=torch.long)  # each document's first token in the stream, ascending
+
+    def fetch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().fetch(idx)
+        first = idx[:, None] * self.context
+        at = first + self._offsets[:-1]
+        doc = self.starts[(torch.searchsorted(self.starts, at, right=True) - 1).clamp(min=0)]
+        return torch.stack([x, at - torch.maximum(doc, first)], 1), y
+
+
 class Tensors:
     """Inputs and labels held in memory."""
 

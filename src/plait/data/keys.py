@@ -38,8 +38,9 @@ class DataKeys:
                             "targets are non-integer numbers", ("auto", "classification", "regression"))
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
                         "class folders; packed: the folder `plait data pack` wrote; chat: a JSONL file")
-    pack: bool = opt(False, "chat: fill each row of model.context tokens with consecutive examples, attention confined "
-                            "to each example and positions restarting at each (plait's gpt and llama; not with pp)")
+    pack: bool = opt(False, "chat: fill each row of model.context tokens with consecutive examples; text, stdlib-text: "
+                            "each file is a document; either way attention is confined to each example or document "
+                            "and positions restart at each (plait's gpt and llama; not with pp)")
     val_fraction: float = opt(0.1, "share of files (text) or samples (others) held out for validation")
     min_char_count: int = opt(50, "text: characters seen fewer times in training map to <unk>")
     tokenizer: str = opt("", "text: a Hugging Face tokenizer.json to encode with (the tokenizers library) instead of "
@@ -81,8 +82,9 @@ class DataKeys:
             raise ConfigError(f"data.augment = {self.augment}: {bad} unknown; use any of {', '.join(AUGMENTATIONS)}")
         if self.image_size < 4 or self.workers < 0:
             raise ConfigError(f"data.image_size = {self.image_size} must be >= 4 and data.workers = {self.workers} >= 0")
-        if self.pack and not self.factory and self.name != "chat":
-            raise ConfigError(f"data.pack = true packs chat examples; data.name = {self.name!r}: set data.pack=false")
+        if self.pack and not self.factory and self.name not in ("chat", "text", "stdlib-text"):
+            raise ConfigError(f"data.pack = true marks documents in chat, text and stdlib-text data; data.name = "
+                              f"{self.name!r}: set data.pack=false")
         if self.pack and not self.factory and (cfg.model.factory or cfg.model.name not in ("gpt", "llama")):
             model = "model.factory's model" if cfg.model.factory else f"model.name = {cfg.model.name!r}"
             raise ConfigError(f"data.pack = true gives each row's positions with its tokens, which plait's gpt and llama "

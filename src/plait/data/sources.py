@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from plait.data.chat import chat_source
-from plait.data.datasets import Tensors, TokenWindows, split_tensors
+from plait.data.datasets import DocumentWindows, Tensors, TokenWindows, split_tensors
 from plait.data.exclude import exclude
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.images import image_folder
@@ -60,6 +60,12 @@ def _read(files: list[Path]) -> str:
     return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
 
 
+def _starts(files: list[Path]) -> np.ndarray:
+    """Where each file begins in `_read(files)`, in characters: the documents of data.pack = true."""
+    lengths = [len(f.read_text(encoding="utf-8", errors="replace")) + 1 for f in files]
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
 def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> float:
     """Cross-entropy (nats) of val tokens under add-one-smoothed train token frequencies."""
     counts = np.bincount(train_ids.astype(np.int64), minlength=vocab).astype(np.float64) + 1.0
@@ -67,27 +73,45 @@ def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> floa
     return float(-logp[val_ids.astype(np.int64)].mean())
 
 
-def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: int) -> DataBundle:
+def _text_bundle(name: str, train_text: str, val_text: str, data_cfg, context: int,
+                 starts: tuple[np.ndarray, np.ndarray] | None = None) -> DataBundle:
+    """starts: each document's first character in the train and validation text (data.pack = true)."""
     if data_cfg.tokenizer:  # a Hugging Face tokenizer.json (e.g. the one next to train.init_from's checkpoint)
         tok = HFTokenizer.from_file(data_cfg.tokenizer)
     else:
         tok = CharTokenizer.fit(train_text, data_cfg.min_char_count)
-    train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
+    if starts is not None and data_cfg.tokenizer:  # tokens are not characters: each document encoded on its own
+        (train_ids, ts), (val_ids, vs) = (_encode_documents(tok, t, s) for t, s in ((train_text, starts[0]),
+                                                                                       (val_text, starts[1])))
+        starts = (ts, vs)
+    else:
+        train_ids, val_ids = tok.encode(train_text), tok.encode(val_text)
     # The baseline is measured on the tokens the validation loss is measured on.
     n = max(0, (len(val_ids) - 1) // context) * context + 1
     baseline = unigram_loss(train_ids, val_ids[1:n], tok.vocab_size) if n > 1 else float("nan")  # n = 1: refused below
-    return _token_bundle(name, tok, train_ids, val_ids, context, baseline)
+    return _token_bundle(name, tok, train_ids, val_ids, context, baseline, starts)
+
+
+def _encode_documents(tok, text: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The text's tokens, each document encoded alone, and where each begins in tokens."""
+    ends = [*starts[1:], len(text)]
+    ids = [tok.encode(text[a:b]) for a, b in zip(starts, ends)]
+    return np.concatenate(ids), np.concatenate([[0], np.cumsum([len(i) for i in ids])[:-1]]).astype(np.int64)
 
 
 def _token_bundle(name: str, tok, train_ids: np.ndarray, val_ids: np.ndarray, context: int,
-                  baseline: float) -> DataBundle:
-    train, val = TokenWindows(train_ids, context), TokenWindows(val_ids, context)
+                  baseline: float, starts: tuple[np.ndarray, np.ndarray] | None = None) -> DataBundle:
+    if starts is None:
+        train, val = TokenWindows(train_ids, context), TokenWindows(val_ids, context)
+    else:
+        train, val = DocumentWindows(train_ids, starts[0], context), DocumentWindows(val_ids, starts[1], context)
     if len(val) == 0 or len(train) == 0:
         raise DataError(
             f"data.name = {name!r}: the {'validation' if len(val) == 0 else 'training'} text is shorter than one "
             f"window of model.context + 1 = {context + 1} characters; add text or lower model.context"
         )
-    spec = DataSpec(name=name, task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context)
+    spec = DataSpec(name=name, task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context,
+                    packed=starts is not None)
     return DataBundle(train, val, spec, tok, baseline)
 
 
@@ -109,8 +133,9 @@ def stdlib_text(data_cfg, model_cfg) -> DataBundle:
     mtime, the split and min_char_count): reading and tokenizing 29 MB of text cost every run's workers 2.5 s."""
     root, files = stdlib_files()
     train, val = split_files(root, files, data_cfg.val_fraction)
-    if data_cfg.tokenizer:
-        return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context)
+    if data_cfg.tokenizer or data_cfg.pack:  # documents: the cached stream does not keep where each file begins
+        return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context,
+                            (_starts(train), _starts(val)) if data_cfg.pack else None)
     path = cache_dir() / f"stdlib-text-{_stdlib_key(root, train, val, data_cfg.min_char_count)}.npz"
     try:
         with np.load(path) as z:
@@ -143,7 +168,8 @@ def user_text(data_cfg, model_cfg) -> DataBundle:
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if len(files) >= 2:
             train, val = split_files(path, files, data_cfg.val_fraction)
-            return _text_bundle("text", _read(train), _read(val), data_cfg, model_cfg.context)
+            return _text_bundle("text", _read(train), _read(val), data_cfg, model_cfg.context,
+                                (_starts(train), _starts(val)) if data_cfg.pack else None)
         if not files:
             raise DataError(f"data.path = {str(path)!r} is an empty folder; point it at text files")
         path = files[0]
@@ -151,7 +177,8 @@ def user_text(data_cfg, model_cfg) -> DataBundle:
         raise DataError(f"data.path = {str(path)!r} does not exist; set it to a text file or a folder of them")
     text = path.read_text(encoding="utf-8", errors="replace")
     cut = int(len(text) * (1 - data_cfg.val_fraction))
-    return _text_bundle("text", text[:cut], text[cut:], data_cfg, model_cfg.context)
+    one = (np.zeros(1, dtype=np.int64),) * 2 if data_cfg.pack else None  # one file: one document in each part
+    return _text_bundle("text", text[:cut], text[cut:], data_cfg, model_cfg.context, one)
 
 
 def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float,
