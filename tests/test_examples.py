@@ -53,7 +53,7 @@ def test_the_3d_example_trains_on_8_processes_as_one_process_does(tmp_path):
     assert "8 processes (dp=2 tp=2 pp=2, pipeline-1f1b)" in r.stdout, r.stdout
     s = json.loads((run / "summary.json").read_text())
     assert (s["world_size"], s["steps"], s["grad_accum"]) == (8, 2, 2)
-    assert s["parallel"] == {"dp": 2, "tp": 2, "pp": 2, "strategy": "pipeline-1f1b"}
+    assert s["parallel"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "strategy": "pipeline-1f1b"}
     assert (s["pipeline"]["stages"], s["pipeline"]["microbatches"], s["pipeline"]["schedule"]) == (2, 2, "1f1b")
     assert len(s["memory"]["per_rank"]) == 8
     # the same job in one process: the 3-D layout reproduces its losses (README: within 1e-4 for the mixes)

@@ -60,9 +60,8 @@ def test_sync_schemes_need_plain_data_parallelism():
     assert message("parallel.sync='gossip'", "parallel.gossip_every=0") == (
         "parallel.gossip_every = 0 must be >= 1 (steps between neighbour averages); set --set parallel.gossip_every=1")
     assert message("parallel.sync='ps'", "parallel.zero=2") == (
-        "parallel.sync = 'ps' replaces DDP's all-reduce and works on plain data parallelism: it needs tp = pp = ep = 1, "
-        "zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 2); set parallel.sync='allreduce' "
-        "or change the "
-        "layout")
+        "parallel.sync = 'ps' replaces DDP's all-reduce and works on plain data parallelism: it needs tp = pp = ep = cp = 1, "
+        "zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, cp = 1, zero = 2); set "
+        "parallel.sync='allreduce' or change the layout")
     assert message("parallel.sync='ps'", "precision.dtype='fp16'") == (
         "parallel.sync = 'ps' does not take fp16 loss scaling; set precision.dtype='bf16' or 'fp32'")

@@ -36,7 +36,7 @@ def test_split_counts_follow_the_speeds_and_sum_to_the_batch():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["parallel.hetero=auto", "parallel.zero=3"], "it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0"),
+    (["parallel.hetero=auto", "parallel.zero=3"], "it needs parallel.dp >= 2 with tp = pp = ep = cp = 1, zero = 0"),
     (["parallel.hetero='1,2,3'"], "give 2 positive relative speeds (one per data-parallel rank, parallel.dp = 2)"),
     (["parallel.hetero=auto", "parallel.hetero_every=2"], "parallel.hetero_every = 2 must be >= data.prefetch + 2"),
 ])
