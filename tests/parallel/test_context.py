@@ -34,9 +34,14 @@ def full_attention(q, k, v, meta, causal: bool, window: int = 0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(meta, meta, causal, window)[:, None], enable_gqa=True)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "plain-torch"])
 @pytest.mark.parametrize("causal,docs,window", [(True, False, 0), (True, True, 0), (True, True, 5), (False, False, 0),
                                                  (False, True, 0)])
-def test_ring_on_one_rank_is_sdpa(causal, docs, window):
+def test_ring_on_one_rank_is_sdpa(causal, docs, window, fused, monkeypatch):
+    """Both block paths: the CPU flash kernel (what a CPU run takes) and plain torch (what other devices take)."""
+    import plait.comm.ring_attention as ring
+
+    monkeypatch.setattr(ring, "_fused", lambda q: fused)
     q, k, v, meta = inputs(docs=docs)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out, ref = ring_attention(q, k, v, meta, meta, None, causal, window), full_attention(q, k, v, meta, causal, window)

@@ -103,7 +103,8 @@ def test_memory_and_traffic_follow_the_zero_paper(request, tiny_text, tmp_path, 
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.dp=1", "parallel.zero=2", "train.global_batch_size=16"],
-     "parallel.zero = 2 shards over the data-parallel axis, but parallel.dp = 1; set parallel.dp >= 2 (or parallel.cp >= 2) or parallel.zero=0"),
+     "parallel.zero = 2 shards over the data-parallel axis, but parallel.dp = 1; set parallel.dp >= 2 (or parallel.cp >= 2) "
+     "or parallel.zero=0"),
     (["parallel.offload='optimizer'", "parallel.zero=3"], "parallel.offload = 'optimizer' works with data "
                                                           "parallelism (zero = 0) and ZeRO-1 (zero = 1)"),
     (["parallel.offload='params'", "parallel.zero=1"], "parallel.offload = 'params' moves FSDP's parameter, gradient "

@@ -56,16 +56,38 @@ def cuts(t: int, pieces: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(pieces)]
 
 
+CAUSAL = "causal"  # a pair of pieces holding the same tokens of one document: the plain causal mask
+
+
+def _pair(q_meta: torch.Tensor, k_meta: torch.Tensor, causal: bool, window: int) -> str | torch.Tensor | None:
+    """How a query piece sees a key piece: None (every key), CAUSAL, a (batch, tq, tk) mask, or "none" (no key).
+
+    Decided from the pieces' bounds where that suffices (one document a row, no window): no mask is built for the
+    pairs the zig-zag layout makes, only for those that cross documents or windows."""
+    qi, qd, ki, kd = q_meta[0], q_meta[1], k_meta[0], k_meta[1]
+    one_doc = bool((qd == qd[:, :1]).all()) and bool((kd == qd[:, :1]).all())
+    if one_doc and not window:
+        if not causal or bool((ki.amax(1) <= qi.amin(1)).all()):
+            return None
+        if bool((ki.amin(1) > qi.amax(1)).all()):
+            return "none"
+        if torch.equal(qi, ki) and bool((qi[:, 1:] > qi[:, :-1]).all()):
+            return CAUSAL
+    mask = visible(q_meta, k_meta, causal, window)
+    if not bool(mask.any()):
+        return "none"
+    return None if bool(mask.all()) else mask
+
+
 def plan_blocks(q_meta: torch.Tensor, k_meta: torch.Tensor, causal: bool, window: int = 0,
-                pieces: int = 2) -> list[tuple[slice, slice, torch.Tensor | None]]:
-    """The (query piece, key piece, mask) pairs to compute: those with a visible entry; mask None when all are."""
+                pieces: int = 2) -> list[tuple[slice, slice, str | torch.Tensor | None]]:
+    """The (query piece, key piece, how it sees it) pairs to compute: those with a visible entry (see _pair)."""
     blocks = []
     for qs in cuts(q_meta.shape[-1], pieces):
         for ks in cuts(k_meta.shape[-1], pieces):
-            mask = visible(q_meta[..., qs], k_meta[..., ks], causal, window)
-            if not bool(mask.any()):
-                continue
-            blocks.append((qs, ks, None if bool(mask.all()) else mask))
+            how = _pair(q_meta[..., qs], k_meta[..., ks], causal, window)
+            if not (isinstance(how, str) and how == "none"):
+                blocks.append((qs, ks, how))
     return blocks
 
 
@@ -85,33 +107,74 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)).to(_acc(q.dtype)) * scale
-    return s if mask is None else s.masked_fill(~mask[:, None], float("-inf"))
-
-
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """-inf (a query that sees nothing) as 0, so exp(s - x) is 0 for its masked scores rather than NaN."""
     return x.masked_fill(torch.isneginf(x), 0.0)
 
 
-def _block(q, k, v, scale, mask, out, lse) -> None:
+def _as_mask(how, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """A pair's boolean mask (batch, tq, tk) for the plain path, or None when every key is visible."""
+    if isinstance(how, str):  # CAUSAL
+        return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None]
+    return how
+
+
+# The CPU flash-attention kernel (what SDPA runs on CPU) returns its log-sum-exp, and its backward takes the final
+# output and log-sum-exp: exactly a ring block's part. Tiled, so no block's scores are ever whole in memory.
+_FUSED = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _bias(how, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """(is_causal, additive mask in q's dtype) for the fused kernel."""
+    if how is None or isinstance(how, str):
+        return how is not None, None
+    return False, torch.zeros(how.shape, dtype=q.dtype, device=q.device).masked_fill(~how, float("-inf"))[:, None]
+
+
+def _block(q, k, v, scale, how, out, lse) -> None:
     """Attend q to one key piece and merge the result into (out, lse) in place, by log-sum-exp."""
-    s = _scores(q, k, scale, mask)
-    block_lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(block_lse)[..., None])
-    block_out = torch.matmul(p.to(v.dtype), v).to(out.dtype)
+    if _fused(q):
+        is_causal, bias = _bias(how, q)
+        block_out, block_lse = _FUSED[0](q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
+        block_lse = block_lse.to(lse.dtype)
+        if bias is not None:  # the kernel gives a query that sees no key here lse 0, not -inf
+            block_lse = block_lse.masked_fill(~how.any(-1)[:, None], float("-inf"))
+        block_out = block_out.to(out.dtype)
+    else:
+        mask = _as_mask(how, q, k)
+        s = torch.matmul(q, k.transpose(-2, -1)).to(_acc(q.dtype)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None], float("-inf"))
+        block_lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _finite(block_lse)[..., None])
+        block_out = torch.matmul(p.to(v.dtype), v).to(out.dtype)
     new = torch.logaddexp(lse, block_lse)
     keep, add = torch.exp(lse - _finite(new)), torch.exp(block_lse - _finite(new))
     out.mul_(keep[..., None]).add_(block_out * add[..., None])
     lse.copy_(new)
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, mask, dq, dk, dv) -> None:
-    """One key piece's share of dq, dk, dv (FlashAttention-2: probabilities recomputed from the saved lse)."""
-    s = _scores(q, k, scale, mask)
+def _block_backward(q, k, v, dout, out, lse, delta, scale, how, dq, dk, dv) -> None:
+    """One key piece's share of dq, dk, dv (FlashAttention-2: probabilities recomputed from the final lse, and the
+    final output's rowsum(dout * out) as delta)."""
+    if _fused(q):
+        is_causal, bias = _bias(how, q)
+        gq, gk, gv = _FUSED[1](dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
+        dq.add_(gq)
+        dk.add_(gk)
+        dv.add_(gv)
+        return
+    mask = _as_mask(how, q, k)
+    acc = _acc(q.dtype)
+    s = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], float("-inf"))
     p = torch.exp(s - _finite(lse)[..., None])
-    acc = p.dtype
     dv.add_(torch.matmul(p.transpose(-2, -1), dout.to(acc)))
     dp = torch.matmul(dout.to(acc), v.to(acc).transpose(-2, -1))
     ds = p * (dp - delta[..., None]) * scale
@@ -170,8 +233,8 @@ class RingAttention(torch.autograd.Function):
                 reqs = r1 + r2
             t0 = time.perf_counter()
             kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
-            for qs, ks, mask in plan_blocks(q_meta, meta, causal, window, pieces):
-                _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, mask, out[:, :, qs], lse[:, :, qs])
+            for qs, ks, how in plan_blocks(q_meta, meta, causal, window, pieces):
+                _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, how, out[:, :, qs], lse[:, :, qs])
             _timed(stats, "compute_s", t0)
             _wait(reqs, stats)
             if reqs:
@@ -186,6 +249,7 @@ class RingAttention(torch.autograd.Function):
         ring, heads, kv_heads = ctx.ring, q.shape[1], k.shape[1]
         acc = out.dtype
         delta = (dout.to(acc) * out).sum(-1)
+        out_q = out.to(q.dtype)  # as the fused kernel's forward would have returned it
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, meta = torch.stack([k, v]).contiguous(), k_meta.contiguous()
         arriving = None  # (buffer, requests): the accumulated dK/dV of the block held now, from the previous rank
@@ -199,9 +263,9 @@ class RingAttention(torch.autograd.Function):
             kk, vv = _expand(kv[0], heads), _expand(kv[1], heads)
             dk = torch.zeros(kk.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vv.shape, dtype=acc, device=q.device)
-            for qs, ks, mask in plan_blocks(q_meta, meta, ctx.causal, ctx.window, ctx.pieces):
-                _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], lse[:, :, qs], delta[:, :, qs],
-                                ctx.scale, mask, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
+            for qs, ks, how in plan_blocks(q_meta, meta, ctx.causal, ctx.window, ctx.pieces):
+                _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], out_q[:, :, qs], lse[:, :, qs],
+                                delta[:, :, qs], ctx.scale, how, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
             dkv = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
             _timed(ctx.stats, "compute_s", t0)
             if arriving is not None:  # what the ranks before this one added to this block
