@@ -268,3 +268,21 @@ def test_packed_text_trains_a_gpt_like_the_text_and_model_checks_see_the_source(
         build_data(load(None, [*packed, "model.context=16"]).data, load(None, [*packed, "model.context=16"]).model)
     with pytest.raises(ConfigError, match="model.name = 'mlp' cannot train on data.name = 'text'"):
         check_job(load(None, [*packed, "model.name='mlp'"]))
+
+
+def test_text_documents_packed_into_shards_read_back_with_their_positions(tiny_text, tmp_path):
+    """data.pack = true on text, then `plait data pack`: the shards hold rows of ids and positions (each file a
+    document), read back as written, and the spec says the rows are packed."""
+    from helpers import TINY_GPT
+    from plait.config import load_config as load
+
+    cfg = load(None, [*TINY_GPT, "data.name='text'", f"data.path='{tiny_text}'", "data.pack=true"])
+    bundle = build_data(cfg.data, cfg.model)
+    pack(bundle, tmp_path / "p", shard_bytes=parse_size("64KB"))
+    back = build_data(*(lambda c: (c.data, c.model))(load(None, [*TINY_GPT, "data.name='packed'",
+                                                                  f"data.path='{tmp_path / 'p'}'"])))
+    idx = torch.arange(len(bundle.train))
+    (x, y), (bx, by) = bundle.train.fetch(idx), back.train.fetch(idx)
+    assert x.shape == (len(idx), 2, 32) and torch.equal(bx, x) and torch.equal(by, y) and back.spec.packed
+    inside = [int(s) for s in bundle.train.starts[1:] if s % 32 and s < 32 * len(idx)]  # files beginning inside a row
+    assert inside and int((x[:, 1, 1:] == 0).sum()) == len(inside)

@@ -21,9 +21,10 @@ pair of pieces none of whose (query, key) entries is visible is skipped: that is
 is saved, and `plan_blocks` (pure, no communication) says which pairs are computed, which is how the balance of
 the layouts is measured.
 
-Written in plain torch so it runs on gloo. On NCCL the same isend/irecv overlap on a side stream; a fused kernel
-(FlashAttention's, or SDPA's with `return_lse`) would replace `_block` and `_block_backward` with the same
-log-sum-exp merge, never materialising a block's scores.
+Runs on gloo (and NCCL: the same isend/irecv, overlapped on NCCL's stream). Each block is the CPU flash-attention
+kernel SDPA runs on CPU, which returns the block's log-sum-exp and whose backward takes the final output and
+log-sum-exp (tiled: no block's scores whole in memory); elsewhere the blocks run in plain torch, materialising
+one block's scores, where a device's own fused kernel with a log-sum-exp would go.
 """
 
 from __future__ import annotations
