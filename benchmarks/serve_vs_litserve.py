@@ -32,29 +32,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def litserve_server(model: str, port: int, max_batch_size: int, max_delay_ms: float) -> None:
-    """Run in a child process: LitServe serving the model at /predict, until SIGTERM."""
+try:  # at module level: LitServe spawns its workers, which unpickle the API by its module and name
     import litserve as ls
-    import numpy as np
-    import torch
+except ImportError:  # the plait sides run without it
+    ls = None
 
-    from plait.serve.model import ModelRef, load_model
-
-    threads = os.cpu_count() or 1
-
+if ls is not None:
     class API(ls.LitAPI):
+        """The model behind LitServe: KServe v2 JSON in, the same logits out, batched by LitServe."""
+
+        def __init__(self, model: str, threads: int, **kwargs):
+            super().__init__(**kwargs)
+            self.model_path, self.threads = model, threads
+
         def setup(self, device):
-            torch.set_num_threads(threads)
-            self.model = load_model(ModelRef(model)).module
+            import torch
+
+            from plait.serve.model import ModelRef, load_model
+
+            torch.set_num_threads(self.threads)
+            self.model = load_model(ModelRef(self.model_path)).module
 
         def decode_request(self, request):
+            import numpy as np
+
             t = request["inputs"][0]
             return np.asarray(t["data"], dtype=np.float32 if t["datatype"] == "FP32" else np.int64).reshape(t["shape"])
 
         def batch(self, inputs):
+            import numpy as np
+
             return np.concatenate(inputs)
 
         def predict(self, x):
+            import torch
+
             with torch.inference_mode():
                 return self.model(torch.from_numpy(x)).numpy()
 
@@ -65,8 +77,13 @@ def litserve_server(model: str, port: int, max_batch_size: int, max_delay_ms: fl
             return {"outputs": [{"name": "logits", "datatype": "FP32", "shape": list(y.shape),
                                  "data": y.reshape(-1).tolist()}]}
 
-    server = ls.LitServer(API(max_batch_size=max_batch_size, batch_timeout=max_delay_ms / 1000), accelerator="cpu",
-                          workers_per_device=1)
+
+def litserve_server(model: str, port: int, max_batch_size: int, max_delay_ms: float) -> None:
+    """Run in a child process: LitServe serving the model at /predict, until SIGTERM."""
+    if ls is None:
+        raise SystemExit("LitServe is not installed: pip install -e '.[bench]'")
+    api = API(model, os.cpu_count() or 1, max_batch_size=max_batch_size, batch_timeout=max_delay_ms / 1000)
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1)
     server.run(host="127.0.0.1", port=port, log_level="warning", generate_client_file=False)
 
 
