@@ -161,6 +161,7 @@ TWO = {
     "cp2-zero3": ("parallel.dp=1", "parallel.cp=2", "parallel.zero=3"),
     "cp2-ckpt": ("parallel.dp=1", "parallel.cp=2", "train.activation_checkpointing=true"),
 }
+LORA = ("finetune.lora_rank=4", "finetune.lora_alpha=8")
 FOUR = {
     "cp4": ("parallel.dp=1", "parallel.cp=4"),
     "pp2xcp2-1f1b": ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule='1f1b'"),
@@ -226,6 +227,11 @@ def test_text_documents_under_cp_keep_the_trajectory(pool2, eq, base, reference,
     assert ref.loss != reference(family, docs[0]).loss  # the documents change the run
     got = pool2.run(eq.trajectory, load_config(None, [*base[family], *TWO["cp2-zero3"], *docs]), tmp_path)[0]
     eq.assert_same_trajectory(ref, got)
+
+
+def test_lora_under_cp_keeps_the_trajectory(pool2, eq, base, reference, tmp_path):
+    got = pool2.run(eq.trajectory, load_config(None, [*base["gpt"], *TWO["cp2"], *LORA]), tmp_path)[0]
+    eq.assert_same_trajectory(reference("gpt", *LORA), got)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
