@@ -108,12 +108,11 @@ def pair_average(seed):
     before = [t.clone() for t in tensors]
     link = dist.new_group([0, 1], backend="gloo")
     a = PairAverager(tensors, link, "ring", seed)
+    a.steps = 4 if a.active else 1  # before the server thread starts: it may answer at once, reading its rank's steps
     a.start()
     if a.active:
-        a.steps = 4
         stale = a.exchange(4)
     else:
-        a.steps = 1
         while a.served == 0:  # the average is decided and pending; this rank's own step comes after it
             time.sleep(0.001)
         with a.lock:
