@@ -24,9 +24,10 @@ def active(cfg) -> bool:
 
 
 def check_layout(cfg, layout) -> None:
-    """The layouts freezing, LoRA and progressive freezing are tested with: data parallel and ZeRO 1-3 (the keys'
-    own rules are plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every
-    rank (an eighth of fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
+    """The layouts freezing, LoRA and progressive freezing are tested with: data, pipeline (not progressive) and
+    context parallel and ZeRO 1-3 (the keys' own rules are plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit
+    codes are buffers, held whole by every rank (an eighth of fp32); what ZeRO shards is what trains: the adapters,
+    their gradients and optimizer state."""
     f = cfg.finetune
     if f.progressive_freeze and layout.zero:
         raise ConfigError(
@@ -35,11 +36,15 @@ def check_layout(cfg, layout) -> None:
             "stepped, and FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen "
             "blocks would still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed "
             "finetune.freeze")
-    if active(cfg) and not layout.data_parallel_only:
-        raise ConfigError(f"finetune.freeze / lora_rank / progressive_freeze are supported with data parallel and ZeRO "
-                          f"1-3 (tp = pp = ep = 1, sync = 'allreduce', no embedding_sharding); here tp = {layout.tp}, "
-                          f"pp = {layout.pp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
+    if active(cfg) and not (layout.tp == 1 and layout.ep == 1 and layout.sync == "allreduce"
+                            and layout.embedding_sharding == "none"):
+        raise ConfigError(f"finetune.freeze / lora_rank / progressive_freeze are supported with data, pipeline and "
+                          f"context parallel and ZeRO 1-3 (tp = ep = 1, sync = 'allreduce', no embedding_sharding); here "
+                          f"tp = {layout.tp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
                           "[finetune] keys")
+    if f.progressive_freeze and layout.pp > 1:
+        raise ConfigError(f"finetune.progressive_freeze with parallel.pp = {layout.pp} is not available yet: a pipeline "
+                          "stage's blocks cannot stop training mid-run; use parallel.pp=1 or a fixed finetune.freeze")
 
 
 def apply_finetune(model: nn.Module, ft) -> nn.Module:

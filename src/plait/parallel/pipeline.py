@@ -198,6 +198,8 @@ class PipelineStrategy(Strategy):
         if self._tied_group is None:
             return
         for param in self.tied.values():
+            if not param.requires_grad:  # frozen (finetune.freeze, LoRA's base) on both stages alike: nothing to sum
+                continue
             g = param.grad
             local = g.to_local() if hasattr(g, "to_local") else g
             dist.all_reduce(local, group=self._tied_group)
