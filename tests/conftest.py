@@ -36,6 +36,7 @@ LONGEST_FIRST = [
     "tests/federated/test_fed_network.py",     # 30
     "tests/plan/test_plan.py",                 # 29
     "tests/test_gpu_check.py",                 # 28
+    "tests/parallel/test_context.py",          # 40 (measured alone, 2 cores)
     "tests/cluster/test_cluster_run.py",       # 27
     "tests/test_testing.py",                   # 22
     "tests/parallel/test_zero.py",             # 15
