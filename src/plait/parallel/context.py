@@ -121,7 +121,7 @@ def apply_cp(model: nn.Module, group, stats: dict | None = None, hidden: tuple[i
     """
     state = _Forward()
     for m in attention_modules(model):
-        m.sdpa = RingCore(state, group, getattr(m, "window", 0), stats)
+        setattr(m, "sdpa", RingCore(state, group, getattr(m, "window", 0), stats))  # noqa: B010 (a plain attribute)
     index = None if hidden is None else zigzag(*hidden)
     takes_pos = "pos" in inspect.signature(model.forward).parameters
 

@@ -69,6 +69,7 @@ def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | 
                               f"set model.heads to a multiple of {tp_degree}")
         return
     check_tensor_parallel(model, tp_degree)
+    assert plan is not None, "a model without a plan was refused above"
     check_tp_plan(model, plan, tp_degree)
 
 

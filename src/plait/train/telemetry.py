@@ -48,7 +48,7 @@ def _fingerprinter(cfg, rt):
 def model_counts(strategy, layout, rt) -> tuple[int, int]:
     """(all, trainable) parameters of the whole model: a sharded DTensor counts its global size, and pipeline stages
     (each holding its own blocks) are summed over the pp group. Every rank calls it."""
-    copies = getattr(strategy, "tied_copies", frozenset())  # a tied weight's copy on the last stage counts once
+    copies: frozenset[int] = getattr(strategy, "tied_copies", frozenset())  # a tied weight's copy on the last stage counts once
     params = [p for p in strategy.module.parameters() if id(p) not in copies]
     # QLoRA's frozen base weights are nf4 buffers, not parameters: counted as the weights they stand for
     packed = sum(m.packed_weight_numel() for m in strategy.module.modules() if hasattr(m, "packed_weight_numel"))
