@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ft_helpers import run_trajectory
+from ft_helpers import assert_same, run_trajectory
 
 from helpers import TINY_GPT
 from plait.config import load_config
@@ -37,7 +37,23 @@ def test_adamw8bit_states_take_under_0_3_of_adamw_and_train_alike(tiny_text, tmp
     assert abs(s8["val_loss"] - s32["val_loss"]) <= 0.02 * s32["val_loss"], (s8["val_loss"], s32["val_loss"])
 
 
-def test_adamw8bit_under_zero_is_refused_clearly(tiny_text):
-    with pytest.raises(ConfigError, match="cannot be sharded by ZeRO"):
+def eager_trajectory(cfg, run_dir):
+    """Pool task: run_trajectory with torchao's per-shape compile off (see above)."""
+    import torch
+
+    torch.compile = lambda fn, **_: fn
+    return run_trajectory(cfg, run_dir)
+
+
+def test_adamw8bit_under_zero1_steps_whole_tensors_like_one_process(tiny_text, tmp_path, pool2):
+    """ZeRO-1 gives each rank whole tensors, so the block-quantized state is the one process's."""
+    cfg = [*WIDE, "data.name='text'", f"data.path='{tiny_text}'", "optim.name='adamw8bit'", "train.steps=6"]
+    ref = eager_trajectory(load_config(None, [*cfg, "parallel.dp=1"]), tmp_path / "one")
+    got = pool2.run(eager_trajectory, load_config(None, [*cfg, "parallel.dp=2", "parallel.zero=1"]), tmp_path / "z1")[0]
+    assert_same(ref, got, tol=1e-5)  # per-step loss and gradient norm, final weights
+
+
+def test_adamw8bit_under_zero3_is_refused_clearly(tiny_text):
+    with pytest.raises(ConfigError, match="cannot be sharded by ZeRO-3"):
         check_job(load_config(None, [*WIDE, "data.name='text'", f"data.path='{tiny_text}'", "parallel.dp=2",
                                      "parallel.zero=3", "optim.name='adamw8bit'"]))

@@ -69,12 +69,16 @@ def test_lamb_and_lars_follow_their_update_formulas(start):
         assert not torch.equal(p.detach(), w0)
 
 
-def test_lamb_trains_the_same_at_dp2_and_zero_refuses_layerwise_optimizers(pool2, tiny_text, tmp_path):
+@pytest.mark.parametrize("zero", [0, 1])
+def test_lamb_trains_the_same_at_dp2_and_zero1_and_zero3_refuses_layerwise_optimizers(pool2, tiny_text, tmp_path, zero):
+    """ZeRO-1 gives each rank whole tensors (plait.parallel.zero), so a trust ratio's norms are whole there too; ZeRO-2/3
+    shard each tensor, and a shard has part of its norm."""
     lamb = ["optim.name='lamb'", "optim.lr=0.02", "optim.weight_decay=0.01", "optim.eps=1e-6"]
     ref = run_trajectory(load_config(None, gpt(tiny_text, "parallel.dp=1", *lamb)), tmp_path / "one")
     assert ref[0][-1] < ref[0][0]
-    got = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, "parallel.dp=2", *lamb)), tmp_path / "two")[0]
+    got = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, "parallel.dp=2", f"parallel.zero={zero}", *lamb)),
+                    tmp_path / "two")[0]
     assert_same(ref, got, tol=1e-5)
-    for zero in (1, 3):  # a trust ratio needs the whole tensor's norm, a ZeRO shard has a part of it
-        with pytest.raises(ConfigError, match="cannot be sharded by ZeRO"):
-            check_job(load_config(None, gpt(tiny_text, "parallel.dp=2", f"parallel.zero={zero}", "optim.name='lars'")))
+    for stage in (2, 3):
+        with pytest.raises(ConfigError, match=f"cannot be sharded by ZeRO-{stage} .* or parallel.zero=1"):
+            check_job(load_config(None, gpt(tiny_text, "parallel.dp=2", f"parallel.zero={stage}", "optim.name='lars'")))

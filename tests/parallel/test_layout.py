@@ -188,7 +188,7 @@ def test_every_scheme_and_layout_agree_on_the_step_owner_and_the_predicates():
         assert layout.data_parallel_only == (owner in ("ddp", "single", "zero1", "fsdp") and layout.tp == 1), sets
         assert layout.outputs_on_one_rank == (owner not in ("pipeline", "parameter_server")), sets
         assert layout.every_rank_evaluates == (owner != "parameter_server"), sets
-        assert layout.elementwise_optimizer_only == (layout.zero > 0), sets
+        assert layout.elementwise_optimizer_only == (layout.zero >= 2), sets
         assert layout.splits_model == (layout.tp > 1 or owner == "pipeline"), sets
         assert layout.world_size == layout.dp * layout.tp * layout.pp + layout.ps_servers
     assert set(owners) == {"single", "ddp", "zero1", "fsdp", "pipeline", "parameter_server", "gossip", "expert"}

@@ -170,9 +170,9 @@ class Layout:
 
     @property
     def elementwise_optimizer_only(self) -> bool:
-        """The optimizer steps on pieces of tensors (ZeRO's shards, offload's chunks), so its update must be
-        elementwise."""
-        return self.zero >= 1 or self.offload in ("disk", "optimizer")
+        """The optimizer steps on pieces of tensors (ZeRO-2/3's shards of each tensor, offload's chunks), so its update
+        must be elementwise. ZeRO-1 gives each rank whole tensors (plait.parallel.zero): any optimizer steps them."""
+        return self.zero >= 2 or self.offload in ("disk", "optimizer")
 
     @property
     def optimizer_sees_whole_tensors(self) -> bool:

@@ -136,8 +136,9 @@ def check_optimizer(cfg: Config, layout: Layout) -> None:
     name = cfg.optim.name
     if layout.elementwise_optimizer_only and name not in ELEMENTWISE_OPTIMIZERS:
         if layout.zero:
-            raise ConfigError(f"optim.name = {name!r} cannot be sharded by ZeRO (its update is not elementwise); use "
-                              f"one of {', '.join(ELEMENTWISE_OPTIMIZERS)} or set parallel.zero=0")
+            raise ConfigError(f"optim.name = {name!r} cannot be sharded by ZeRO-{layout.zero} (its update is not "
+                              f"elementwise, and ZeRO-2/3 shard each tensor); use one of "
+                              f"{', '.join(ELEMENTWISE_OPTIMIZERS)}, or parallel.zero=1 (whole tensors per rank)")
         raise ConfigError(f"parallel.offload = {layout.offload!r} updates the optimizer state chunk by chunk, which needs "
                           f"an elementwise optimizer; optim.name = {name!r} is not one: use one of "
                           f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or set parallel.offload='none'")
