@@ -57,13 +57,22 @@ def split_files(root: Path, files: list[Path], val_fraction: float) -> tuple[lis
 
 
 def _read(files: list[Path]) -> str:
-    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return _read_documents(files)[0]
 
 
-def _starts(files: list[Path]) -> np.ndarray:
-    """Where each file begins in `_read(files)`, in characters: the documents of data.pack = true."""
-    lengths = [len(f.read_text(encoding="utf-8", errors="replace")) + 1 for f in files]
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+def _read_documents(files: list[Path]) -> tuple[str, np.ndarray]:
+    """The files' text, joined by newlines, and where each file begins in it (characters): the documents of
+    data.pack = true."""
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    starts = np.concatenate([[0], np.cumsum([len(t) + 1 for t in texts])[:-1]]).astype(np.int64)
+    return "\n".join(texts), starts
+
+
+def _text_parts(name: str, train: list[Path], val: list[Path], data_cfg, context: int) -> DataBundle:
+    """A bundle of text files, each read once; with data.pack = true each file is a document."""
+    (train_text, train_starts), (val_text, val_starts) = _read_documents(train), _read_documents(val)
+    starts = (train_starts, val_starts) if data_cfg.pack else None
+    return _text_bundle(name, train_text, val_text, data_cfg, context, starts)
 
 
 def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -> float:
@@ -134,8 +143,7 @@ def stdlib_text(data_cfg, model_cfg) -> DataBundle:
     root, files = stdlib_files()
     train, val = split_files(root, files, data_cfg.val_fraction)
     if data_cfg.tokenizer or data_cfg.pack:  # documents: the cached stream does not keep where each file begins
-        return _text_bundle("stdlib-text", _read(train), _read(val), data_cfg, model_cfg.context,
-                            (_starts(train), _starts(val)) if data_cfg.pack else None)
+        return _text_parts("stdlib-text", train, val, data_cfg, model_cfg.context)
     path = cache_dir() / f"stdlib-text-{_stdlib_key(root, train, val, data_cfg.min_char_count)}.npz"
     try:
         with np.load(path) as z:
@@ -168,8 +176,7 @@ def user_text(data_cfg, model_cfg) -> DataBundle:
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if len(files) >= 2:
             train, val = split_files(path, files, data_cfg.val_fraction)
-            return _text_bundle("text", _read(train), _read(val), data_cfg, model_cfg.context,
-                                (_starts(train), _starts(val)) if data_cfg.pack else None)
+            return _text_parts("text", train, val, data_cfg, model_cfg.context)
         if not files:
             raise DataError(f"data.path = {str(path)!r} is an empty folder; point it at text files")
         path = files[0]
