@@ -53,6 +53,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # -1 for the width so that a tensor-parallel shard (fewer local heads) reshapes correctly.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        if hasattr(cache, "attend"):  # a paged serving step (plait.serve.paged): it stores k and v and attends itself
+            return self.proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:
             k, v = cache.extend(k, v)
         y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0)
@@ -171,7 +173,14 @@ class GPT(MoEHooks, nn.Module):
         Incremental decoding passes `cache` ({} at first, then the same dict: one KVCache per block,
         filled here), and idx holds only the tokens after the cached ones. `pad` (batch,) is each
         row's left padding: its positions start at 0 at its first real token and the padding is masked.
+        A `cache` that is a paged step (plait.serve.paged.PagedStep) gives the positions of idx (1, T), the
+        tokens of many sequences, and attends each to its own cached keys.
         """
+        if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
+            x = self.tok_emb(idx) + self.pos_emb(cache.positions)
+            for name, block in self.blocks.items():
+                x = block(x, cache=cache.layer(name))
+            return self.head(self.ln_f(x))[..., :self.vocab_size]
         packed = None
         if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
             idx, packed = idx[:, 0], idx[:, 1]

@@ -1,4 +1,4 @@
-"""The next token from logits: argmax, or sampling at a temperature from the top k (GPT.generate and serving)."""
+"""The next token from logits: argmax, or sampling at a temperature from the top k and top p (generate and serving)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import torch
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids (..., 1) from logits (..., vocab): argmax when temperature <= 0, else top-k sampling at temperature."""
+           generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """Token ids (..., 1) from logits (..., vocab): argmax when temperature <= 0, else sampling at temperature from
+    the top k tokens and, within them, the smallest set whose probability reaches top_p (nucleus sampling)."""
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
@@ -15,4 +16,10 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = probs.cumsum(-1) - probs  # the probability of the tokens ranked above each one
+        drop = before >= top_p  # the top token is always kept (before = 0)
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)

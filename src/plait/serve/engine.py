@@ -1,0 +1,270 @@
+"""The continuous-batching engine: a small driver around the scheduler's policy and the paged cache.
+
+    engine = Engine(model, EngineConfig(block_size=16, kv_cache_mb=64))
+    handle = engine.submit(prompt_ids, SamplingParams(max_tokens=32), on_token, on_done)   # any thread
+    engine.start()        # a thread that steps while there is work; or call engine.step() yourself (tests)
+
+Each `step()` takes new requests and cancellations from its inbox, asks the scheduler (plait.serve.scheduler)
+what to run, copies blocks for copy-on-write, runs one forward over every scheduled token (plait.serve.paged),
+samples the next token of each sequence whose chunk reached its end, and reports back: `on_token(TokenEvent)`
+as each token is chosen, `on_done(reason)` once ("stop", "length" or "abort"). Both are called on the engine's
+thread; the server hands them to its event loop.
+
+Sampling is each sequence's own: its seeded CPU generator draws its tokens (the logits come to the host), so
+a seed gives the same tokens whatever else is in the batch, and a preempted sequence keeps what it drew.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from plait.models.gpt import GPT
+from plait.models.sampling import sample
+from plait.serve.paged import PagedCache, bytes_per_block
+from plait.serve.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`plait serve`'s --block-size, --kv-cache-mb, --max-seqs, --max-prefill-tokens and --no-prefix-caching."""
+
+    block_size: int = 16
+    kv_cache_mb: float = 64.0
+    max_seqs: int = 64
+    max_prefill_tokens: int = 512
+    prefix_caching: bool = True
+
+    def validate(self) -> EngineConfig:
+        for flag, value in (("--block-size", self.block_size), ("--max-seqs", self.max_seqs),
+                            ("--max-prefill-tokens", self.max_prefill_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} = {value} must be an integer >= 1")
+        if not math.isfinite(self.kv_cache_mb) or self.kv_cache_mb <= 0:
+            raise ValueError(f"--kv-cache-mb = {self.kv_cache_mb} must be a number > 0")
+        return self
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the sequence (and are part of its output)
+    logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    index: int  # its place in the output (0: the first new token)
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    params: SamplingParams
+    on_token: Callable[[TokenEvent], None] | None
+    on_done: Callable[[str], None] | None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+
+class Handle:
+    """A submitted request: `cancel()` from any thread (its blocks free at the engine's next step)."""
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self._engine, self.seq = engine, seq
+
+    def cancel(self, reason: str = "abort") -> None:
+        self._engine._inbox.put(("finish", self.seq, reason))
+        self._engine._wake.set()
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, device: torch.device | str | None = None,
+                 clock: Callable[[], float] = time.perf_counter, threads: int | None = None):
+        self.config = (config or EngineConfig()).validate()
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        per_block = bytes_per_block(model, self.config.block_size)
+        num_blocks = int(self.config.kv_cache_mb * 2**20 // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-mb {self.config.kv_cache_mb:g} holds no block of {self.config.block_size} "
+                             f"tokens ({per_block / 2**20:.3f} MB each for this model); raise it")
+        self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device)
+        self.pool = BlockPool(num_blocks, self.config.block_size, self.config.prefix_caching)
+        self.scheduler = Scheduler(self.pool, self.config.max_seqs, self.config.max_prefill_tokens, clock)
+        # Learned absolute positions (gpt) end at the context; rotary ones (llama) do not.
+        self.max_length: int | None = model.context if isinstance(model, GPT) else None
+        self.clock = clock
+        self.threads = threads
+        self.requests: dict[int, Request] = {}
+        self.steps = 0
+        self.step_tokens = 0  # tokens run through the model, all steps
+        self.generated = 0  # tokens sampled, all steps
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """ValueError, naming what to change, when such a request could never run."""
+        if self.max_length is not None and prompt_len + max_tokens > self.max_length:
+            raise ValueError(f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) exceed the model's "
+                             f"context of {self.max_length} positions")
+        need = self.scheduler.blocks_for(prompt_len + max_tokens)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need {need} KV-cache "
+                             f"blocks of {self.pool.block_size} tokens; the pool has {self.pool.num_blocks}: "
+                             "ask for fewer tokens or serve with a larger --kv-cache-mb")
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[TokenEvent], None] | None = None,
+               on_done: Callable[[str], None] | None = None, salt: object = None) -> Handle:
+        """Queue a request (from any thread); it joins the batch at the engine's next step."""
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        self.check(len(prompt), params.max_tokens)
+        seq = Sequence(-1, list(prompt), params.max_tokens, self.clock(), params.stop_ids, salt)
+        req = Request(seq, params, on_token, on_done, torch.Generator().manual_seed(int(params.seed)))
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return Handle(self, seq)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                what, *args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "add":
+                req: Request = args[0]
+                placeholder = req.seq
+                seq = self.scheduler.add(placeholder.prompt, placeholder.max_tokens, placeholder.stop_ids, placeholder.salt)
+                seq.arrival = placeholder.arrival
+                placeholder.id = seq.id  # the handle's sequence and the scheduler's are the same request
+                req.seq = seq
+                self.requests[seq.id] = req
+                if placeholder.status == FINISHED:  # cancelled before it was added
+                    self._finish(seq, placeholder.finish_reason or "abort")
+            else:
+                seq, reason = args
+                target = self.requests.get(seq.id).seq if seq.id in self.requests else None
+                if target is None:
+                    seq.status, seq.finish_reason = FINISHED, reason  # still in the inbox: dropped when added
+                else:
+                    self._finish(target, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == FINISHED:
+            return
+        self.scheduler.finish(seq, reason)
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        req = self.requests.pop(seq.id, None)
+        if req is not None and req.on_done is not None:
+            req.on_done(seq.finish_reason or "stop")
+
+    # ------------------------------------------------------------------ one iteration
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return False
+        for src, dst in plan.copies:
+            self.cache.copy(src, dst)
+        logits = self._forward(plan)
+        sampled: dict[int, int] = {}
+        events: list[tuple[Request, TokenEvent]] = []
+        row = 0
+        for c in plan.chunks:
+            row += c.count
+            if not c.sample:
+                continue
+            req = self.requests[c.seq.id]
+            p = req.params
+            last = logits[row - 1]
+            tok = int(sample(last, p.temperature, p.top_k, req.generator, p.top_p))
+            sampled[c.seq.id] = tok
+            event = TokenEvent(tok, len(c.seq.output))
+            if p.logprobs is not None:
+                logp = torch.log_softmax(last.float(), -1)
+                top = torch.topk(logp, min(p.logprobs, logp.shape[-1])) if p.logprobs else None
+                event = TokenEvent(tok, event.index, float(logp[tok]),
+                                   tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
+            events.append((req, event))
+        finished = self.scheduler.update(plan, sampled)
+        self.steps += 1
+        self.step_tokens += plan.tokens
+        self.generated += len(sampled)
+        for req, event in events:
+            if req.on_token is not None:
+                req.on_token(event)
+        for seq in finished:
+            self._done(seq)
+        return True
+
+    def _forward(self, plan: Step) -> torch.Tensor:
+        ids = [t for c in plan.chunks for t in c.seq.tokens[c.start:c.start + c.count]]
+        view = self.cache.step([(c.seq.blocks, c.start, c.count) for c in plan.chunks])
+        logits = self.model(torch.tensor([ids], device=self.device), cache=view)
+        return logits[0].float().cpu()
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step until there is no work (or `until()`), on this thread (tests, benchmarks)."""
+        while not (until and until()):
+            if not self.step() and self.scheduler.idle and self._inbox.empty():
+                return
+
+    # ------------------------------------------------------------------ the thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="plait-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            while not self._stop:
+                if not self.step():
+                    self._wake.wait(0.05 if not self.scheduler.idle else 1.0)
+                    self._wake.clear()
+        except BaseException as e:  # the model failed: every request in flight is answered with it
+            self.error = e
+            for req in list(self.requests.values()):
+                req.seq.status, req.seq.finish_reason = FINISHED, "error"
+                self._done(req.seq)
+            raise
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> dict:
+        s, p = self.scheduler, self.pool
+        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.preemptions,
+                "blocks_used": p.used, "blocks_free": p.num_free, "blocks": p.num_blocks,
+                "block_bytes": self.cache.bytes_per_block, "prefix_hit_rate": p.hit_rate, "steps": self.steps,
+                "generated": self.generated}

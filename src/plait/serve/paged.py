@@ -1,0 +1,141 @@
+"""The paged KV cache's tensors and paged attention (PagedAttention, vLLM, SOSP 2023), in plain torch.
+
+Each block of each layer holds `block_size` tokens' keys and values; the pool is one tensor per layer,
+(num_blocks * block_size, kv_heads, head_dim) for keys and the same for values, so a token's slot is
+`block * block_size + offset` and a sequence's cache is wherever its block table points.
+
+One engine iteration is one forward over every scheduled token of every sequence, packed into a single row
+(1, T): prefill chunks and decodes together, each token with its own position (`PagedStep.positions`). The
+projections and MLPs run once over the T tokens; attention is each sequence's own. plait's gpt and llama
+call `PagedLayer.attend(q, k, v)` in place of their attention when the cache they are given is a paged step:
+it writes the new keys and values to their slots, then
+
+- attends all the decoding sequences (one new token each) at once: their keys gathered from the pool into
+  (n, kv_heads, longest, head_dim), each row masked to its own length;
+- attends each prefill chunk on its own: its queries against its sequence's keys so far, causally.
+
+On a GPU a fused kernel does the gather inside the attention (vLLM's paged_attention reads the block table
+in the kernel, FlashAttention's `block_table` argument, FlexAttention's paged mask): the same slots and
+block tables, without materialising the gathered keys. Here the gather is an index_select.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def kv_geometry(model: nn.Module) -> tuple[list[str], int, int]:
+    """The block names, key/value heads and head width of plait's gpt or llama (what one token caches per layer)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict) or not len(blocks):
+        raise TypeError(f"{type(model).__name__} has no blocks to cache keys and values for")
+    attn = next(iter(blocks.values())).attn
+    return list(blocks.keys()), int(getattr(attn, "kv_heads", attn.heads)), int(attn.head_dim)
+
+
+def bytes_per_block(model: nn.Module, block_size: int) -> int:
+    names, kv_heads, head_dim = kv_geometry(model)
+    dtype = next(model.parameters()).dtype
+    return len(names) * 2 * block_size * kv_heads * head_dim * dtype.itemsize
+
+
+class PagedCache:
+    """Every layer's key and value pool; `num_blocks` blocks of `block_size` tokens each."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        names, kv_heads, head_dim = kv_geometry(model)
+        dtype = next(model.parameters()).dtype
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.window = int(getattr(model, "sliding_window", 0) or 0)
+        self.bytes_per_block = bytes_per_block(model, block_size)
+        with torch.inference_mode():
+            self.k = {n: torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device) for n in names}
+            self.v = {n: torch.zeros_like(self.k[n]) for n in names}
+
+    def copy(self, src: int, dst: int) -> None:
+        """Block dst := block src in every layer (copy-on-write)."""
+        bs = self.block_size
+        for pool in (*self.k.values(), *self.v.values()):
+            pool[dst * bs:(dst + 1) * bs] = pool[src * bs:(src + 1) * bs]
+
+    def step(self, chunks: Sequence[tuple[list[int], int, int]]) -> PagedStep:
+        """The forward's view of one iteration: chunks of (block table, first position, token count)."""
+        return PagedStep(self, chunks)
+
+
+class PagedStep:
+    """One iteration's positions, slots and attention groups; `layer(name)` is the cache a block is given."""
+
+    def __init__(self, cache: PagedCache, chunks: Sequence[tuple[list[int], int, int]]):
+        self.cache = cache
+        device = next(iter(cache.k.values())).device
+        bs = cache.block_size
+        positions, slots = [], []
+        decodes: list[tuple[int, list[int], int]] = []  # (token index, key slots, query position)
+        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first, last+1, key slots, mask)
+        t = 0
+        for table, start, count in chunks:
+            stop = start + count
+            keys = [table[p // bs] * bs + p % bs for p in range(stop)]
+            positions += range(start, stop)
+            slots += keys[start:]
+            if count == 1:
+                decodes.append((t, keys, start))
+            else:
+                q = torch.arange(start, stop)[:, None]
+                k = torch.arange(stop)[None]
+                mask = k <= q
+                if cache.window:
+                    mask &= q - k < cache.window
+                self.prefills.append((t, t + count, torch.tensor(keys, device=device), mask.to(device)))
+            t += count
+        self.tokens = t
+        self.positions = torch.tensor([positions], device=device)
+        self.slots = torch.tensor(slots, device=device)
+        self.decode_rows = torch.tensor([d[0] for d in decodes], device=device, dtype=torch.long)
+        if decodes:
+            longest = max(len(d[1]) for d in decodes)
+            self.decode_slots = torch.tensor([d[1] + [0] * (longest - len(d[1])) for d in decodes], device=device)
+            k = torch.arange(longest)[None]
+            lengths = torch.tensor([len(d[1]) for d in decodes])[:, None]
+            mask = k < lengths
+            if cache.window:
+                mask &= (lengths - 1) - k < cache.window
+            self.decode_mask = mask[:, None, None].to(device)  # (n, 1, 1, longest)
+
+    def layer(self, name: str) -> PagedLayer:
+        return PagedLayer(self, self.cache.k[name], self.cache.v[name])
+
+
+class PagedLayer:
+    """One block's view of a paged step: `attend` writes the new keys and values, then attends each sequence."""
+
+    def __init__(self, step: PagedStep, k_pool: torch.Tensor, v_pool: torch.Tensor):
+        self.step, self.k_pool, self.v_pool = step, k_pool, v_pool
+
+    def __len__(self) -> int:
+        return 0  # positions come from the step, never from a cache length
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, heads, T, d), k and v (1, kv_heads, T, d) of the step's tokens -> attention output (1, heads, T, d)."""
+        s = self.step
+        self.k_pool[s.slots] = k[0].transpose(0, 1).to(self.k_pool.dtype)
+        self.v_pool[s.slots] = v[0].transpose(0, 1).to(self.v_pool.dtype)
+        gqa = k.shape[1] != q.shape[1]
+        y = torch.empty_like(q)
+        if len(s.decode_rows):
+            qd = q[0][:, s.decode_rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
+            kd = self.k_pool[s.decode_slots].permute(0, 2, 1, 3)  # (n, kv_heads, longest, d)
+            vd = self.v_pool[s.decode_slots].permute(0, 2, 1, 3)
+            out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=s.decode_mask, enable_gqa=gqa)
+            y[0][:, s.decode_rows] = out[:, :, 0].transpose(0, 1)
+        for first, stop, slots, mask in s.prefills:
+            kp = self.k_pool[slots].transpose(0, 1)[None].to(q.dtype)  # (1, kv_heads, L, d)
+            vp = self.v_pool[slots].transpose(0, 1)[None].to(q.dtype)
+            y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
+                                                                 enable_gqa=gqa)
+        return y

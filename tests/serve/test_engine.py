@@ -1,0 +1,261 @@
+"""The continuous-batching engine: the scheduler's policy on a fake clock, paged attention against contiguous
+attention, and greedy / seeded tokens equal to the model's own generate whatever the batch, preemption or prefix reuse."""
+
+import math
+
+import pytest
+import torch
+
+from plait.models.gpt import GPT
+from plait.models.llama import Llama
+from plait.models.sampling import sample
+from plait.serve.engine import Engine, EngineConfig, SamplingParams
+from plait.serve.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_step(s: Scheduler, clock: Clock, token: int = 7):
+    """One iteration of a fake engine: schedule, then 'sample' `token` for every chunk that reaches its end."""
+    step = s.schedule()
+    clock.now += 1.0
+    s.update(step, {c.seq.id: token for c in step.chunks if c.sample})
+    return step
+
+
+# ---------------------------------------------------------------------- the policy
+
+
+def test_chunked_prefill_runs_beside_decodes_and_memory_is_the_blocks_used():
+    clock = Clock()
+    pool = BlockPool(64, 4)
+    s = Scheduler(pool, max_seqs=8, max_prefill_tokens=16, clock=clock)
+    a = s.add(list(range(6)), max_tokens=10)
+    step = run_step(s, clock)
+    assert [(c.seq.id, c.start, c.count, c.sample) for c in step.chunks] == [(a.id, 0, 6, True)]
+    assert a.first_token_at == 1.0 and a.output == [7]
+    b = s.add(list(range(100, 140)), max_tokens=3)  # 40 tokens: chunks of at most 16 - 0 (the decode is free)
+    steps = [run_step(s, clock) for _ in range(3)]
+    assert [[(c.seq.id, c.start, c.count, c.sample) for c in st.chunks] for st in steps] == [
+        [(a.id, 6, 1, True), (b.id, 0, 16, False)],
+        [(a.id, 7, 1, True), (b.id, 16, 16, False)],
+        [(a.id, 8, 1, True), (b.id, 32, 8, True)],
+    ]
+    assert b.first_token_at == 4.0 and len(a.output) == 4 and len(b.output) == 1
+    # memory held: exactly the blocks the cached tokens need, not max length x batch
+    assert pool.used == math.ceil(a.computed / 4) + math.ceil(b.computed / 4) == math.ceil(9 / 4) + math.ceil(40 / 4)
+    while not s.idle:
+        run_step(s, clock)
+    assert a.finish_reason == b.finish_reason == "length" and (len(a.output), len(b.output)) == (10, 3)
+    assert pool.used == 0
+
+
+def test_admission_in_arrival_order_up_to_max_seqs_and_stop_tokens():
+    clock = Clock()
+    s = Scheduler(BlockPool(64, 4), max_seqs=2, max_prefill_tokens=64, clock=clock)
+    seqs = [s.add([i, i + 1], max_tokens=5, stop_ids={9}) for i in range(3)]
+    step = run_step(s, clock, token=1)
+    assert [c.seq.id for c in step.chunks] == [0, 1] and [q.status for q in seqs] == [RUNNING, RUNNING, WAITING]
+    step = s.schedule()
+    s.update(step, {0: 9, 1: 1})  # sequence 0 draws its stop token: it ends now, its place goes to the next
+    assert seqs[0].finish_reason == "stop" and seqs[0].output == [1, 9]
+    assert [c.seq.id for c in run_step(s, clock).chunks] == [1, 2]
+
+
+def test_a_full_pool_preempts_the_newest_sequence_which_keeps_its_tokens():
+    clock = Clock()
+    pool = BlockPool(4, 2)  # 8 token slots
+    s = Scheduler(pool, max_seqs=4, max_prefill_tokens=64, clock=clock)
+    old = s.add([1, 2, 3], max_tokens=4)
+    new = s.add([4, 5, 6], max_tokens=4)
+    run_step(s, clock)  # both prefilled: 2 + 2 blocks, each holds 3 tokens + its first output (not yet cached)
+    assert pool.num_free == 0 and old.output == new.output == [7]
+    step = run_step(s, clock)  # old's 4th token fits block 2; new's too: no new block yet
+    assert not step.preempted
+    step = s.schedule()  # both need a third block: the newest goes
+    assert step.preempted == (new,) and [c.seq for c in step.chunks] == [old]
+    assert new.status == WAITING and new.blocks == [] and new.computed == 0 and new.output == [7, 7]
+    assert s.waiting[0] is new and s.preemptions == 1
+    s.update(step, {old.id: 7})
+    while not s.idle:
+        run_step(s, clock)
+    assert old.output == new.output == [7] * 4  # new recomputed its prompt and outputs, then went on
+
+
+def test_prefix_blocks_are_shared_and_a_fully_cached_prompt_copies_its_last_block():
+    clock = Clock()
+    pool = BlockPool(16, 4)
+    s = Scheduler(pool, max_seqs=4, max_prefill_tokens=64, clock=clock)
+    system = list(range(10, 22))  # 12 tokens: 3 full blocks
+    first = s.add(system + [1, 2], max_tokens=10)
+    run_step(s, clock)
+    assert first.keys == block_keys(first.tokens, 4)[:3]
+    second = s.add(system + [3], max_tokens=10)
+    step = run_step(s, clock)
+    chunk = next(c for c in step.chunks if c.seq is second)
+    assert (chunk.start, chunk.count) == (12, 1) and second.cached_tokens == 12
+    assert second.blocks[:3] == first.blocks[:3] and all(pool.refs[b] == 2 for b in first.blocks[:3])
+    third = s.add(list(system), max_tokens=2)  # every block cached: its last token is computed again, in a copy
+    step = s.schedule()
+    chunk = next(c for c in step.chunks if c.seq is third)
+    assert (chunk.start, chunk.count) == (11, 1)
+    assert step.copies == ((first.blocks[2], third.blocks[2]),) and third.blocks[:2] == first.blocks[:2]
+    assert third.blocks[2] != first.blocks[2] and pool.refs[first.blocks[2]] == 2  # first and second
+    assert pool.hit_tokens == 12 + 11 and pool.query_tokens == 14 + 13 + 12
+
+
+def test_prefix_keys_chain_so_equal_blocks_after_different_prefixes_differ():
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = block_keys([9, 9, 9, 9, 5, 6, 7, 8], 4)
+    assert a[0] != b[0] and a[1] != b[1]
+    assert block_keys([1, 2, 3, 4], 4, salt="adapter") != block_keys([1, 2, 3, 4], 4)
+
+
+def test_a_request_that_can_never_fit_is_refused_with_what_to_change():
+    s = Scheduler(BlockPool(4, 16))
+    with pytest.raises(ValueError) as e:
+        s.add(list(range(60)), max_tokens=10)
+    assert str(e.value) == ("the prompt (60 tokens) and max_tokens (10) need 5 KV-cache blocks of 16 tokens; the pool "
+                            "has 4: ask for fewer tokens or serve with a larger --kv-cache-mb")
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    seen = {int(sample(logits, 1.0, None, torch.Generator().manual_seed(i), top_p=0.8)) for i in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.8 <= 0.5 + 0.3
+    seen = {int(sample(logits, 1.0, None, torch.Generator().manual_seed(i), top_p=0.81)) for i in range(300)}
+    assert seen == {0, 1, 2}
+    assert {int(sample(logits, 1.0, None, torch.Generator().manual_seed(i), top_p=0.1)) for i in range(50)} == {0}
+
+
+# ---------------------------------------------------------------------- the engine on real models
+
+
+def models():
+    torch.manual_seed(0)
+    llama = Llama(97, 256, 32, 4, 2, kv_heads=2).eval()
+    windowed = Llama(97, 256, 32, 4, 2, kv_heads=4, sliding_window=8).eval()
+    gpt = GPT(97, 96, 32, 4, 2).eval()
+    return {"llama": llama, "llama-window": windowed, "gpt": gpt}
+
+
+MODELS = models()
+PROMPT_LENGTHS = (5, 17, 33, 1, 40, 16)
+
+
+def prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy_reference(model, prompt, n):
+    return model.generate(torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
+
+
+def run_all(engine, requests):
+    got = {i: [] for i in range(len(requests))}
+    done = {}
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, lambda ev, i=i: got[i].append(ev.token), lambda r, i=i: done.__setitem__(i, r))
+    engine.run()
+    return [got[i] for i in range(len(requests))], done
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_paged_attention_gives_the_logits_of_contiguous_attention(name):
+    model = MODELS[name]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=24))
+    ps = prompts()
+    refs = [model(torch.tensor([p]))[0] for p in ps]
+    for p in ps:
+        engine.submit(p, SamplingParams(max_tokens=1, temperature=0))
+    engine._drain_inbox()
+    seen = {i: [] for i in range(len(ps))}
+    with torch.inference_mode():
+        while not engine.scheduler.idle:  # chunked prefills of several sequences in one forward
+            step = engine.scheduler.schedule()
+            logits = engine._forward(step)
+            row = 0
+            for c in step.chunks:
+                seen[c.seq.id].append(logits[row:row + c.count])
+                row += c.count
+            engine.scheduler.update(step, {c.seq.id: 0 for c in step.chunks if c.sample})
+    assert max(len(v) for v in seen.values()) > 1  # some prompt was split over steps
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(torch.cat(seen[i]), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_equal_generate_whatever_the_batch(name):
+    model = MODELS[name]
+    ps = prompts()
+    want = [greedy_reference(model, p, 20) for p in ps]
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0)) for p in ps]
+    roomy = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))
+    got, done = run_all(roomy, requests)
+    assert got == want and set(done.values()) == {"length"} and roomy.pool.used == 0
+    # a pool of 6 blocks of 16 tokens and 3 sequences at most: preemptions, recomputation, chunks of 7 tokens
+    tight = Engine(model, EngineConfig(block_size=16, kv_cache_mb=6 * roomy.cache.bytes_per_block * 4 / 2**20,
+                                       max_prefill_tokens=7, max_seqs=3))
+    assert tight.pool.num_blocks == 6
+    got, _ = run_all(tight, requests)
+    assert got == want and tight.scheduler.preemptions > 0
+    for p, w in zip(ps, want):  # alone
+        alone, _ = run_all(Engine(model, EngineConfig(block_size=8, kv_cache_mb=1.0)), [(p, requests[0][1])])
+        assert alone == [w]
+
+
+def test_prefix_reuse_keeps_greedy_tokens_and_skips_the_shared_prompt():
+    model = MODELS["llama"]
+    system = prompts(2)[4]  # 40 tokens
+    tails = [[1, 2, 3], [4], [], [5, 6, 7, 8, 9]]
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_mb=1.0))
+    for tail in tails:  # one after the other: each finds the blocks the ones before cached
+        got, _ = run_all(engine, [(system + tail, SamplingParams(max_tokens=12, temperature=0))])
+        assert got == [greedy_reference(model, system + tail, 12)]
+    assert engine.pool.hit_tokens == 0 + 40 + 39 + 40  # 5 full blocks; the prompt equal to the prefix recomputes its last
+    ran = engine.step_tokens
+    run_all(engine, [(system + [11], SamplingParams(max_tokens=1, temperature=0))])
+    assert engine.step_tokens - ran == 1  # only the new token ran through the model
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_or_batched():
+    model = MODELS["llama"]
+    ps = prompts(3)
+    params = [SamplingParams(max_tokens=15, temperature=0.9, top_k=40, top_p=0.95, seed=100 + i) for i in range(len(ps))]
+    batched, _ = run_all(Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=9)),
+                         list(zip(ps, params)))
+    for p, sp, b in zip(ps, params, batched):
+        alone, _ = run_all(Engine(model, EngineConfig(block_size=16, kv_cache_mb=1.0)), [(p, sp)])
+        assert alone == [b]
+    assert batched[0] != run_all(Engine(model), [(ps[0], SamplingParams(15, 0.9, 40, 0.95, seed=5))])[0][0]
+
+
+def test_cancel_frees_the_blocks_and_logprobs_are_the_models():
+    model = MODELS["gpt"]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0))
+    events, done = [], []
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, logprobs=3), events.append, done.append)
+    for _ in range(4):
+        engine.step()
+    handle.cancel()
+    engine.step()
+    assert done == ["abort"] and len(events) == 4 and engine.pool.used == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([[1, 2, 3]]))[0, -1], -1)
+    first = events[0]
+    assert first.token == int(ref.argmax()) and first.logprob == pytest.approx(float(ref.max()), abs=1e-5)
+    assert [t for t, _ in first.top] == torch.topk(ref, 3).indices.tolist()
+
+
+def test_requests_past_a_gpt_context_are_refused():
+    engine = Engine(MODELS["gpt"], EngineConfig(block_size=4, kv_cache_mb=1.0))
+    with pytest.raises(ValueError) as e:
+        engine.submit(list(range(90)), SamplingParams(max_tokens=10))
+    assert str(e.value) == "the prompt (90 tokens) and max_tokens (10) exceed the model's context of 96 positions"
