@@ -26,13 +26,15 @@ def model_and_tok(gpt_run):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def server(gpt_run):  # noqa: F811
-    with ServerThread(gpt_run / "model.safetensors", ServeOptions(max_batch_size=4, max_delay_ms=3000)) as srv:
+    """Static batches (whole batches generated together): four requests wait for each other."""
+    with ServerThread(gpt_run / "model.safetensors", ServeOptions(max_batch_size=4, max_delay_ms=3000,
+                                                                  scheduler="static")) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def lone(gpt_run):  # noqa: F811
-    """No waiting for company: every request is its own batch."""
+    """Continuous batching (the default): no waiting for company, each request joins the engine's batch at once."""
     with ServerThread(gpt_run / "model.safetensors", ServeOptions(max_delay_ms=0)) as srv:
         yield srv
 

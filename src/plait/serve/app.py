@@ -5,6 +5,7 @@
     POST /v2/models/{name}[/versions/{v}]/infer      JSON tensors or the binary tensor data extension
     POST /v2/repository/index                        Triton's repository-index extension
     POST /v1/generate                                text generation (gpt), optionally server-sent events
+    GET  /v1/models, POST /v1/completions, /v1/chat/completions    OpenAI-compatible (plait.serve.openai_api)
     GET  /metrics                                    Prometheus
 
 Handlers read raw bodies (the binary framing is not JSON), so errors are the protocol's own
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.serve.metrics import access_logger, access_record
+from plait.serve.openai_api import OPENAI_PATHS, openai_error, openai_routes
 from plait.serve.protocol import (
     HEADER_LENGTH,
     RequestError,
@@ -94,6 +96,9 @@ def error_response(e: Exception, headers: dict[str, str] | None = None) -> Respo
 ROUTE_LABELS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer"), "infer"),
     (re.compile(r"/v1/generate"), "generate"),
+    (re.compile(r"/v1/completions"), "completions"),
+    (re.compile(r"/v1/chat/completions"), "chat"),
+    (re.compile(r"/v1/models"), "models"),
     (re.compile(r"/v2/health/(live|ready)"), "health"),
     (re.compile(r"/v2|/v2/models|/v2/repository/index|/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config)?"), "metadata"),
     (re.compile(r"/metrics"), "metrics"),
@@ -218,6 +223,11 @@ class Observe:
             if self.expected is not None and path not in OPEN_PATHS:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not secrets.compare_digest(given, self.expected):
+                    if path in OPENAI_PATHS:
+                        resp = openai_error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                                            code="invalid_api_key")
+                        resp.headers["www-authenticate"] = "Bearer"
+                        return await resp(scope, receive, send_wrapper)
                     resp = error_response(RequestError(401, "missing or wrong bearer token: send 'Authorization: "
                                                             "Bearer <token>'"), {"www-authenticate": "Bearer"})
                     return await resp(scope, receive, send_wrapper)
@@ -265,6 +275,7 @@ def create_app(service: Service) -> FastAPI:
     _metadata_routes(app, service)
     _infer_routes(app, service)
     _generate_routes(app, service)
+    openai_routes(app, service, read_body, _generate_limit(service)[0])
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics():
@@ -396,11 +407,16 @@ def _infer_routes(app: FastAPI, service: Service) -> None:
         return await infer(request, model, version)
 
 
-def _generate_routes(app: FastAPI, service: Service) -> None:
+def _generate_limit(service: Service) -> tuple[int, str]:
+    """The largest generate body and the flag that sets it: a prompt of at most --max-prompt-chars characters (12
+    bytes each at worst: an escaped pair) and its fields, within --max-body-mb."""
     limit = _body_limit(service)
-    # A generate body holds a prompt of at most --max-prompt-chars characters (12 bytes each at worst: an escaped pair).
     gen_limit = min(limit, 12 * service.opts.max_prompt_chars + 64 * 1024)
-    gen_flag = "--max-prompt-chars" if gen_limit < limit else "--max-body-mb"
+    return gen_limit, "--max-prompt-chars" if gen_limit < limit else "--max-body-mb"
+
+
+def _generate_routes(app: FastAPI, service: Service) -> None:
+    gen_limit, gen_flag = _generate_limit(service)
 
     @app.post("/v1/generate", summary="text generation", openapi_extra=_body(GENERATE_SCHEMA, "generation request"))
     async def generate(request: Request):

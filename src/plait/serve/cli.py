@@ -72,7 +72,9 @@ def cmd_serve(a) -> int:
                         max_connections=a.max_connections, trust_factory=a.trust_factory,
                         trust_checkpoint=a.trust_checkpoint, device=a.device, autoscale=a.autoscale,
                         target_ongoing=a.target_ongoing, upscale_delay_s=a.upscale_delay_s,
-                        downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s)
+                        downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s,
+                        scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
+                        max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching)
     return run(str(a.model), opts.validate())
 
 
@@ -148,6 +150,16 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the model runs: auto (cuda when available; cpu with --quantize), cpu or cuda; replicas "
                         "and pipeline stages take GPU i mod the GPUs there are (several on one GPU share it)")
+    s.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
+                   help="language models: continuous batching over a paged KV cache (in one process), or static "
+                        "batches generated together until the longest ends (also what --replicas and --pp do)")
+    s.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV-cache block")
+    s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
+    s.add_argument("--max-seqs", type=int, default=64, help="continuous: sequences in one engine step at most")
+    s.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")

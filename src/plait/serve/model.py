@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from plait.data.chat import ChatTemplate, template_of, tokenizer_config
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataSpec
 from plait.data.tokenizer import CharTokenizer
 from plait.edge import EDGE_SUFFIXES, load_edge
+from plait.errors import DataError
 from plait.export import load_exported, rebuild_model
 from plait.models.hf import is_hf_dir, load_hf_model
 from plait.serve.kvcache import DECODERS
@@ -49,6 +51,8 @@ class ServedModel:
     tokenizer: CharTokenizer | HFTokenizer | None
     checkpoint: str  # which checkpoint the weights came from (for the metadata)
     backend: str = "pytorch"  # or "onnxruntime", "torch.export", "aotinductor" (an exported file, plait.edge)
+    chat: ChatTemplate | None = None  # a Hugging Face directory's chat template (/v1/chat/completions)
+    eos_ids: frozenset[int] = frozenset()  # tokens that end a generation (a Hugging Face config's eos_token_id)
 
     @property
     def is_lm(self) -> bool:
@@ -131,7 +135,8 @@ def load_model(ref: ModelRef) -> ServedModel:
         path = path / "model.safetensors"  # a federated run (plait fed): no checkpoints, its final global model
     if is_hf_dir(path):  # a Hugging Face directory (config.json, model.safetensors, tokenizer.json)
         hf_cfg, spec, module, tokenizer = load_hf_model(path)
-        served = ServedModel(module, hf_cfg.name, spec, tokenizer, "")
+        served = ServedModel(module, hf_cfg.name, spec, tokenizer, "", chat=_chat_template(path),
+                             eos_ids=_eos_ids(path))
     elif path.is_dir():
         if not (path / "config.toml").is_file():
             raise ServeError(f"{path} is not a plait run directory (no config.toml); pass a run's --out or a model.safetensors")
@@ -169,6 +174,30 @@ def load_model(ref: ModelRef) -> ServedModel:
     if ref.quantize:
         served.module = quantize_int8(served.module)
     return served
+
+
+def _chat_template(path: Path) -> ChatTemplate | None:
+    """The chat template of a Hugging Face directory's tokenizer_config.json (None without one)."""
+    tokenizer = path / "tokenizer.json"
+    try:
+        return template_of(tokenizer_config(str(tokenizer)), str(tokenizer))
+    except DataError as e:
+        raise ServeError(str(e)) from None
+
+
+def _eos_ids(path: Path) -> frozenset[int]:
+    """config.json's (or generation_config.json's) eos_token_id, an id or a list of ids."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        try:
+            value = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id") if f.is_file() else None
+        except (ValueError, AttributeError):
+            value = None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                ids.add(v)
+    return frozenset(ids)
 
 
 def check_name(name: str) -> str:

@@ -22,6 +22,7 @@ block tables, without materialising the gathered keys. Here the gather is an ind
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ def kv_geometry(model: nn.Module) -> tuple[list[str], int, int]:
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleDict) or not len(blocks):
         raise TypeError(f"{type(model).__name__} has no blocks to cache keys and values for")
-    attn = next(iter(blocks.values())).attn
+    attn: Any = next(iter(blocks.values())).attn
     return list(blocks.keys()), int(getattr(attn, "kv_heads", attn.heads)), int(attn.head_dim)
 
 
@@ -74,7 +75,8 @@ class PagedStep:
         self.cache = cache
         device = next(iter(cache.k.values())).device
         bs = cache.block_size
-        positions, slots = [], []
+        positions: list[int] = []
+        slots: list[int] = []
         decodes: list[tuple[int, list[int], int]] = []  # (token index, key slots, query position)
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first, last+1, key slots, mask)
         t = 0

@@ -18,6 +18,7 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ import numpy as np
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
+from plait.serve.engine import Engine, EngineConfig, SamplingParams, TokenEvent
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
@@ -33,6 +35,15 @@ from plait.serve.quantize import QUANTIZE_CHOICES
 from plait.serve.replicas import ReplicaPool
 from plait.serve.runner import LocalExecutor, Runner
 from plait.serve.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+
+
+@dataclass
+class Completion:
+    """What the engine generated for one sequence: its token events, why it ended, the prompt's token count."""
+
+    events: list[TokenEvent]
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_tokens) or "abort"
+    prompt_tokens: int
 
 
 @dataclass
@@ -65,6 +76,13 @@ class ServeOptions:
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 10.0
     scale_to_zero_after_s: float = 30.0
+    # Language models (plait.serve.engine): continuous batching over a paged KV cache, or "static" (whole batches).
+    scheduler: str = "continuous"
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_mb: float = 64.0  # the block pool, all layers' keys and values
+    max_seqs: int = 64  # sequences in one engine step at most
+    max_prefill_tokens: int = 512  # prompt tokens in one engine step at most (longer prompts go in chunks)
+    prefix_caching: bool = True
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -93,6 +111,12 @@ class ServeOptions:
         if self.replicas > 1 and self.pp > 1:
             raise ServeError(f"--replicas {self.replicas} and --pp {self.pp} cannot be combined yet; "
                              "use replicas of a whole model or one pipeline")
+        if self.scheduler not in SCHEDULERS:
+            raise ServeError(f"--scheduler {self.scheduler!r} is not one of: {', '.join(SCHEDULERS)}")
+        try:
+            self.engine_config.validate()
+        except ValueError as e:
+            raise ServeError(str(e)) from None
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.pp > 1:
@@ -112,6 +136,10 @@ class ServeOptions:
         lo, hi = AutoscaleConfig.parse(self.autoscale)
         return AutoscaleConfig(lo, hi, self.target_ongoing, self.upscale_delay_s, self.downscale_delay_s,
                                self.scale_to_zero_after_s)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(self.block_size, self.kv_cache_mb, self.max_seqs, self.max_prefill_tokens, self.prefix_caching)
 
     @property
     def policy(self) -> BatchPolicy:
@@ -136,6 +164,7 @@ class Service:
         self.items_hint = (f" (--max-batch-size {opts.max_batch_size} rows of the inputs of model '{self.name}': "
                            f"{', '.join(t.describe() for t in s.inputs)})")
         self.metrics = Metrics()
+        self.started = time.time()  # the served model's `created` (OpenAI's /v1/models)
         self.ongoing = 0  # requests admitted and not yet answered (what the autoscaler follows)
         self._ongoing_peak = 0  # the most at once since the autoscaler last looked
         self.autoscaler: Autoscaler | None = None
@@ -149,6 +178,15 @@ class Service:
         # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
+        # Continuous batching (plait.serve.engine) for a language model in this process; replicas, pipeline stages
+        # and --scheduler static generate whole batches through the batcher (plait.serve.kvcache).
+        self.engine: Engine | None = None
+        if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
+            try:
+                self.engine = Engine(self.served.module, opts.engine_config, torch_device(self.device),
+                                     threads=opts.threads_per(1, in_process=True))
+            except ValueError as e:
+                raise ServeError(str(e)) from None
 
     def _executor(self) -> Executor:
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
@@ -194,6 +232,9 @@ class Service:
         return f"{self.opts.replicas} replica process(es)" if self.opts.replicas > 1 else "in-process"
 
     async def start(self) -> None:
+        if self.engine is not None:
+            self.engine.start()
+            self.metrics.watch_engine(self.engine)
         await self.executor.start()
         self.batcher = Batcher(self.opts.policy, self._run_batch, self.executor.capacity,
                                on_batch=self.metrics.batch_size.observe)
@@ -220,6 +261,8 @@ class Service:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         await self.executor.stop()
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
         self.codec.shutdown(wait=False)
 
     async def off_loop(self, fn, *args, size: int = 0):
@@ -274,9 +317,85 @@ class Service:
                                     f"{s.spec.task} model); use /v2/models/{self.name}/infer")
 
     async def generate(self, row: GenRow, arrived: float, on_token=None) -> list[int]:
-        """New token ids for one prompt; on_token(position, token) is called as they come (streaming)."""
+        """New token ids for one prompt; on_token(position, token) is called as they come (streaming).
+
+        The continuous-batching engine runs it when there is one and the request fits the model's positions (a gpt
+        request that outgrows its context is generated by the static path, which recomputes the last `context`
+        tokens at each step: learned positions shift)."""
         self.require_generation()
+        if self.engine is not None and self.engine_fits(len(row.prompt), row.max_new_tokens):
+            params = SamplingParams(row.max_new_tokens, row.temperature, row.top_k, 1.0, row.seed)
+            emit = None if on_token is None else (lambda ev: on_token(ev.index, ev.token))
+            done = await self.complete(row.prompt, params, arrived, emit)
+            return [ev.token for ev in done.events]
         return await self._submit((Generate,), Generate((row,)), 1, arrived, on_token)
+
+    def engine_fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        assert self.engine is not None
+        return self.engine.max_length is None or prompt_tokens + max_tokens <= self.engine.max_length
+
+    async def complete(self, prompt: list[int], params: SamplingParams, arrived: float,
+                       on_event: Callable[[TokenEvent], None] | None = None,
+                       stop: Callable[[list[TokenEvent]], bool] | None = None) -> Completion:
+        """One sequence through the engine: its token events (on_event(event) as each comes, on the event loop) and
+        why it ended. `stop(events)`, asked after each token, ends it early (a stop string: finish reason "stop")."""
+        engine = self.engine
+        if engine is None:
+            raise RequestError(400, "this server generates with --scheduler static (or replicas, pipeline stages): "
+                                    "the OpenAI endpoints need the continuous-batching engine; serve the model in "
+                                    "one process without --scheduler static")
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future = loop.create_future()
+        events: list[TokenEvent] = []
+        m = self.metrics
+        last = [arrived]
+
+        def token(ev: TokenEvent) -> None:  # on the loop
+            if finished.done():
+                return
+            now = time.perf_counter()
+            (m.time_to_first_token if not events else m.inter_token_latency).observe(now - last[0])
+            last[0] = now
+            m.generated_tokens.inc()
+            events.append(ev)
+            if on_event is not None:
+                on_event(ev)
+            if stop is not None and stop(events):
+                handle.cancel("stop")
+                finished.set_result("stop")
+
+        def done(reason: str) -> None:
+            if not finished.done():
+                finished.set_result(reason)
+
+        try:
+            def on_token(ev: TokenEvent) -> None:  # on the engine's thread
+                loop.call_soon_threadsafe(token, ev)
+
+            def on_done(reason: str) -> None:
+                loop.call_soon_threadsafe(done, reason)
+
+            handle = engine.submit(prompt, params, on_token, on_done)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        left = self.opts.timeout_ms / 1000 - (time.perf_counter() - arrived)
+        self.ongoing += 1
+        self._ongoing_peak = max(self._ongoing_peak, self.ongoing)
+        try:
+            reason = await asyncio.wait_for(asyncio.shield(finished), max(left, 0.0))
+        except TimeoutError:
+            handle.cancel()
+            m.rejected.labels("timeout").inc()
+            raise RequestError(504, f"the request did not finish within --timeout-ms {self.opts.timeout_ms:g}; "
+                                    "its work was dropped") from None
+        except asyncio.CancelledError:  # the client went away
+            handle.cancel()
+            raise
+        finally:
+            self.ongoing -= 1
+        if reason == "error":
+            raise RequestError(500, f"generation failed in the engine: {type(engine.error).__name__}: {engine.error}")
+        return Completion(events, reason, len(prompt))
 
     async def _run_batch(self, batch: list[Pending]) -> None:
         task = type(batch[0].payload).merge([p.payload for p in batch])
@@ -379,6 +498,7 @@ class Service:
         return row, stream, len(prompt)
 
 
+SCHEDULERS = ("continuous", "static")
 OFF_LOOP_SIZE = 64 * 1024  # bodies (bytes) or outputs (values) at least this large are handled off the event loop
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature can overflow float32
 SURROGATE = re.compile(r"[\ud800-\udfff]")

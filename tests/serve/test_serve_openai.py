@@ -1,0 +1,174 @@
+"""The OpenAI-compatible endpoints, driven by the official `openai` client, on a tiny Hugging Face Llama directory:
+greedy text equal to transformers' generate, streamed equal to not streamed, chat through the model's template,
+stop strings, n and seeds, logprobs equal to the model's, errors in OpenAI's shape."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from plait.serve.server import ServerThread
+from plait.serve.service import ServeOptions
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+CORPUS = ("the cat sat on the mat and the dog ran to the park where a bird sang in the tree "
+          "while children played with a red ball near the old stone wall ") * 30
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOKEN = "sk-test-0123"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """LlamaForCausalLM with every weight drawn at random, a BPE tokenizer trained here, a chat template and an
+    end-of-sequence id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]))
+    vocab = tok.get_vocab_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tok.token_to_id("</s>"), bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    model.save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
+    return {"dir": d, "model": model, "tok": tok, "eos": tok.token_to_id("</s>")}
+
+
+@pytest.fixture(scope="module")
+def server(hf_dir):
+    with ServerThread(hf_dir["dir"], ServeOptions(name="tiny", token=TOKEN, block_size=8, kv_cache_mb=4)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def hf_greedy(hf_dir, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_dir["model"].generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                       eos_token_id=hf_dir["eos"], pad_token_id=hf_dir["eos"])
+    return out[0, len(ids):].tolist()
+
+
+def decode(hf_dir, ids: list[int]) -> str:
+    return hf_dir["tok"].decode(ids, skip_special_tokens=False)
+
+
+PROMPT = "the dog ran to the"
+
+
+def test_models_and_greedy_completion_equal_transformers(client, hf_dir):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    ids = hf_dir["tok"].encode(PROMPT, add_special_tokens=False).ids
+    want = hf_greedy(hf_dir, ids, 12)
+    assert r.choices[0].text == decode(hf_dir, [t for t in want if t != hf_dir["eos"]])
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+    assert r.usage.total_tokens == len(ids) + len(want)
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == hf_dir["eos"] else "length")
+    assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    whole = client.completions.create(model="tiny", prompt=[PROMPT, "a bird"], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=[PROMPT, "a bird"], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        text = "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == whole.choices[i].text
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == i]
+        assert reasons[-1] == whole.choices[i].finish_reason and set(reasons[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_uses_the_template_and_streams(client, hf_dir):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+    want = hf_greedy(hf_dir, hf_dir["tok"].encode(text, add_special_tokens=False).ids, 8)
+    assert r.choices[0].message.content == decode(hf_dir, [t for t in want if t != hf_dir["eos"]])
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == r.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text_and_are_never_streamed(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = full[:full.find(stop)]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == cut
+
+
+def test_n_choices_with_a_seed_are_reproducible_and_differ(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 11, "n": 3}
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices] and len(set(texts)) > 1
+    assert [c.index for c in a.choices] == [0, 1, 2]
+
+
+def test_logprobs_are_the_models(client, hf_dir):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = hf_dir["tok"].encode(PROMPT, add_special_tokens=False).ids
+    want = hf_greedy(hf_dir, ids, 5)
+    with torch.no_grad():
+        logits = hf_dir["model"](torch.tensor([ids + want])).logits[0, len(ids) - 1:-1]
+    ref = torch.log_softmax(logits, -1)
+    assert lp.token_logprobs == pytest.approx([float(ref[i, t]) for i, t in enumerate(want)], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [2] * len(want)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_errors_have_openais_shape(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["message"] == "the model 'gpt-4' does not exist; this server serves: tiny"
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", temperature=3)
+    assert e.value.body == {"message": "'temperature' must be a number between 0 and 2, got 3",
+                            "type": "invalid_request_error", "param": "temperature", "code": None}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", presence_penalty=0.5)
+    assert e.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5000)
+    assert e.value.body["message"] == "'max_tokens' must be an integer between 1 and 1024, got 5000"
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                   json={"model": "tiny", "prompt": "x", "best_of": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert "plait_time_to_first_token_seconds_count" in metrics and "plait_kv_blocks_used 0.0" in metrics
