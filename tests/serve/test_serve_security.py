@@ -184,8 +184,9 @@ def test_one_bad_row_fails_alone(gpt_run):  # noqa: F811
     out = generate(model, [bad, good])
     assert isinstance(out[0], RowFailed) and out[1] == generate(model, [good])[0]
 
-    async def batched():
-        service = Service(str(gpt_run / "model.safetensors"), ServeOptions(max_delay_ms=300, max_batch_size=2))
+    async def batched(scheduler: str):
+        service = Service(str(gpt_run / "model.safetensors"), ServeOptions(max_delay_ms=300, max_batch_size=2,
+                                                                           scheduler=scheduler))
         await service.start()
         try:
             arrived = time.perf_counter()
@@ -194,9 +195,12 @@ def test_one_bad_row_fails_alone(gpt_run):  # noqa: F811
         finally:
             await service.stop()
 
-    (failed, tokens), metrics = asyncio.run(batched())
+    (failed, tokens), metrics = asyncio.run(batched("static"))
     assert isinstance(failed, RequestError) and failed.status == 400 and "sampling parameters" in str(failed)
     assert tokens == out[1] and "plait_batch_size_sum 2.0" in metrics  # they shared one batch
+    (failed, tokens), metrics = asyncio.run(batched("continuous"))  # the engine: one sequence fails, the other goes on
+    assert isinstance(failed, RequestError) and failed.status == 400 and "sampling parameters" in str(failed)
+    assert tokens == out[1] and "plait_sequences_running 0.0" in metrics
 
 
 # ------------------------------------------------------------------ row 9: bodies decoded off the loop

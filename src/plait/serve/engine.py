@@ -7,7 +7,8 @@
 Each `step()` takes new requests and cancellations from its inbox, asks the scheduler (plait.serve.scheduler)
 what to run, copies blocks for copy-on-write, runs one forward over every scheduled token (plait.serve.paged),
 samples the next token of each sequence whose chunk reached its end, and reports back: `on_token(TokenEvent)`
-as each token is chosen, `on_done(reason)` once ("stop", "length" or "abort"). Both are called on the engine's
+as each token is chosen, `on_done(reason)` once ("stop", "length", "abort", or "failed: why" when sampling
+failed for this sequence's parameters: it alone ends). Both are called on the engine's
 thread; the server hands them to its event loop.
 
 Sampling is each sequence's own: its seeded CPU generator draws its tokens (the logits come to the host), so
@@ -193,6 +194,7 @@ class Engine:
         logits = self._forward(plan)
         sampled: dict[int, int] = {}
         events: list[tuple[Request, TokenEvent]] = []
+        failed: list[tuple[Sequence, str]] = []
         row = 0
         for c in plan.chunks:
             row += c.count
@@ -201,7 +203,11 @@ class Engine:
             req = self.requests[c.seq.id]
             p = req.params
             last = logits[row - 1]
-            tok = int(sample(last, p.temperature, p.top_k, req.generator, p.top_p))
+            try:
+                tok = int(sample(last, p.temperature, p.top_k, req.generator, p.top_p))
+            except (RuntimeError, ValueError, OverflowError) as e:  # this sequence's parameters: it fails alone
+                failed.append((c.seq, f"{type(e).__name__}: {str(e).strip()[:200]}"))
+                continue
             sampled[c.seq.id] = tok
             event = TokenEvent(tok, len(c.seq.output))
             if p.logprobs is not None:
@@ -210,6 +216,8 @@ class Engine:
                 event = TokenEvent(tok, event.index, float(logp[tok]),
                                    tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
             events.append((req, event))
+        for seq, why in failed:
+            self.scheduler.finish(seq, "failed: " + why)
         finished = self.scheduler.update(plan, sampled)
         self.steps += 1
         self.step_tokens += plan.tokens
@@ -217,7 +225,7 @@ class Engine:
         for req, event in events:
             if req.on_token is not None:
                 req.on_token(event)
-        for seq in finished:
+        for seq in [s for s, _ in failed] + finished:
             self._done(seq)
         return True
 

@@ -11,7 +11,7 @@ from the matrix shape and thread count, which is why a batch of 7 and a batch of
 in the last bit (with MKL a lone row takes a matrix-vector path of its own). Two things keep a
 request's answer bitwise the one it gets alone:
 
-- `strict_blas()`, which `plait serve` calls before its first matrix product, asks MKL for its
+- `strict_blas()`, which `plait serve` calls before its first matrix product, asks MKL (on Intel CPUs) for its
   strict conditional numerical reproducibility (`MKL_CBWR=AUTO,STRICT`): each output element is
   then summed in an order that depends on neither the thread count nor the number of rows. With
   it every batch size is exact and a lone request runs as one row, unpadded.
@@ -43,12 +43,23 @@ from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow,
 STRICT_BLAS = "AUTO,STRICT"  # MKL's conditional numerical reproducibility, strict: results independent of the row count
 
 
+def intel_cpu() -> bool:
+    """Whether this is an Intel processor (Linux's /proc/cpuinfo); False when it cannot tell."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
 def strict_blas() -> bool:
     """Ask MKL for strict reproducibility (MKL_CBWR), unless the user chose a mode; True when it was set here.
 
     MKL reads it at its first call, so this must run before the process's first matrix product (the probe in
-    `Runner.prepare` checks the effect rather than trusting it). Replica processes inherit it."""
-    if "MKL_CBWR" in os.environ:
+    `Runner.prepare` checks the effect rather than trusting it). Replica processes inherit it. Only on Intel
+    processors: on an AMD EPYC, MKL's strict mode made only the full batch exact (a lone request padded to
+    max_batch_size rows), where its default mode keeps sizes 4, 8, 12-16 exact."""
+    if "MKL_CBWR" in os.environ or not intel_cpu():
         return False
     os.environ["MKL_CBWR"] = STRICT_BLAS
     return True

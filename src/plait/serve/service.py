@@ -183,7 +183,7 @@ class Service:
         self.engine: Engine | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
             try:
-                self.engine = Engine(self.served.module, opts.engine_config, torch_device(self.device),
+                self.engine = Engine(self.served.module, opts.engine_config, self.executor.runner.device,
                                      threads=opts.threads_per(1, in_process=True))
             except ValueError as e:
                 raise ServeError(str(e)) from None
@@ -395,6 +395,9 @@ class Service:
             self.ongoing -= 1
         if reason == "error":
             raise RequestError(500, f"generation failed in the engine: {type(engine.error).__name__}: {engine.error}")
+        if reason.startswith("failed: "):  # this request alone: the others in the batch go on
+            raise RequestError(400, f"generation failed for this request's sampling parameters (temperature, top_k, "
+                                    f"top_p): {reason[len('failed: '):]}")
         return Completion(events, reason, len(prompt))
 
     async def _run_batch(self, batch: list[Pending]) -> None:
