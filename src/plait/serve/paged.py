@@ -77,37 +77,38 @@ class PagedStep:
         bs = cache.block_size
         positions: list[int] = []
         slots: list[int] = []
-        decodes: list[tuple[int, list[int], int]] = []  # (token index, key slots, query position)
-        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first, last+1, key slots, mask)
+        decodes: list[tuple[int, list[int], int]] = []  # (token index, block table, keys)
+        self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor]] = []  # (first, stop, blocks, keys, mask)
         t = 0
         for table, start, count in chunks:
             stop = start + count
-            keys = [table[p // bs] * bs + p % bs for p in range(stop)]
+            blocks = table[:-(-stop // bs)]
             positions += range(start, stop)
-            slots += keys[start:]
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
             if count == 1:
-                decodes.append((t, keys, start))
+                decodes.append((t, blocks, stop))
             else:
                 q = torch.arange(start, stop)[:, None]
                 k = torch.arange(stop)[None]
                 mask = k <= q
                 if cache.window:
                     mask &= q - k < cache.window
-                self.prefills.append((t, t + count, torch.tensor(keys, device=device), mask.to(device)))
+                self.prefills.append((t, t + count, torch.tensor(blocks, device=device), stop, mask.to(device)))
             t += count
         self.tokens = t
         self.positions = torch.tensor([positions], device=device)
         self.slots = torch.tensor(slots, device=device)
         self.decode_rows = torch.tensor([d[0] for d in decodes], device=device, dtype=torch.long)
         if decodes:
-            longest = max(len(d[1]) for d in decodes)
-            self.decode_slots = torch.tensor([d[1] + [0] * (longest - len(d[1])) for d in decodes], device=device)
-            k = torch.arange(longest)[None]
-            lengths = torch.tensor([len(d[1]) for d in decodes])[:, None]
+            widest = max(len(d[1]) for d in decodes)
+            self.decode_blocks = torch.tensor([b for d in decodes for b in d[1] + [0] * (widest - len(d[1]))],
+                                              device=device)  # (n * widest,) block ids, padded with block 0
+            k = torch.arange(widest * bs)[None]
+            lengths = torch.tensor([d[2] for d in decodes])[:, None]
             mask = k < lengths
             if cache.window:
                 mask &= (lengths - 1) - k < cache.window
-            self.decode_mask = mask[:, None, None].to(device)  # (n, 1, 1, longest)
+            self.decode_mask = mask[:, None, None].to(device)  # (n, 1, 1, widest * block_size)
 
     def layer(self, name: str) -> PagedLayer:
         return PagedLayer(self, self.cache.k[name], self.cache.v[name])
@@ -125,19 +126,26 @@ class PagedLayer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d), k and v (1, kv_heads, T, d) of the step's tokens -> attention output (1, heads, T, d)."""
         s = self.step
-        self.k_pool[s.slots] = k[0].transpose(0, 1).to(self.k_pool.dtype)
-        self.v_pool[s.slots] = v[0].transpose(0, 1).to(self.v_pool.dtype)
+        bs = s.cache.block_size
+        self.k_pool.index_copy_(0, s.slots, k[0].transpose(0, 1).to(self.k_pool.dtype))
+        self.v_pool.index_copy_(0, s.slots, v[0].transpose(0, 1).to(self.v_pool.dtype))
+        # Whole blocks gathered with index_select (about 4x faster than advanced indexing on a CPU), viewed as
+        # (sequences, keys, kv_heads, d) and handed to the attention transposed, without another copy.
+        width = bs * self.k_pool.shape[1] * self.k_pool.shape[2]
+        kb, vb = self.k_pool.view(-1, width), self.v_pool.view(-1, width)
+        kv_shape = self.k_pool.shape[1:]
         gqa = k.shape[1] != q.shape[1]
         y = torch.empty_like(q)
         if len(s.decode_rows):
+            n = len(s.decode_rows)
             qd = q[0][:, s.decode_rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
-            kd = self.k_pool[s.decode_slots].permute(0, 2, 1, 3)  # (n, kv_heads, longest, d)
-            vd = self.v_pool[s.decode_slots].permute(0, 2, 1, 3)
+            kd = kb.index_select(0, s.decode_blocks).view(n, -1, *kv_shape).transpose(1, 2)  # (n, kv_heads, keys, d)
+            vd = vb.index_select(0, s.decode_blocks).view(n, -1, *kv_shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=s.decode_mask, enable_gqa=gqa)
             y[0][:, s.decode_rows] = out[:, :, 0].transpose(0, 1)
-        for first, stop, slots, mask in s.prefills:
-            kp = self.k_pool[slots].transpose(0, 1)[None].to(q.dtype)  # (1, kv_heads, L, d)
-            vp = self.v_pool[slots].transpose(0, 1)[None].to(q.dtype)
+        for first, stop, blocks, keys, mask in s.prefills:
+            kp = kb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
+            vp = vb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
             y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
                                                                  enable_gqa=gqa)
         return y
