@@ -259,3 +259,70 @@ def test_requests_past_a_gpt_context_are_refused():
     with pytest.raises(ValueError) as e:
         engine.submit(list(range(90)), SamplingParams(max_tokens=10))
     assert str(e.value) == "the prompt (90 tokens) and max_tokens (10) exceed the model's context of 96 positions"
+
+
+# ---------------------------------------------------------------------- speculative decoding
+
+
+def test_the_acceptance_rule_gives_the_targets_distribution():
+    """Leviathan et al.: P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y q(y) min(1, p(y)/q(y))) norm(max(0, p - q))(x) = p(x),
+    on fixed logits, from the rule's own pieces; then the rule run 20000 times draws each token at p's frequency."""
+    from plait.models.sampling import distribution
+    from plait.serve.speculative import accept_probability, residual, verify
+
+    target = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    draft = torch.tensor([0.0, 2.0, 1.0, 0.5, -2.0])
+    p, q = distribution(target[0], 0.8, None, 1.0), distribution(draft, 0.8, None, 1.0)
+    accepted = sum(float(q[x]) * accept_probability(p, q, x) for x in range(5))
+    total = torch.tensor([float(q[x]) * accept_probability(p, q, x) for x in range(5)]) + (1 - accepted) * residual(p, q)
+    torch.testing.assert_close(total, p, atol=1e-6, rtol=0)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    for _ in range(20000):
+        d = int(torch.multinomial(q, 1, generator=g))
+        counts[verify(target, [d], [q], 0.8, None, 1.0, g)[0]] += 1
+    assert (counts / 20000 - p).abs().max() < 0.012, (counts / 20000, p)
+    # greedy: drafts are kept while they are the target's argmax, then the target's token
+    assert verify(torch.eye(5)[[1, 2, 3]] * 3, [1, 2], [None, None], 0.0, None, 1.0, g) == [1, 2, 3]
+    assert verify(torch.eye(5)[[1, 2, 3]] * 3, [1, 4], [None, None], 0.0, None, 1.0, g) == [1, 2]
+    assert verify(torch.eye(5)[[1, 2, 3]] * 3, [0, 2], [None, None], 0.0, None, 1.0, g) == [1]
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_speculative_greedy_tokens_equal_generate(draft):
+    model = MODELS["llama"]
+    torch.manual_seed(5)
+    small = model if draft == "itself" else Llama(97, 256, 16, 2, 1).eval()
+    ps = prompts()
+    want = [greedy_reference(model, p, 20) for p in ps]
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0)) for p in ps]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16), draft=small,
+                    num_speculative=3)
+    got, done = run_all(engine, requests)
+    assert got == want and set(done.values()) == {"length"} and engine.pool.used == 0
+    rate = engine.stats()["acceptance_rate"]
+    assert engine.proposed > 0 and (rate == 1.0 if draft == "itself" else rate < 0.5)
+    steps_plain = sum(n for n in (20,) * len(ps))  # one token per sequence per step without a draft
+    if draft == "itself":  # 3 drafts + 1 per step: far fewer steps than tokens
+        assert engine.steps < steps_plain // 2
+    tight = Engine(model, EngineConfig(block_size=16, kv_cache_mb=5 * roomy_bytes(model, small) / 2**20,
+                                       max_prefill_tokens=7, max_seqs=3), draft=small, num_speculative=3)
+    got, _ = run_all(tight, requests)
+    assert got == want and tight.scheduler.preemptions > 0
+
+
+def roomy_bytes(model, draft):
+    from plait.serve.paged import bytes_per_block
+
+    return bytes_per_block(model, 16) + bytes_per_block(draft, 16)
+
+
+def test_speculative_sampling_is_seeded():
+    model = MODELS["llama"]
+    torch.manual_seed(6)
+    small = Llama(97, 256, 16, 2, 1).eval()
+    ps = prompts(4)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=i) for i in range(len(ps))]
+    runs = [run_all(Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0), draft=small, num_speculative=2),
+                    list(zip(ps, params)))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])

@@ -172,3 +172,35 @@ def test_errors_have_openais_shape(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "plait_time_to_first_token_seconds_count" in metrics and "plait_kv_blocks_used 0.0" in metrics
+
+
+def test_a_draft_model_speculates_and_the_text_stays_the_targets(hf_dir, tmp_path):
+    """--draft: a one-layer Llama of the same tokenizer proposes 3 tokens a step; greedy text is transformers'."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.serve.protocol import ServeError
+    from plait.serve.service import Service
+
+    vocab = hf_dir["tok"].get_vocab_size()
+    torch.manual_seed(1)
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256))
+    small.save_pretrained(tmp_path / "draft")
+    hf_dir["tok"].save(str(tmp_path / "draft" / "tokenizer.json"))
+    opts = ServeOptions(name="tiny", draft=str(tmp_path / "draft"), num_speculative_tokens=3, block_size=8, kv_cache_mb=4)
+    with ServerThread(hf_dir["dir"], opts) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt in (PROMPT, "a bird sang in the tree", "the"):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            want = hf_greedy(hf_dir, hf_dir["tok"].encode(prompt, add_special_tokens=False).ids, 16)
+            assert r.choices[0].text == decode(hf_dir, [t for t in want if t != hf_dir["eos"]])
+        metrics = httpx.get(srv.url + "/metrics").text
+    rate = [line for line in metrics.splitlines() if line.startswith("plait_speculative_acceptance_rate ")]
+    assert rate and 0.0 <= float(rate[0].split()[1]) <= 1.0
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab + 8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "wide")
+    hf_dir["tok"].save(str(tmp_path / "wide" / "tokenizer.json"))
+    with pytest.raises(ServeError) as e:
+        Service(str(hf_dir["dir"]), ServeOptions(draft=str(tmp_path / "wide")))
+    assert str(e.value) == (f"--draft {tmp_path / 'wide'} has a vocabulary of {vocab + 8} tokens and the served model "
+                            f"{vocab}: a draft must share the served model's tokenizer")

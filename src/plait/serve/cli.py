@@ -74,7 +74,8 @@ def cmd_serve(a) -> int:
                         target_ongoing=a.target_ongoing, upscale_delay_s=a.upscale_delay_s,
                         downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s,
                         scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
-                        max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching)
+                        max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching,
+                        draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens)
     return run(str(a.model), opts.validate())
 
 
@@ -160,6 +161,10 @@ def add_parsers(sub, bench) -> None:
                    help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")
+    s.add_argument("--draft", type=Path, metavar="RUN_OR_DIR",
+                   help="continuous: speculative decoding with this smaller model of the same tokenizer as the draft")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="--draft: tokens the draft proposes per step, checked by the served model in one forward")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")

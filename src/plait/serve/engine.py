@@ -28,9 +28,10 @@ import torch
 import torch.nn as nn
 
 from plait.models.gpt import GPT
-from plait.models.sampling import sample
+from plait.models.sampling import distribution, sample
 from plait.serve.paged import PagedCache, bytes_per_block
 from plait.serve.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
+from plait.serve.speculative import verify
 
 
 @dataclass(frozen=True)
@@ -94,16 +95,25 @@ class Handle:
 
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, device: torch.device | str | None = None,
-                 clock: Callable[[], float] = time.perf_counter, threads: int | None = None):
+                 clock: Callable[[], float] = time.perf_counter, threads: int | None = None,
+                 draft: nn.Module | None = None, num_speculative: int = 4):
         self.config = (config or EngineConfig()).validate()
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        per_block = bytes_per_block(model, self.config.block_size)
+        # Speculative decoding: the draft's pool has the same blocks (one block table serves both models).
+        self.draft, self.num_speculative = draft, num_speculative
+        if draft is not None and num_speculative < 1:
+            raise ValueError(f"--num-speculative-tokens = {num_speculative} must be >= 1")
+        per_block = bytes_per_block(model, self.config.block_size) + (
+            bytes_per_block(draft, self.config.block_size) if draft is not None else 0)
         num_blocks = int(self.config.kv_cache_mb * 2**20 // per_block)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-mb {self.config.kv_cache_mb:g} holds no block of {self.config.block_size} "
                              f"tokens ({per_block / 2**20:.3f} MB each for this model); raise it")
         self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device)
+        self.draft_cache = PagedCache(draft, num_blocks, self.config.block_size, self.device) if draft is not None else None
+        self.proposed = 0  # draft tokens proposed, all steps
+        self.accepted = 0  # of them, accepted by the target
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self.config.max_seqs, self.config.max_prefill_tokens, clock)
         # Learned absolute positions (gpt) end at the context; rotary ones (llama) do not.
@@ -191,7 +201,13 @@ class Engine:
             return False
         for src, dst in plan.copies:
             self.cache.copy(src, dst)
+            if self.draft_cache is not None:
+                self.draft_cache.copy(src, dst)
+        if self.draft is not None and self._speculate(plan):
+            return True
         logits = self._forward(plan)
+        if self.draft is not None:
+            self._draft_follow(plan)
         sampled: dict[int, int] = {}
         events: list[tuple[Request, TokenEvent]] = []
         failed: list[tuple[Sequence, str]] = []
@@ -211,10 +227,7 @@ class Engine:
             sampled[c.seq.id] = tok
             event = TokenEvent(tok, len(c.seq.output))
             if p.logprobs is not None:
-                logp = torch.log_softmax(last.float(), -1)
-                top = torch.topk(logp, min(p.logprobs, logp.shape[-1])) if p.logprobs else None
-                event = TokenEvent(tok, event.index, float(logp[tok]),
-                                   tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
+                event = self._with_logprobs(event, last, p.logprobs)
             events.append((req, event))
         for seq, why in failed:
             self.scheduler.finish(seq, "failed: " + why)
@@ -234,6 +247,113 @@ class Engine:
         view = self.cache.step([(c.seq.blocks, c.start, c.count) for c in plan.chunks])
         logits = self.model(torch.tensor([ids], device=self.device), cache=view)
         return logits[0].float().cpu()
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _draft_forward(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        """The draft over each sequence's tokens from its draft_computed on (`tokens`: the sequence's, drafts
+        included); the last logits of each, (len(rows), vocab). Advances draft_computed."""
+        assert self.draft is not None and self.draft_cache is not None
+        ids, chunks, ends = [], [], []
+        for seq, tokens in rows:
+            start = seq.draft_computed
+            ids += tokens[start:]
+            chunks.append((seq.blocks, start, len(tokens) - start))
+            ends.append(len(ids) - 1)
+            seq.draft_computed = len(tokens)
+        logits = self.draft(torch.tensor([ids], device=self.device), cache=self.draft_cache.step(chunks))
+        return logits[0, ends].float().cpu()
+
+    def _draft_follow(self, plan: Step) -> None:
+        """A plain step: the draft caches what the target just cached, so that it can propose from there."""
+        rows = [(c.seq, c.seq.tokens[:c.start + c.count]) for c in plan.chunks
+                if c.seq.status == "running" and c.start + c.count > c.seq.draft_computed]
+        if rows:
+            self._draft_forward(rows)
+
+    def _speculate(self, plan: Step) -> bool:
+        """A step of decodes only: the draft proposes up to k tokens per sequence, the target checks them all in one
+        forward, and each sequence emits the accepted ones plus one (plait.serve.speculative). False (nothing done)
+        when the step has a prompt chunk in it or no sequence has room to draft."""
+        if not all(c.count == 1 and c.sample for c in plan.chunks):
+            return False
+        ks: dict[int, int] = {}
+        for c in plan.chunks:
+            seq = c.seq
+            k = min(self.num_speculative, seq.max_tokens - len(seq.output) - 1)
+            if self.max_length is not None:
+                k = min(k, self.max_length - seq.length)
+            ks[seq.id] = k if k > 0 and self.scheduler.reserve(seq, 1 + k) else 0
+        if not any(ks.values()):
+            return False
+        drafts: dict[int, list[int]] = {c.seq.id: [] for c in plan.chunks}
+        probs: dict[int, list[torch.Tensor | None]] = {c.seq.id: [] for c in plan.chunks}
+        for i in range(max(ks.values())):
+            active = [c.seq for c in plan.chunks if ks[c.seq.id] > i]
+            last = self._draft_forward([(seq, seq.tokens + drafts[seq.id]) for seq in active])
+            for seq, logits in zip(active, last):
+                req = self.requests[seq.id]
+                p = req.params
+                if p.temperature <= 0:
+                    d, q = int(logits.argmax()), None
+                else:
+                    q = distribution(logits, p.temperature, p.top_k, p.top_p)
+                    d = int(torch.multinomial(q, 1, generator=req.generator))
+                drafts[seq.id].append(d)
+                probs[seq.id].append(q)
+        ids, chunks = [], []
+        for c in plan.chunks:
+            seq = c.seq
+            ids += seq.tokens[seq.computed:] + drafts[seq.id]
+            chunks.append((seq.blocks, seq.computed, seq.length - seq.computed + len(drafts[seq.id])))
+        logits = self.model(torch.tensor([ids], device=self.device), cache=self.cache.step(chunks))[0].float().cpu()
+        row = 0
+        done = []
+        events: list[tuple[Request, TokenEvent]] = []
+        for c, (_, _, count) in zip(plan.chunks, chunks):
+            seq = c.seq
+            req = self.requests[seq.id]
+            p = req.params
+            rows = logits[row:row + count]
+            row += count
+            k = len(drafts[seq.id])
+            try:
+                out = verify(rows[count - k - 1:], drafts[seq.id], probs[seq.id], p.temperature, p.top_k, p.top_p,
+                             req.generator)
+            except (RuntimeError, ValueError, OverflowError) as e:
+                self.scheduler.finish(seq, f"failed: {type(e).__name__}: {str(e).strip()[:200]}")
+                done.append(seq)
+                continue
+            self.proposed += k
+            self.accepted += len(out) - 1
+            length = seq.length
+            base = len(seq.output)
+            for j, tok in enumerate(out):
+                event = TokenEvent(tok, base + j)
+                if p.logprobs is not None:
+                    event = self._with_logprobs(event, rows[count - k - 1 + j], p.logprobs)
+                events.append((req, event))
+            seq.draft_computed = min(seq.draft_computed, length + len(out) - 1)
+            if self.scheduler.advance(seq, out, length + len(out) - 1):
+                done.append(seq)
+            if seq.status == "finished":
+                events = [(r, e) for r, e in events if r is not req or e.index < len(seq.output)]
+        self.steps += 1
+        self.step_tokens += len(ids)
+        self.generated += sum(1 for _ in events)
+        for req, event in events:
+            if req.on_token is not None:
+                req.on_token(event)
+        for seq in done:
+            self._done(seq)
+        return True
+
+    @staticmethod
+    def _with_logprobs(event: TokenEvent, logits: torch.Tensor, k: int) -> TokenEvent:
+        logp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(logp, min(k, logp.shape[-1])) if k else None
+        return TokenEvent(event.token, event.index, float(logp[event.token]),
+                          tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Step until there is no work (or `until()`), on this thread (tests, benchmarks)."""
@@ -275,4 +395,5 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.preemptions,
                 "blocks_used": p.used, "blocks_free": p.num_free, "blocks": p.num_blocks,
                 "block_bytes": self.cache.bytes_per_block, "prefix_hit_rate": p.hit_rate, "steps": self.steps,
-                "generated": self.generated}
+                "generated": self.generated, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0}

@@ -64,7 +64,9 @@ class Metrics:
                 ("plait_kv_blocks_used", "KV-cache blocks held by sequences", lambda: pool.used),
                 ("plait_kv_blocks_free", "KV-cache blocks free (some keep a cached prefix)", lambda: pool.num_free),
                 ("plait_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / prompt tokens looked up",
-                 lambda: pool.hit_rate)):
+                 lambda: pool.hit_rate),
+                ("plait_speculative_acceptance_rate", "draft tokens accepted / proposed (--draft)",
+                 lambda: engine.accepted / engine.proposed if engine.proposed else 0.0)):
             Gauge(name, doc, registry=r).set_function(read)
 
     def render(self) -> bytes:

@@ -114,6 +114,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks registered so far
     computed: int = 0
+    draft_computed: int = 0  # speculative decoding: the tokens the draft model has cached (it may lag by one)
     status: str = WAITING
     finish_reason: str | None = None
     preemptions: int = 0
@@ -263,6 +264,29 @@ class Scheduler:
                 done.append(seq)
         return done
 
+    def reserve(self, seq: Sequence, count: int) -> bool:
+        """Blocks for `count` tokens from seq.computed on, if the pool has them now (no preemption): speculative
+        decoding writes the drafts' keys beyond the step's one token."""
+        copies: list[tuple[int, int]] = []
+        ok = self._make_room(seq, count, copies)
+        assert not copies, "schedule() already made the block written first private"
+        return ok
+
+    def advance(self, seq: Sequence, tokens: list[int], computed: int) -> bool:
+        """Speculative decoding's update: `tokens` emitted at once, `computed` tokens now cached. True when it ended."""
+        now = self.clock()
+        seq.computed = computed
+        self._register_full_blocks(seq)
+        for tok in tokens:
+            seq.output.append(tok)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.last_token_at = now
+            if tok in seq.stop_ids or len(seq.output) >= seq.max_tokens:
+                self.finish(seq, "stop" if tok in seq.stop_ids else "length")
+                return True
+        return False
+
     # ------------------------------------------------------------------ blocks
 
     def _reuse_prefix(self, seq: Sequence) -> None:
@@ -281,6 +305,7 @@ class Scheduler:
             self.pool.share(block)
         seq.blocks, seq.keys = found, keys[:len(found)]
         seq.computed = min(len(found) * self.pool.block_size, len(tokens) - 1)
+        seq.draft_computed = seq.computed  # a draft model's pool shares the block ids (plait.serve.engine)
         seq.cached_tokens = min(seq.computed, len(seq.prompt))
         self.pool.hit_tokens += seq.cached_tokens
 
@@ -315,6 +340,7 @@ class Scheduler:
         for block in seq.blocks:
             self.pool.release(block)
         seq.blocks, seq.keys, seq.computed, seq.looked_up = [], [], 0, False
+        seq.draft_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -28,6 +28,7 @@ from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
 from plait.serve.engine import Engine, EngineConfig, SamplingParams, TokenEvent
 from plait.serve.metrics import Metrics
+from plait.serve.kvcache import DECODERS
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
 from plait.serve.protocol import RequestError, ServeError, request_items
@@ -83,6 +84,8 @@ class ServeOptions:
     max_seqs: int = 64  # sequences in one engine step at most
     max_prefill_tokens: int = 512  # prompt tokens in one engine step at most (longer prompts go in chunks)
     prefix_caching: bool = True
+    draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens
+    num_speculative_tokens: int = 4
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -117,6 +120,12 @@ class ServeOptions:
             self.engine_config.validate()
         except ValueError as e:
             raise ServeError(str(e)) from None
+        if self.num_speculative_tokens < 1:
+            raise ServeError(f"--num-speculative-tokens = {self.num_speculative_tokens} must be >= 1")
+        if self.draft is not None and self.scheduler != "continuous":
+            raise ServeError("--draft needs the continuous-batching engine; drop --scheduler static")
+        if self.draft is not None and (self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
+            raise ServeError("--draft runs in the server's process; drop --replicas, --pp and --autoscale")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.pp > 1:
@@ -182,11 +191,30 @@ class Service:
         # and --scheduler static generate whole batches through the batcher (plait.serve.kvcache).
         self.engine: Engine | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
+            draft = self._draft() if opts.draft is not None else None
             try:
                 self.engine = Engine(self.served.module, opts.engine_config, self.executor.runner.device,
-                                     threads=opts.threads_per(1, in_process=True))
+                                     threads=opts.threads_per(1, in_process=True), draft=draft,
+                                     num_speculative=opts.num_speculative_tokens)
             except ValueError as e:
                 raise ServeError(str(e)) from None
+        elif opts.draft is not None:
+            raise ServeError(f"--draft: model '{self.name}' does not generate text with the engine (it needs a "
+                             "language model with a tokenizer)")
+
+    def _draft(self):
+        """The draft model of --draft, checked: a generating model with the served model's vocabulary."""
+        assert self.opts.draft is not None
+        draft = load_model(ModelRef(self.opts.draft, trust_checkpoint=self.opts.trust_checkpoint))
+        if not isinstance(draft.module, DECODERS):
+            raise ServeError(f"--draft {self.opts.draft}: a {draft.registry_name} model cannot draft tokens; give a gpt "
+                             "or llama run, or a Hugging Face directory")
+        theirs, ours = int(draft.module.vocab_size), int(getattr(self.served.module, "vocab_size", -1))
+        if theirs != ours:  # the real vocabularies (the heads may be padded alike)
+            raise ServeError(f"--draft {self.opts.draft} has a vocabulary of {theirs} tokens and the served "
+                             f"model {ours}: a draft must share the served model's tokenizer")
+        module = draft.module.to(self.executor.runner.device) if isinstance(self.executor, LocalExecutor) else draft.module
+        return module
 
     def _executor(self) -> Executor:
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
