@@ -27,8 +27,8 @@ from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
 from plait.serve.engine import Engine, EngineConfig, SamplingParams, TokenEvent
-from plait.serve.metrics import Metrics
 from plait.serve.kvcache import DECODERS
+from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
 from plait.serve.protocol import RequestError, ServeError, request_items
