@@ -326,3 +326,73 @@ def test_speculative_sampling_is_seeded():
     runs = [run_all(Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0), draft=small, num_speculative=2),
                     list(zip(ps, params)))[0] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
+
+
+# ---------------------------------------------------------------------- many LoRA adapters
+
+
+def adapter_file(model, path, layers, rank, alpha, seed):
+    """An adapters-only export with every A and B drawn at random (B at zero would hide a wrong scale or B)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for n in layers:
+        lin = model.get_submodule(n)
+        tensors[n + ".lora_A"] = torch.randn(rank, lin.in_features, generator=g) * 0.3
+        tensors[n + ".lora_B"] = torch.randn(lin.out_features, rank, generator=g) * 0.3
+    save_file(tensors, str(path), metadata={"plait.lora": json.dumps({"rank": rank, "alpha": alpha, "targets": layers})})
+    return tensors
+
+
+def merged_copy(model, tensors, scale):
+    import copy
+
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A"):
+                n = key[:-len(".lora_A")]
+                merged.get_submodule(n).weight += (tensors[n + ".lora_B"] @ a) * scale
+    return merged
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_requests_for_different_adapters_share_a_batch_and_each_gets_its_merged_model(name, tmp_path):
+    import copy
+
+    from plait.serve.adapters import install_adapters, load_adapter
+
+    base = copy.deepcopy(MODELS[name])
+    targets = {"llama": (["blocks.0.attn.q_proj", "blocks.0.attn.v_proj", "blocks.1.mlp.up_proj"],
+                         ["blocks.1.attn.k_proj", "blocks.0.mlp.down_proj"]),
+               "gpt": (["blocks.0.attn.q", "blocks.0.attn.v", "blocks.1.mlp.up"], ["blocks.1.attn.k", "blocks.0.mlp.down"])}[name]
+    files = [adapter_file(base, tmp_path / f"a{i}.safetensors", layers, 4, 8.0 if i == 0 else 2.0, i)
+             for i, layers in enumerate(targets)]
+    refs = [MODELS[name], merged_copy(base, files[0], 2.0), merged_copy(base, files[1], 0.5)]
+    adapters = [load_adapter(f"a{i}", tmp_path / f"a{i}.safetensors", base) for i in range(2)]
+    router = install_adapters(base, adapters)
+    engine = Engine(base, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=20), router=router)
+    ps = prompts()
+    got = {}
+    for i, p in enumerate(ps):  # every prompt under every adapter and the base, all in one engine at once
+        for a in range(3):
+            engine.submit(p, SamplingParams(max_tokens=10, temperature=0), lambda ev, k=(i, a): got.setdefault(k, []).append(ev.token),
+                          adapter=a)
+    engine.run()
+    for i, p in enumerate(ps):
+        want = [greedy_reference(ref, p, 10) for ref in refs]
+        assert [got[(i, a)] for a in range(3)] == want
+    assert want[0] != want[1] and want[0] != want[2]  # the adapters change the answers
+    with pytest.raises(ValueError, match="no LoRA adapter 3 is installed"):
+        engine.submit(ps[0], SamplingParams(), adapter=3)
+    if name == "gpt":  # gpt ties its head to the embedding: an adapter there would change both
+        from plait.serve.protocol import ServeError
+
+        adapter_file(MODELS[name], tmp_path / "tied.safetensors", ["head"], 2, 2.0, 9)
+        with pytest.raises(ServeError) as e:
+            load_adapter("tied", tmp_path / "tied.safetensors", MODELS[name])
+        assert str(e.value) == (f"--lora tied={tmp_path / 'tied.safetensors'}: head's weight is tied to tok_emb.weight; "
+                                "an adapter there would change both")

@@ -204,3 +204,44 @@ def test_a_draft_model_speculates_and_the_text_stays_the_targets(hf_dir, tmp_pat
         Service(str(hf_dir["dir"]), ServeOptions(draft=str(tmp_path / "wide")))
     assert str(e.value) == (f"--draft {tmp_path / 'wide'} has a vocabulary of {vocab + 8} tokens and the served model "
                             f"{vocab}: a draft must share the served model's tokenizer")
+
+
+def test_lora_adapters_answer_by_model_name_in_one_batch(hf_dir, tmp_path):
+    """--lora sql=FILE --lora chat=FILE: each request's model picks its adapter; the text is that adapter's merged
+    model's (plait's llama with W + scale B A), and the base model still answers under its own name."""
+    import asyncio
+
+    from plait.models.hf import load_hf_model
+    from serve.test_engine import adapter_file, merged_copy
+
+    _, _, plait_model, _ = load_hf_model(hf_dir["dir"])
+    plait_model.eval()
+    files = {"sql": adapter_file(plait_model, tmp_path / "sql.safetensors", ["blocks.0.attn.q_proj", "blocks.1.mlp.up_proj"],
+                                 4, 64.0, 1),
+             "chat": adapter_file(plait_model, tmp_path / "chat.safetensors", ["blocks.1.attn.o_proj", "blocks.0.mlp.gate_proj", "head"],
+                                  2, 32.0, 2)}
+    refs = {"tiny": plait_model, "sql": merged_copy(plait_model, files["sql"], 16.0),
+            "chat": merged_copy(plait_model, files["chat"], 16.0)}
+    ids = hf_dir["tok"].encode(PROMPT, add_special_tokens=False).ids
+    want = {}
+    for name, model in refs.items():
+        out = model.generate(torch.tensor([ids]), 10, temperature=0)[0, len(ids):].tolist()
+        cut = out.index(hf_dir["eos"]) + 1 if hf_dir["eos"] in out else len(out)
+        want[name] = decode(hf_dir, [t for t in out[:cut] if t != hf_dir["eos"]])
+    assert len(set(want.values())) == 3, want
+    opts = ServeOptions(name="tiny", lora=(f"sql={tmp_path / 'sql.safetensors'}", f"chat={tmp_path / 'chat.safetensors'}"),
+                        block_size=8, kv_cache_mb=4, max_delay_ms=0)
+    with ServerThread(hf_dir["dir"], opts) as srv:
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        async def all_at_once():
+            return await asyncio.gather(*(client.completions.create(model=m, prompt=PROMPT, max_tokens=10, temperature=0)
+                                          for m in ("sql", "tiny", "chat", "sql")))
+
+        got = asyncio.run(all_at_once())
+        listed = [m.id for m in openai.OpenAI(base_url=srv.url + "/v1", api_key="none").models.list().data]
+        unknown = httpx.post(srv.url + "/v1/completions", json={"model": "sql2", "prompt": "a"})
+    assert [r.choices[0].text for r in got] == [want["sql"], want["tiny"], want["chat"], want["sql"]]
+    assert [r.model for r in got] == ["sql", "tiny", "chat", "sql"] and listed == ["tiny", "sql", "chat"]
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == "the model 'sql2' does not exist; this server serves: tiny, sql, chat"

@@ -425,15 +425,20 @@ def _generate_routes(app: FastAPI, service: Service) -> None:
         body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object with a 'prompt'")
+        adapter = 0
         if "model" in body:
-            _model_or_404(service, body["model"][:200] if isinstance(body["model"], str) else "(not a string)")
+            model = body["model"][:200] if isinstance(body["model"], str) else "(not a string)"
+            if model in service.adapters:
+                adapter = service.adapter_index(model)
+            else:
+                _model_or_404(service, model)
         service.require_generation()
         row, stream, prompt_tokens = service.gen_row(body)
         arrived = request.scope["state"]["arrived"]
         if stream:
-            return StreamingResponse(_sse(service, row, arrived), media_type="text/event-stream",
+            return StreamingResponse(_sse(service, row, arrived, adapter), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        tokens = await _unless_disconnected(service.generate(row, arrived), request.receive)
+        tokens = await _unless_disconnected(service.generate(row, arrived, adapter=adapter), request.receive)
         if tokens is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         return {"model": service.name, "text": service.served.tokenizer.decode(tokens), "tokens": tokens,
@@ -458,7 +463,7 @@ async def _unless_disconnected(work, receive):
     return job.result()
 
 
-async def _sse(service: Service, row, arrived: float):
+async def _sse(service: Service, row, arrived: float, adapter: int = 0):
     """Server-sent events: one `data:` line per token, then `event: done` with the whole text."""
     tok = service.served.tokenizer
     events: asyncio.Queue = asyncio.Queue()
@@ -467,7 +472,7 @@ async def _sse(service: Service, row, arrived: float):
     def on_token(pos: int, token: int) -> None:
         events.put_nowait((pos, token))
 
-    job = asyncio.ensure_future(service.generate(row, arrived, on_token))
+    job = asyncio.ensure_future(service.generate(row, arrived, on_token, adapter))
     job.add_done_callback(lambda _: events.put_nowait(None))
     try:
         while True:

@@ -75,7 +75,8 @@ def cmd_serve(a) -> int:
                         downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s,
                         scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
                         max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching,
-                        draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens)
+                        draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
+                        lora=tuple(a.lora or ()))
     return run(str(a.model), opts.validate())
 
 
@@ -165,6 +166,9 @@ def add_parsers(sub, bench) -> None:
                    help="continuous: speculative decoding with this smaller model of the same tokenizer as the draft")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="--draft: tokens the draft proposes per step, checked by the served model in one forward")
+    s.add_argument("--lora", action="append", metavar="NAME=PATH",
+                   help="continuous: a LoRA adapter (a LoRA run or an --adapters-only export) over the served model, "
+                        "answering requests whose model is NAME; repeat for more (they share batches)")
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from plait.models.gpt import GPT
 from plait.models.sampling import distribution, sample
+from plait.serve.adapters import LoRARouter
 from plait.serve.paged import PagedCache, bytes_per_block
 from plait.serve.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
 from plait.serve.speculative import verify
@@ -80,6 +81,7 @@ class Request:
     on_token: Callable[[TokenEvent], None] | None
     on_done: Callable[[str], None] | None
     generator: torch.Generator = field(default_factory=torch.Generator)
+    adapter: int = 0  # plait.serve.adapters: 0 the base model, i the i-th --lora adapter
 
 
 class Handle:
@@ -96,12 +98,13 @@ class Handle:
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, device: torch.device | str | None = None,
                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None,
-                 draft: nn.Module | None = None, num_speculative: int = 4):
+                 draft: nn.Module | None = None, num_speculative: int = 4, router: LoRARouter | None = None):
         self.config = (config or EngineConfig()).validate()
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Speculative decoding: the draft's pool has the same blocks (one block table serves both models).
         self.draft, self.num_speculative = draft, num_speculative
+        self.router = router  # many LoRA adapters (plait.serve.adapters): which tokens take which, per forward
         if draft is not None and num_speculative < 1:
             raise ValueError(f"--num-speculative-tokens = {num_speculative} must be >= 1")
         per_block = bytes_per_block(model, self.config.block_size) + (
@@ -144,13 +147,16 @@ class Engine:
                              "ask for fewer tokens or serve with a larger --kv-cache-mb")
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[TokenEvent], None] | None = None,
-               on_done: Callable[[str], None] | None = None, salt: object = None) -> Handle:
-        """Queue a request (from any thread); it joins the batch at the engine's next step."""
+               on_done: Callable[[str], None] | None = None, adapter: int = 0) -> Handle:
+        """Queue a request (from any thread); it joins the batch at the engine's next step. `adapter`: which LoRA
+        adapter of the router answers it (0: the base model); its prefix-cache keys are that adapter's own."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        if adapter and (self.router is None or not 0 < adapter <= self.router.count):
+            raise ValueError(f"no LoRA adapter {adapter} is installed")
         self.check(len(prompt), params.max_tokens)
-        seq = Sequence(-1, list(prompt), params.max_tokens, self.clock(), params.stop_ids, salt)
-        req = Request(seq, params, on_token, on_done, torch.Generator().manual_seed(int(params.seed)))
+        seq = Sequence(-1, list(prompt), params.max_tokens, self.clock(), params.stop_ids, adapter or None)
+        req = Request(seq, params, on_token, on_done, torch.Generator().manual_seed(int(params.seed)), adapter)
         self._inbox.put(("add", req))
         self._wake.set()
         return Handle(self, seq)
@@ -245,7 +251,24 @@ class Engine:
     def _forward(self, plan: Step) -> torch.Tensor:
         ids = [t for c in plan.chunks for t in c.seq.tokens[c.start:c.start + c.count]]
         view = self.cache.step([(c.seq.blocks, c.start, c.count) for c in plan.chunks])
-        logits = self.model(torch.tensor([ids], device=self.device), cache=view)
+        return self._target(ids, view, [(c.seq, c.count) for c in plan.chunks])
+
+    def _target(self, ids: list[int], view, counts: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """The served model over the packed tokens, each sequence's tokens through its own adapter; (T, vocab)."""
+        if self.router is not None:
+            groups: dict[int, list[int]] = {}
+            row = 0
+            for seq, count in counts:
+                adapter = self.requests[seq.id].adapter
+                if adapter:
+                    groups.setdefault(adapter, []).extend(range(row, row + count))
+                row += count
+            self.router.groups = {a: torch.tensor(rows, device=self.device) for a, rows in groups.items()}
+        try:
+            logits = self.model(torch.tensor([ids], device=self.device), cache=view)
+        finally:
+            if self.router is not None:
+                self.router.groups = {}
         return logits[0].float().cpu()
 
     # ------------------------------------------------------------------ speculative decoding
@@ -306,7 +329,7 @@ class Engine:
             seq = c.seq
             ids += seq.tokens[seq.computed:] + drafts[seq.id]
             chunks.append((seq.blocks, seq.computed, seq.length - seq.computed + len(drafts[seq.id])))
-        logits = self.model(torch.tensor([ids], device=self.device), cache=self.cache.step(chunks))[0].float().cpu()
+        logits = self._target(ids, self.cache.step(chunks), [(c.seq, n) for c, (_, _, n) in zip(plan.chunks, chunks)])
         row = 0
         done = []
         events: list[tuple[Request, TokenEvent]] = []

@@ -81,7 +81,7 @@ def _number(body: dict, key: str, default, low: float, high: float, integer: boo
 
 def sampling(service: Service, body: dict, fields: set[str], chat: bool) -> tuple[SamplingParams, list[str], int, bool]:
     """The request's sampling parameters, stop strings, n and stream flag (BadField naming what is wrong)."""
-    unknown = sorted(set(body) - fields)
+    unknown = sorted(set(body) - fields - {"__adapter"})
     if unknown:
         raise BadField(unknown[0], f"unrecognized request argument: '{unknown[0][:64]}'; this endpoint takes "
                                    f"{', '.join(sorted(fields))}")
@@ -266,11 +266,14 @@ def _kept(text: Text, events: list[TokenEvent]) -> list[TokenEvent]:
 def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None:
     """Add the three endpoints; `read_body(request, limit, timeout_s, flag)` is the app's body reader."""
 
-    def check_model(body: dict) -> None:
+    def check_model(body: dict) -> int:
+        """The adapter the request's `model` names (0: the served model itself)."""
         model = body.get("model", service.name)
-        if model != service.name:
+        if not isinstance(model, str) or (model != service.name and model not in service.adapters):
             shown = model[:200] if isinstance(model, str) else "(not a string)"
-            raise BadField("model", f"the model '{shown}' does not exist; this server serves: {service.name}", 404)
+            raise BadField("model", f"the model '{shown}' does not exist; this server serves: "
+                                    f"{', '.join([service.name, *service.adapters])}", 404)
+        return service.adapter_index(model)
 
     async def parse(request: Request) -> dict:
         raw = await read_body(request, limit, service.opts.read_timeout_s, "--max-prompt-chars")
@@ -278,14 +281,15 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
         body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        check_model(body)
+        body["__adapter"] = check_model(body)
         service.require_generation()
         return body
 
     @app.get("/v1/models", summary="models (OpenAI)")
     async def models():
-        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": int(service.started),
-                                            "owned_by": "plait"}]}
+        base = {"id": service.name, "object": "model", "created": int(service.started), "owned_by": "plait"}
+        return {"object": "list", "data": [base] + [base | {"id": name, "parent": service.name}
+                                                    for name in service.adapters]}
 
     @app.post("/v1/completions", summary="completions (OpenAI)")
     async def completions(request: Request):
@@ -312,8 +316,9 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
         arrived = request.scope["state"]["arrived"]
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
+        adapter = body["__adapter"]
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": service.name}
+                "model": body.get("model", service.name)}
         given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         room = service.engine.max_length if service.engine is not None and not given else None
 
@@ -326,7 +331,8 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
         tok = service.served.tokenizer
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(service, head, jobs, stops, chat, include_usage, arrived, tok, prompts),
+            return StreamingResponse(_stream(service, head, jobs, stops, chat, include_usage, arrived, tok, prompts,
+                                             adapter),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts = [Text(tok, stops) for _ in jobs]
 
@@ -336,7 +342,8 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
             def on_event(ev: TokenEvent) -> None:
                 texts[k].add(ev.token)
 
-            return service.complete(prompt, p, arrived, on_event, (lambda _events: texts[k].stopped) if stops else None)
+            return service.complete(prompt, p, arrived, on_event, (lambda _events: texts[k].stopped) if stops else None,
+                                    adapter)
 
         try:
             results: list[Completion] = await asyncio.gather(*(runner(k) for k in range(len(jobs))))
@@ -364,7 +371,7 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
 
 
 async def _stream(service: Service, head: dict, jobs, stops: list[str], chat: bool, include_usage: bool,
-                  arrived: float, tok, prompts) -> AsyncIterator[str]:
+                  arrived: float, tok, prompts, adapter: int) -> AsyncIterator[str]:
     """Chunks as the tokens come (every choice's interleaved), then the finish reasons, usage and [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
@@ -393,7 +400,8 @@ async def _stream(service: Service, head: dict, jobs, stops: list[str], chat: bo
             queue.put_nowait(("token", k, text, ev))
 
         try:
-            done = await service.complete(prompt, p, arrived, on_event, (lambda _e: texts[k].stopped) if stops else None)
+            done = await service.complete(prompt, p, arrived, on_event, (lambda _e: texts[k].stopped) if stops else None,
+                                          adapter)
             queue.put_nowait(("done", k, texts[k].flush(), "stop" if texts[k].stopped or done.finish_reason == "stop"
                               else "length"))
         except Exception as e:

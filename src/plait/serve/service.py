@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.serve.adapters import install_adapters, load_adapter
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
@@ -86,6 +87,7 @@ class ServeOptions:
     prefix_caching: bool = True
     draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens
     num_speculative_tokens: int = 4
+    lora: tuple[str, ...] = ()  # "name=RUN_DIR_OR_ADAPTERS_FILE": LoRA adapters over the served model, by request
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -126,6 +128,16 @@ class ServeOptions:
             raise ServeError("--draft needs the continuous-batching engine; drop --scheduler static")
         if self.draft is not None and (self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
             raise ServeError("--draft runs in the server's process; drop --replicas, --pp and --autoscale")
+        names = [spec.partition("=")[0] for spec in self.lora]
+        for spec, name in zip(self.lora, names):
+            if "=" not in spec or not name or not spec.partition("=")[2]:
+                raise ServeError(f"--lora {spec!r}: give NAME=PATH (a LoRA run directory or an adapters-only export)")
+            check_name(name)
+        if len(set(names)) < len(names) or (self.name is not None and self.name in names):
+            raise ServeError(f"--lora names must differ from each other and from the served model's: {', '.join(names)}")
+        if self.lora and (self.scheduler != "continuous" or self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
+            raise ServeError("--lora needs the continuous-batching engine in the server's process; drop --scheduler "
+                             "static, --replicas, --pp and --autoscale")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.pp > 1:
@@ -190,17 +202,24 @@ class Service:
         # Continuous batching (plait.serve.engine) for a language model in this process; replicas, pipeline stages
         # and --scheduler static generate whole batches through the batcher (plait.serve.kvcache).
         self.engine: Engine | None = None
+        self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
             draft = self._draft() if opts.draft is not None else None
+            router = None
+            if opts.lora:
+                adapters = [load_adapter(spec.partition("=")[0], spec.partition("=")[2], self.served.module,
+                                         opts.trust_checkpoint) for spec in opts.lora]
+                router = install_adapters(self.served.module, adapters)
+                self.adapters = [a.name for a in adapters]
             try:
                 self.engine = Engine(self.served.module, opts.engine_config, self.executor.runner.device,
                                      threads=opts.threads_per(1, in_process=True), draft=draft,
-                                     num_speculative=opts.num_speculative_tokens)
+                                     num_speculative=opts.num_speculative_tokens, router=router)
             except ValueError as e:
                 raise ServeError(str(e)) from None
-        elif opts.draft is not None:
-            raise ServeError(f"--draft: model '{self.name}' does not generate text with the engine (it needs a "
-                             "language model with a tokenizer)")
+        elif opts.draft is not None or opts.lora:
+            raise ServeError(f"--draft and --lora: model '{self.name}' does not generate text with the engine (they "
+                             "need a language model with a tokenizer)")
 
     def _draft(self):
         """The draft model of --draft, checked: a generating model with the served model's vocabulary."""
@@ -344,19 +363,31 @@ class Service:
             raise RequestError(404, f"model '{self.name}' does not generate text (it is a {s.registry_name} "
                                     f"{s.spec.task} model); use /v2/models/{self.name}/infer")
 
-    async def generate(self, row: GenRow, arrived: float, on_token=None) -> list[int]:
+    async def generate(self, row: GenRow, arrived: float, on_token=None, adapter: int = 0) -> list[int]:
         """New token ids for one prompt; on_token(position, token) is called as they come (streaming).
 
         The continuous-batching engine runs it when there is one and the request fits the model's positions (a gpt
         request that outgrows its context is generated by the static path, which recomputes the last `context`
         tokens at each step: learned positions shift)."""
         self.require_generation()
+        if adapter and not self.engine_fits(len(row.prompt), row.max_new_tokens):
+            raise RequestError(400, f"the prompt ({len(row.prompt)} tokens) and max_new_tokens ({row.max_new_tokens}) "
+                                    f"exceed the model's context of {self.served.context} positions, which a LoRA "
+                                    "adapter's requests must fit")
         if self.engine is not None and self.engine_fits(len(row.prompt), row.max_new_tokens):
             params = SamplingParams(row.max_new_tokens, row.temperature, row.top_k, 1.0, row.seed)
             emit = None if on_token is None else (lambda ev: on_token(ev.index, ev.token))
-            done = await self.complete(row.prompt, params, arrived, emit)
+            done = await self.complete(row.prompt, params, arrived, emit, adapter=adapter)
             return [ev.token for ev in done.events]
         return await self._submit((Generate,), Generate((row,)), 1, arrived, on_token)
+
+    def adapter_index(self, model: str) -> int:
+        """0 for the served model's name, i for the i-th --lora adapter; 404 naming what is served otherwise."""
+        if model == self.name:
+            return 0
+        if model in self.adapters:
+            return self.adapters.index(model) + 1
+        raise RequestError(404, f"unknown model '{model[:200]}'; this server serves: {', '.join([self.name, *self.adapters])}")
 
     def engine_fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         assert self.engine is not None
@@ -364,7 +395,7 @@ class Service:
 
     async def complete(self, prompt: list[int], params: SamplingParams, arrived: float,
                        on_event: Callable[[TokenEvent], None] | None = None,
-                       stop: Callable[[list[TokenEvent]], bool] | None = None) -> Completion:
+                       stop: Callable[[list[TokenEvent]], bool] | None = None, adapter: int = 0) -> Completion:
         """One sequence through the engine: its token events (on_event(event) as each comes, on the event loop) and
         why it ended. `stop(events)`, asked after each token, ends it early (a stop string: finish reason "stop")."""
         engine = self.engine
@@ -403,7 +434,7 @@ class Service:
             def on_done(reason: str) -> None:
                 loop.call_soon_threadsafe(done, reason)
 
-            handle = engine.submit(prompt, params, on_token, on_done)
+            handle = engine.submit(prompt, params, on_token, on_done, adapter)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         left = self.opts.timeout_ms / 1000 - (time.perf_counter() - arrived)
