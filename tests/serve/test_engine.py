@@ -379,8 +379,8 @@ def test_requests_for_different_adapters_share_a_batch_and_each_gets_its_merged_
     got = {}
     for i, p in enumerate(ps):  # every prompt under every adapter and the base, all in one engine at once
         for a in range(3):
-            engine.submit(p, SamplingParams(max_tokens=10, temperature=0), lambda ev, k=(i, a): got.setdefault(k, []).append(ev.token),
-                          adapter=a)
+            engine.submit(p, SamplingParams(max_tokens=10, temperature=0),
+                          lambda ev, k=(i, a): got.setdefault(k, []).append(ev.token), adapter=a)
     engine.run()
     for i, p in enumerate(ps):
         want = [greedy_reference(ref, p, 10) for ref in refs]

@@ -218,8 +218,8 @@ def test_lora_adapters_answer_by_model_name_in_one_batch(hf_dir, tmp_path):
     plait_model.eval()
     files = {"sql": adapter_file(plait_model, tmp_path / "sql.safetensors", ["blocks.0.attn.q_proj", "blocks.1.mlp.up_proj"],
                                  4, 64.0, 1),
-             "chat": adapter_file(plait_model, tmp_path / "chat.safetensors", ["blocks.1.attn.o_proj", "blocks.0.mlp.gate_proj", "head"],
-                                  2, 32.0, 2)}
+             "chat": adapter_file(plait_model, tmp_path / "chat.safetensors",
+                                  ["blocks.1.attn.o_proj", "blocks.0.mlp.gate_proj", "head"], 2, 32.0, 2)}
     refs = {"tiny": plait_model, "sql": merged_copy(plait_model, files["sql"], 16.0),
             "chat": merged_copy(plait_model, files["chat"], 16.0)}
     ids = hf_dir["tok"].encode(PROMPT, add_special_tokens=False).ids
