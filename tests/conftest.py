@@ -4,6 +4,11 @@ from pathlib import Path
 # Before anything imports torch: its thread pool reads OMP_NUM_THREADS once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# The suite starts well over a thousand Python processes (plait's launchers, fork servers, servers, scripts), each of
+# which imports 100+ of plait's modules: where PYTHONDONTWRITEBYTECODE is set (some sandboxes set it for everything),
+# every one of them compiles those modules from source again (~0.15 s of CPU each). The test processes' children may
+# cache them (__pycache__/ is gitignored; a source edited meanwhile is recompiled, its mtime is checked).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
 # what an earlier session left, and the processes of this one share one copy.
 if "PLAIT_CACHE" not in os.environ:
