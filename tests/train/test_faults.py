@@ -155,8 +155,10 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(job, uninterrupted, tmp_pat
 
 @pytest.mark.slow
 def test_a_stalled_rank_becomes_an_error_naming_it(job, tmp_path):
+    # the launcher exits only once the stalled rank wakes (its sleep outlasts the SIGTERM it gets): a stall 3 s past
+    # the 4 s timeout, not more
     r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.timeout_s=4",
-              faults="stall:rank=1:step=3:seconds=10", timeout=120)
+              faults="stall:rank=1:step=3:seconds=7", timeout=120)
     assert r.returncode == 3
     assert ("error: rank 0, step 3 (forward_backward): all_reduce did not finish within launch.timeout_s = 4 s; "
             "did not join: rank 1 (last seen: step 3 (data)") in r.stderr
