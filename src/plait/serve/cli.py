@@ -76,7 +76,7 @@ def cmd_serve(a) -> int:
                         scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
                         max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching,
                         draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
-                        lora=tuple(a.lora or ()))
+                        lora=tuple(a.lora or ()), tp=a.tp)
     return run(str(a.model), opts.validate())
 
 
@@ -133,6 +133,8 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--name", help="model name in URLs (default: the registry name, e.g. mlp or gpt)")
     s.add_argument("--replicas", type=int, default=1, help="worker processes each holding the model (1: in-process)")
     s.add_argument("--pp", type=int, default=1, help="pipeline stages: split the model's blocks over K processes")
+    s.add_argument("--tp", type=int, default=1, help="language models: tensor-parallel generation over N processes, "
+                                                     "each with 1/N of the weights and of the KV cache")
     s.add_argument("--autoscale", metavar="MIN:MAX", help="replica processes follow the load between MIN and MAX; "
                                                           "MIN 0: none while idle, requests held while one starts")
     s.add_argument("--target-ongoing", type=float, default=2.0, help="--autoscale: ongoing requests per replica aimed at")

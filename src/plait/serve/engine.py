@@ -98,7 +98,8 @@ class Handle:
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, device: torch.device | str | None = None,
                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None,
-                 draft: nn.Module | None = None, num_speculative: int = 4, router: LoRARouter | None = None):
+                 draft: nn.Module | None = None, num_speculative: int = 4, router: LoRARouter | None = None,
+                 tp: int = 1, announce: Callable[[list[int], list, list], None] | None = None):
         self.config = (config or EngineConfig()).validate()
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -107,13 +108,11 @@ class Engine:
         self.router = router  # many LoRA adapters (plait.serve.adapters): which tokens take which, per forward
         if draft is not None and num_speculative < 1:
             raise ValueError(f"--num-speculative-tokens = {num_speculative} must be >= 1")
-        per_block = bytes_per_block(model, self.config.block_size) + (
-            bytes_per_block(draft, self.config.block_size) if draft is not None else 0)
-        num_blocks = int(self.config.kv_cache_mb * 2**20 // per_block)
-        if num_blocks < 1:
-            raise ValueError(f"--kv-cache-mb {self.config.kv_cache_mb:g} holds no block of {self.config.block_size} "
-                             f"tokens ({per_block / 2**20:.3f} MB each for this model); raise it")
-        self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device)
+        # Tensor parallel (plait.serve.tp): this rank's shard of the cache; `announce` tells the other ranks each forward.
+        self.tp, self.announce = tp, announce
+        self._copies: list[tuple[int, int]] = []  # block copies the other ranks have not been told of yet
+        num_blocks = self.pool_blocks(model, self.config, draft, tp)
+        self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device, tp)
         self.draft_cache = PagedCache(draft, num_blocks, self.config.block_size, self.device) if draft is not None else None
         self.proposed = 0  # draft tokens proposed, all steps
         self.accepted = 0  # of them, accepted by the target
@@ -132,6 +131,17 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    @staticmethod
+    def pool_blocks(model: nn.Module, config: EngineConfig, draft: nn.Module | None = None, tp: int = 1) -> int:
+        """Blocks in --kv-cache-mb (per rank under tensor parallel); ValueError when not even one fits."""
+        per_block = bytes_per_block(model, config.block_size, tp) + (
+            bytes_per_block(draft, config.block_size) if draft is not None else 0)
+        num_blocks = int(config.kv_cache_mb * 2**20 // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-mb {config.kv_cache_mb:g} holds no block of {config.block_size} "
+                             f"tokens ({per_block / 2**20:.3f} MB each for this model); raise it")
+        return num_blocks
 
     # ------------------------------------------------------------------ requests
 
@@ -207,6 +217,7 @@ class Engine:
             return False
         for src, dst in plan.copies:
             self.cache.copy(src, dst)
+            self._copies.append((src, dst))
             if self.draft_cache is not None:
                 self.draft_cache.copy(src, dst)
         if self.draft is not None and self._speculate(plan):
@@ -264,6 +275,9 @@ class Engine:
                     groups.setdefault(adapter, []).extend(range(row, row + count))
                 row += count
             self.router.groups = {a: torch.tensor(rows, device=self.device) for a, rows in groups.items()}
+        if self.announce is not None:
+            self.announce(ids, view.chunks, self._copies)
+            self._copies = []
         try:
             logits = self.model(torch.tensor([ids], device=self.device), cache=view)
         finally:

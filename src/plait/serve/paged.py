@@ -38,21 +38,24 @@ def kv_geometry(model: nn.Module) -> tuple[list[str], int, int]:
     return list(blocks.keys()), int(getattr(attn, "kv_heads", attn.heads)), int(attn.head_dim)
 
 
-def bytes_per_block(model: nn.Module, block_size: int) -> int:
+def bytes_per_block(model: nn.Module, block_size: int, tp: int = 1) -> int:
+    """One block's keys and values over all layers; a tensor-parallel rank holds kv_heads / tp of the heads."""
     names, kv_heads, head_dim = kv_geometry(model)
     dtype = next(model.parameters()).dtype
-    return len(names) * 2 * block_size * kv_heads * head_dim * dtype.itemsize
+    return len(names) * 2 * block_size * (kv_heads // tp) * head_dim * dtype.itemsize
 
 
 class PagedCache:
     """Every layer's key and value pool; `num_blocks` blocks of `block_size` tokens each."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
+                 tp: int = 1):
         names, kv_heads, head_dim = kv_geometry(model)
+        kv_heads //= tp  # a tensor-parallel rank's own heads (plait.serve.tp)
         dtype = next(model.parameters()).dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.window = int(getattr(model, "sliding_window", 0) or 0)
-        self.bytes_per_block = bytes_per_block(model, block_size)
+        self.bytes_per_block = bytes_per_block(model, block_size, tp)
         with torch.inference_mode():
             self.k = {n: torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device) for n in names}
             self.v = {n: torch.zeros_like(self.k[n]) for n in names}
@@ -73,6 +76,7 @@ class PagedStep:
 
     def __init__(self, cache: PagedCache, chunks: Sequence[tuple[list[int], int, int]]):
         self.cache = cache
+        self.chunks = list(chunks)  # what tensor-parallel ranks rebuild this step from (plait.serve.tp)
         device = next(iter(cache.k.values())).device
         bs = cache.block_size
         positions: list[int] = []

@@ -17,12 +17,15 @@ import os
 import re
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from plait.errors import ConfigError
+from plait.models.protocols import check_tensor_parallel
 from plait.serve.adapters import install_adapters, load_adapter
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
@@ -37,6 +40,7 @@ from plait.serve.quantize import QUANTIZE_CHOICES
 from plait.serve.replicas import ReplicaPool
 from plait.serve.runner import LocalExecutor, Runner
 from plait.serve.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+from plait.serve.tp import TensorParallelGroup, shard
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ServeOptions:
     draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens
     num_speculative_tokens: int = 4
     lora: tuple[str, ...] = ()  # "name=RUN_DIR_OR_ADAPTERS_FILE": LoRA adapters over the served model, by request
+    tp: int = 1  # tensor-parallel generation over this many processes (plait.serve.tp)
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -138,6 +143,16 @@ class ServeOptions:
         if self.lora and (self.scheduler != "continuous" or self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
             raise ServeError("--lora needs the continuous-batching engine in the server's process; drop --scheduler "
                              "static, --replicas, --pp and --autoscale")
+        if self.tp < 1:
+            raise ServeError(f"--tp = {self.tp} must be >= 1")
+        if self.tp > 1:
+            for flag, on in (("--scheduler static", self.scheduler != "continuous"), ("--replicas", self.replicas > 1),
+                             ("--pp", self.pp > 1), ("--autoscale", self.autoscale is not None),
+                             ("--draft", self.draft is not None), ("--lora", bool(self.lora)),
+                             ("--quantize", self.quantize is not None), ("--device cuda", self.device == "cuda")):
+                if on:
+                    raise ServeError(f"--tp {self.tp} cannot be combined with {flag} in this version of plait; "
+                                     "drop one of them")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise ServeError(f"--quantize {self.quantize!r} is not one of: {', '.join(QUANTIZE_CHOICES)}")
         if self.quantize and self.pp > 1:
@@ -203,6 +218,7 @@ class Service:
         # and --scheduler static generate whole batches through the batcher (plait.serve.kvcache).
         self.engine: Engine | None = None
         self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
+        self.tp_group: TensorParallelGroup | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
             draft = self._draft() if opts.draft is not None else None
             router = None
@@ -211,15 +227,41 @@ class Service:
                                          opts.trust_checkpoint) for spec in opts.lora]
                 router = install_adapters(self.served.module, adapters)
                 self.adapters = [a.name for a in adapters]
+            announce = None
             try:
+                if opts.tp > 1:
+                    announce = self._tensor_parallel()
                 self.engine = Engine(self.served.module, opts.engine_config, self.executor.runner.device,
                                      threads=opts.threads_per(1, in_process=True), draft=draft,
-                                     num_speculative=opts.num_speculative_tokens, router=router)
+                                     num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
+                                     announce=announce)
             except ValueError as e:
+                if self.tp_group is not None:
+                    self.tp_group.abort()
                 raise ServeError(str(e)) from None
-        elif opts.draft is not None or opts.lora:
-            raise ServeError(f"--draft and --lora: model '{self.name}' does not generate text with the engine (they "
-                             "need a language model with a tokenizer)")
+        elif opts.draft is not None or opts.lora or opts.tp > 1:
+            raise ServeError(f"--draft, --lora and --tp: model '{self.name}' does not generate text with the engine "
+                             "(they need a language model with a tokenizer)")
+
+    def _tensor_parallel(self):
+        """--tp N: start ranks 1..N-1, shard this process's model as rank 0; the engine's announce hook."""
+        opts = self.opts
+        try:  # before any process starts: the heads, kv heads, widths and vocabulary divide over tp
+            check_tensor_parallel(self.served.module, opts.tp)
+        except ConfigError as e:
+            raise ServeError(f"--tp {opts.tp}: {e}") from None
+        num_blocks = Engine.pool_blocks(self.served.module, opts.engine_config, tp=opts.tp)
+        self._tp_dir = tempfile.TemporaryDirectory(prefix="plait-tp-")
+        self.tp_group = TensorParallelGroup(self.ref, opts.tp, num_blocks, opts.block_size,
+                                            opts.threads_per(opts.tp), self._tp_dir.name)
+        try:
+            self.served.module = shard(self.served.module, opts.tp).eval()
+            self.tp_group.wait_ready()
+        except BaseException:
+            self.tp_group.abort()
+            self.tp_group = None
+            raise
+        return self.tp_group.announce
 
     def _draft(self):
         """The draft model of --draft, checked: a generating model with the served model's vocabulary."""
@@ -310,6 +352,8 @@ class Service:
         await self.executor.stop()
         if self.engine is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        if self.tp_group is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.tp_group.close)
         self.codec.shutdown(wait=False)
 
     async def off_loop(self, fn, *args, size: int = 0):

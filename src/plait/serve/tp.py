@@ -1,0 +1,161 @@
+"""`plait serve --tp N`: tensor-parallel generation, the model split by its Megatron plan over N processes.
+
+The server process is rank 0 and N - 1 worker processes are the others, joined by torch.distributed (gloo on
+CPU; the same code takes NCCL's path where the model is on GPUs). Every rank loads the model and keeps its
+1/N of each split matrix (plait.parallel.tp.apply_tp: q/k/v and gate/up by columns, o/down by rows, the
+embedding and head by vocabulary), and a paged KV cache of the same blocks holding its own kv_heads / N heads:
+each rank holds 1/N of the weights and of the cache.
+
+Rank 0 runs the engine (scheduler, sampling, HTTP). Before each forward it broadcasts the step: the packed
+token ids, each chunk's block table, first position and length, and the block copies made since the last one
+(copy-on-write); every rank then runs the same forward on its shard, and the collectives inside (the row-parallel
+all-reduces, the head's all-gather) line up. Only rank 0 reads the logits. Greedy tokens equal tp = 1's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+
+from plait.procs import spawn
+from plait.serve.model import ModelRef, load_model
+from plait.serve.paged import PagedCache
+from plait.serve.protocol import ServeError
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def shard(module, world: int):
+    """The module split over every rank of the default group (its plan's matrices, in place)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from plait.errors import ConfigError
+    from plait.parallel.tp import apply_tp  # lazily: only --tp needs DTensor (about 0.5 s of imports)
+
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        return apply_tp(module, mesh, sequence_parallel=False)
+    except ConfigError as e:
+        raise ServeError(f"--tp {world}: {e}") from None
+
+
+def worker_main(rank: int, world: int, store_path: str, ref: ModelRef, num_blocks: int, block_size: int,
+                threads: int, status) -> None:
+    """Rank > 0: load, shard, then run every forward rank 0 announces, until it says stop."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        module = shard(load_model(ref).module, world).eval()
+        cache = PagedCache(module, num_blocks, block_size, tp=world)
+        status.put(("ready", rank, os.getpid()))
+    except BaseException:
+        status.put(("failed", rank, traceback.format_exc()))
+        return
+    with torch.inference_mode():
+        while True:
+            message: list = [None]
+            dist.broadcast_object_list(message, src=0)
+            kind, payload = message[0]
+            if kind == "stop":
+                break
+            ids, chunks, copies = payload
+            for src, dst in copies:
+                cache.copy(src, dst)
+            module(torch.tensor([ids]), cache=cache.step(chunks))
+    dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the workers, the process group, and the announcement of each forward."""
+
+    def __init__(self, ref: ModelRef, world: int, num_blocks: int, block_size: int, threads: int, tmpdir: str):
+        import torch.distributed as dist
+
+        from plait.procs import CONTEXT
+
+        self.world = world
+        self._ready = 0  # ranks holding their shard
+        store = os.path.join(tmpdir, "tp-store")
+        self.status = CONTEXT.Queue()
+        self.procs = [spawn(worker_main, (r, world, store, ref, num_blocks, block_size, threads, self.status),
+                            name=f"plait-tp-{r}", env=WORKER_ENV) for r in range(1, world)]
+        # Join the group on a thread: a rank that fails before it joins must fail the start, not hang it.
+        joined: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=0, world_size=world,
+                                        timeout=datetime.timedelta(seconds=600))
+                joined.append(None)
+            except BaseException as e:
+                joined.append(e)
+
+        joiner = threading.Thread(target=join, name="plait-tp-join", daemon=True)
+        joiner.start()
+        self._wait(lambda: not joiner.is_alive(), "join the process group")
+        if joined and joined[0] is not None:
+            self._kill()
+            raise ServeError(f"--tp {world}: the process group did not form: {joined[0]}")
+
+    def wait_ready(self) -> None:
+        """After rank 0 has sharded its model too (the sharding is collective): every other rank holds its shard."""
+        self._wait(lambda: self._ready == self.world - 1, "load and shard the model")
+
+    def _wait(self, done, what: str) -> None:
+        world = self.world
+        deadline = time.monotonic() + 600
+        while not done():
+            try:
+                kind, rank, detail = self.status.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self._kill()
+                    why = f"exited with {dead[0].exitcode}" if dead else "timed out (600 s)"
+                    raise ServeError(f"--tp {world}: a worker process {why} before it could {what}") from None
+                continue
+            if kind == "failed":
+                self._kill()
+                raise ServeError(f"--tp {world}: rank {rank} failed to start:\n{detail}")
+            self._ready += 1
+
+    def abort(self) -> None:
+        """A start that failed on rank 0: the workers killed, the group left (no stop message: they may not read it)."""
+        import torch.distributed as dist
+
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+    def announce(self, ids: list[int], chunks: Sequence, copies: list[tuple[int, int]]) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([("step", (ids, list(chunks), copies))], src=0)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.broadcast_object_list([("stop", None)], src=0)
+            finally:
+                dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
