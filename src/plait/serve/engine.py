@@ -76,22 +76,24 @@ class TokenEvent:
 
 @dataclass
 class Request:
-    seq: Sequence
+    prompt: list[int]
     params: SamplingParams
     on_token: Callable[[TokenEvent], None] | None
     on_done: Callable[[str], None] | None
+    arrival: float
     generator: torch.Generator = field(default_factory=torch.Generator)
     adapter: int = 0  # plait.serve.adapters: 0 the base model, i the i-th --lora adapter
+    seq: Sequence | None = None  # the scheduler's, once the engine has taken the request from its inbox
 
 
 class Handle:
     """A submitted request: `cancel()` from any thread (its blocks free at the engine's next step)."""
 
-    def __init__(self, engine: Engine, seq: Sequence):
-        self._engine, self.seq = engine, seq
+    def __init__(self, engine: Engine, request: Request):
+        self._engine, self.request = engine, request
 
     def cancel(self, reason: str = "abort") -> None:
-        self._engine._inbox.put(("finish", self.seq, reason))
+        self._engine._inbox.put(("finish", self.request, reason))  # after its "add": the inbox is first in, first out
         self._engine._wake.set()
 
 
@@ -150,11 +152,7 @@ class Engine:
         if self.max_length is not None and prompt_len + max_tokens > self.max_length:
             raise ValueError(f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) exceed the model's "
                              f"context of {self.max_length} positions")
-        need = self.scheduler.blocks_for(prompt_len + max_tokens)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need {need} KV-cache "
-                             f"blocks of {self.pool.block_size} tokens; the pool has {self.pool.num_blocks}: "
-                             "ask for fewer tokens or serve with a larger --kv-cache-mb")
+        self.scheduler.check(prompt_len, max_tokens)
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[TokenEvent], None] | None = None,
                on_done: Callable[[str], None] | None = None, adapter: int = 0) -> Handle:
@@ -165,11 +163,11 @@ class Engine:
         if adapter and (self.router is None or not 0 < adapter <= self.router.count):
             raise ValueError(f"no LoRA adapter {adapter} is installed")
         self.check(len(prompt), params.max_tokens)
-        seq = Sequence(-1, list(prompt), params.max_tokens, self.clock(), params.stop_ids, adapter or None)
-        req = Request(seq, params, on_token, on_done, torch.Generator().manual_seed(int(params.seed)), adapter)
+        req = Request(list(prompt), params, on_token, on_done, self.clock(),
+                      torch.Generator().manual_seed(int(params.seed)), adapter)
         self._inbox.put(("add", req))
         self._wake.set()
-        return Handle(self, seq)
+        return Handle(self, req)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -177,23 +175,14 @@ class Engine:
                 what, *args = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            req: Request = args[0]
             if what == "add":
-                req: Request = args[0]
-                placeholder = req.seq
-                seq = self.scheduler.add(placeholder.prompt, placeholder.max_tokens, placeholder.stop_ids, placeholder.salt)
-                seq.arrival = placeholder.arrival
-                placeholder.id = seq.id  # the handle's sequence and the scheduler's are the same request
-                req.seq = seq
-                self.requests[seq.id] = req
-                if placeholder.status == FINISHED:  # cancelled before it was added
-                    self._finish(seq, placeholder.finish_reason or "abort")
-            else:
-                seq, reason = args
-                target = self.requests.get(seq.id).seq if seq.id in self.requests else None
-                if target is None:
-                    seq.status, seq.finish_reason = FINISHED, reason  # still in the inbox: dropped when added
-                else:
-                    self._finish(target, reason)
+                p = req.params
+                req.seq = self.scheduler.add(req.prompt, p.max_tokens, p.stop_ids, req.adapter or None)
+                req.seq.arrival = req.arrival
+                self.requests[req.seq.id] = req
+            elif req.seq is not None:
+                self._finish(req.seq, args[1])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == FINISHED:
@@ -415,6 +404,7 @@ class Engine:
         except BaseException as e:  # the model failed: every request in flight is answered with it
             self.error = e
             for req in list(self.requests.values()):
+                assert req.seq is not None, "requests holds the requests the scheduler has"
                 req.seq.status, req.seq.finish_reason = FINISHED, "error"
                 self._done(req.seq)
             raise

@@ -23,10 +23,12 @@ sequence at once. A model whose chat template is missing (plait's own runs) uses
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -81,7 +83,7 @@ def _number(body: dict, key: str, default, low: float, high: float, integer: boo
 
 def sampling(service: Service, body: dict, fields: set[str], chat: bool) -> tuple[SamplingParams, list[str], int, bool]:
     """The request's sampling parameters, stop strings, n and stream flag (BadField naming what is wrong)."""
-    unknown = sorted(set(body) - fields - {"__adapter"})
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise BadField(unknown[0], f"unrecognized request argument: '{unknown[0][:64]}'; this endpoint takes "
                                    f"{', '.join(sorted(fields))}")
@@ -263,27 +265,40 @@ def _kept(text: Text, events: list[TokenEvent]) -> list[TokenEvent]:
 # ---------------------------------------------------------------------- routes
 
 
+@dataclass
+class Ask:
+    """One parsed request: its prompts' tokens, sampling, stop strings, n, streaming, and the adapter it names."""
+
+    body: dict
+    prompts: list[list[int]]
+    params: SamplingParams
+    stops: list[str]
+    n: int
+    stream: bool
+    chat: bool
+    adapter: int
+
+
 def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None:
     """Add the three endpoints; `read_body(request, limit, timeout_s, flag)` is the app's body reader."""
 
-    def check_model(body: dict) -> int:
-        """The adapter the request's `model` names (0: the served model itself)."""
-        model = body.get("model", service.name)
-        if not isinstance(model, str) or (model != service.name and model not in service.adapters):
-            shown = model[:200] if isinstance(model, str) else "(not a string)"
-            raise BadField("model", f"the model '{shown}' does not exist; this server serves: "
-                                    f"{', '.join([service.name, *service.adapters])}", 404)
-        return service.adapter_index(model)
-
-    async def parse(request: Request) -> dict:
+    async def parse(request: Request, chat: bool) -> Ask:
         raw = await read_body(request, limit, service.opts.read_timeout_s, "--max-prompt-chars")
         check_items(raw, MAX_ITEMS, " (one request object)")
         body = await service.off_loop(loads, raw, size=len(raw))
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        body["__adapter"] = check_model(body)
+        model = body.get("model", service.name)
+        try:
+            adapter = service.adapter_index(model if isinstance(model, str) else "")
+        except RequestError:
+            shown = model[:200] if isinstance(model, str) else "(not a string)"
+            raise BadField("model", f"the model '{shown}' does not exist; this server serves: "
+                                    f"{', '.join([service.name, *service.adapters])}", 404) from None
         service.require_generation()
-        return body
+        params, stops, n, stream = sampling(service, body, CHAT_FIELDS if chat else COMPLETION_FIELDS, chat)
+        prompts = [chat_prompt(service, body.get("messages"))] if chat else completion_prompts(service, body.get("prompt"))
+        return Ask(body, prompts, params, stops, n, stream, chat, adapter)
 
     @app.get("/v1/models", summary="models (OpenAI)")
     async def models():
@@ -291,83 +306,81 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
         return {"object": "list", "data": [base] + [base | {"id": name, "parent": service.name}
                                                     for name in service.adapters]}
 
-    @app.post("/v1/completions", summary="completions (OpenAI)")
-    async def completions(request: Request):
+    async def endpoint(request: Request, chat: bool) -> Response:
         try:
-            body = await parse(request)
-            params, stops, n, stream = sampling(service, body, COMPLETION_FIELDS, chat=False)
-            prompts = completion_prompts(service, body.get("prompt"))
+            ask = await parse(request, chat)
         except Exception as e:
             return error_of(e)
-        return await answer(request, body, prompts, params, stops, n, stream, chat=False)
+        return await _answer(service, request.scope["state"]["arrived"], ask)
+
+    @app.post("/v1/completions", summary="completions (OpenAI)")
+    async def completions(request: Request):
+        return await endpoint(request, chat=False)
 
     @app.post("/v1/chat/completions", summary="chat completions (OpenAI)")
     async def chat_completions(request: Request):
-        try:
-            body = await parse(request)
-            params, stops, n, stream = sampling(service, body, CHAT_FIELDS, chat=True)
-            prompts = [chat_prompt(service, body.get("messages"))]
-        except Exception as e:
-            return error_of(e)
-        return await answer(request, body, prompts, params, stops, n, stream, chat=True)
+        return await endpoint(request, chat=True)
 
-    async def answer(request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, stops: list[str],
-                     n: int, stream: bool, chat: bool) -> Response:
-        arrived = request.scope["state"]["arrived"]
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(time.time())
-        adapter = body["__adapter"]
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.get("model", service.name)}
-        given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-        room = service.engine.max_length if service.engine is not None and not given else None
 
-        def budget(prompt: list[int]) -> int:  # no max_tokens given: what is left of a gpt's context
-            return params.max_tokens if room is None else max(1, min(params.max_tokens, room - len(prompt)))
+def _jobs(service: Service, ask: Ask) -> list[tuple[int, list[int], SamplingParams]]:
+    """(choice index, prompt, sampling) for each of n choices of each prompt; choice j samples with seed + j."""
+    params, body = ask.params, ask.body
+    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    room = service.engine.max_length if service.engine is not None and not given else None
 
-        jobs = [(i * n + j, p, SamplingParams(budget(p), params.temperature, params.top_k, params.top_p,
-                                              params.seed + j, params.stop_ids, params.logprobs))
-                for i, p in enumerate(prompts) for j in range(n)]
-        tok = service.served.tokenizer
-        if stream:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(service, head, jobs, stops, chat, include_usage, arrived, tok, prompts,
-                                             adapter),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        texts = [Text(tok, stops) for _ in jobs]
+    def budget(prompt: list[int]) -> int:  # no max_tokens given: what is left of a gpt's context
+        return params.max_tokens if room is None else max(1, min(params.max_tokens, room - len(prompt)))
 
-        def runner(k: int):
-            index, prompt, p = jobs[k]
+    return [(i * ask.n + j, p, dataclasses.replace(params, max_tokens=budget(p), seed=params.seed + j))
+            for i, p in enumerate(ask.prompts) for j in range(ask.n)]
 
-            def on_event(ev: TokenEvent) -> None:
-                texts[k].add(ev.token)
 
-            return service.complete(prompt, p, arrived, on_event, (lambda _events: texts[k].stopped) if stops else None,
-                                    adapter)
+async def _answer(service: Service, arrived: float, ask: Ask) -> Response:
+    chat = ask.chat
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": ask.body.get("model", service.name)}
+    jobs = _jobs(service, ask)
+    tok = service.served.tokenizer
+    if ask.stream:
+        include_usage = bool((ask.body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(service, head, jobs, ask.stops, chat, include_usage, arrived, tok, ask.prompts,
+                                         ask.adapter),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts = [Text(tok, ask.stops) for _ in jobs]
 
-        try:
-            results: list[Completion] = await asyncio.gather(*(runner(k) for k in range(len(jobs))))
-        except Exception as e:
-            return error_of(e)
-        choices = []
-        for (index, _, p), text, done in zip(jobs, texts, results):
-            text.flush()
-            events = _kept(text, done.events)
-            reason = "stop" if text.stopped or done.finish_reason == "stop" else "length"
-            if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text.text},
-                          "logprobs": chat_logprobs(tok, events) if p.logprobs is not None else None,
-                          "finish_reason": reason}
-            else:
-                choice = {"index": index, "text": text.text,
-                          "logprobs": completion_logprobs(tok, events) if p.logprobs is not None else None,
-                          "finish_reason": reason}
-            choices.append(choice)
-        completion_tokens = sum(len(d.events) for d in results)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return JSONResponse(head | {"choices": choices, "usage": {
-            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}})
+    def runner(k: int):
+        _, prompt, p = jobs[k]
+
+        def on_event(ev: TokenEvent) -> None:
+            texts[k].add(ev.token)
+
+        return service.complete(prompt, p, arrived, on_event,
+                                (lambda _events: texts[k].stopped) if ask.stops else None, ask.adapter)
+
+    try:
+        results: list[Completion] = await asyncio.gather(*(runner(k) for k in range(len(jobs))))
+    except Exception as e:
+        return error_of(e)
+    choices = []
+    for (index, _, p), text, done in zip(jobs, texts, results):
+        text.flush()
+        events = _kept(text, done.events)
+        reason = "stop" if text.stopped or done.finish_reason == "stop" else "length"
+        if chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": text.text},
+                      "logprobs": chat_logprobs(tok, events) if p.logprobs is not None else None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text.text,
+                      "logprobs": completion_logprobs(tok, events) if p.logprobs is not None else None,
+                      "finish_reason": reason}
+        choices.append(choice)
+    completion_tokens = sum(len(d.events) for d in results)
+    prompt_tokens = sum(len(p) for p in ask.prompts)
+    return JSONResponse(head | {"choices": choices, "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens}})
 
 
 async def _stream(service: Service, head: dict, jobs, stops: list[str], chat: bool, include_usage: bool,

@@ -176,14 +176,18 @@ class Scheduler:
         """A new waiting sequence. ValueError when it could never fit the pool, even alone."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
-        need = self.blocks_for(len(prompt) + max_tokens)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) need {need} KV-cache "
-                             f"blocks of {self.pool.block_size} tokens; the pool has {self.pool.num_blocks}: "
-                             "ask for fewer tokens or serve with a larger --kv-cache-mb")
+        self.check(len(prompt), max_tokens)
         seq = Sequence(next(self._ids), list(prompt), max_tokens, self.clock(), frozenset(stop_ids), salt)
         self.waiting.append(seq)
         return seq
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """ValueError, naming what to change, when such a sequence could never fit the pool, even alone."""
+        need = self.blocks_for(prompt_len + max_tokens)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need {need} KV-cache "
+                             f"blocks of {self.pool.block_size} tokens; the pool has {self.pool.num_blocks}: "
+                             "ask for fewer tokens or serve with a larger --kv-cache-mb")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence now (its blocks go back to the pool): "stop", "length", or "abort" (the client left)."""
@@ -254,15 +258,20 @@ class Scheduler:
             self._register_full_blocks(seq)
             if not c.sample:
                 continue
-            tok = sampled[seq.id]
-            seq.output.append(tok)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            seq.last_token_at = now
-            if tok in seq.stop_ids or len(seq.output) >= seq.max_tokens:
-                self.finish(seq, "stop" if tok in seq.stop_ids else "length")
+            if self._emit(seq, sampled[seq.id], now):
                 done.append(seq)
         return done
+
+    def _emit(self, seq: Sequence, tok: int, now: float) -> bool:
+        """Append one sampled token; True when it ended the sequence (a stop token, or max_tokens reached)."""
+        seq.output.append(tok)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        seq.last_token_at = now
+        if tok in seq.stop_ids or len(seq.output) >= seq.max_tokens:
+            self.finish(seq, "stop" if tok in seq.stop_ids else "length")
+            return True
+        return False
 
     def reserve(self, seq: Sequence, count: int) -> bool:
         """Blocks for `count` tokens from seq.computed on, if the pool has them now (no preemption): speculative
@@ -277,15 +286,7 @@ class Scheduler:
         now = self.clock()
         seq.computed = computed
         self._register_full_blocks(seq)
-        for tok in tokens:
-            seq.output.append(tok)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            seq.last_token_at = now
-            if tok in seq.stop_ids or len(seq.output) >= seq.max_tokens:
-                self.finish(seq, "stop" if tok in seq.stop_ids else "length")
-                return True
-        return False
+        return any(self._emit(seq, tok, now) for tok in tokens)  # stops at the token that ends it
 
     # ------------------------------------------------------------------ blocks
 

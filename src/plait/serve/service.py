@@ -17,21 +17,17 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from plait.errors import ConfigError
-from plait.models.protocols import check_tensor_parallel
-from plait.serve.adapters import install_adapters, load_adapter
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
 from plait.serve.engine import Engine, EngineConfig, SamplingParams, TokenEvent
-from plait.serve.kvcache import DECODERS
+from plait.serve.llm import build_engine
 from plait.serve.metrics import Metrics
 from plait.serve.model import ModelRef, ServedModel, check_name, load_model
 from plait.serve.pipeline import PipelineExecutor
@@ -40,7 +36,7 @@ from plait.serve.quantize import QUANTIZE_CHOICES
 from plait.serve.replicas import ReplicaPool
 from plait.serve.runner import LocalExecutor, Runner
 from plait.serve.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
-from plait.serve.tp import TensorParallelGroup, shard
+from plait.serve.tp import TensorParallelGroup
 
 
 @dataclass
@@ -220,62 +216,11 @@ class Service:
         self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
         self.tp_group: TensorParallelGroup | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
-            draft = self._draft() if opts.draft is not None else None
-            router = None
-            if opts.lora:
-                adapters = [load_adapter(spec.partition("=")[0], spec.partition("=")[2], self.served.module,
-                                         opts.trust_checkpoint) for spec in opts.lora]
-                router = install_adapters(self.served.module, adapters)
-                self.adapters = [a.name for a in adapters]
-            announce = None
-            try:
-                if opts.tp > 1:
-                    announce = self._tensor_parallel()
-                self.engine = Engine(self.served.module, opts.engine_config, self.executor.runner.device,
-                                     threads=opts.threads_per(1, in_process=True), draft=draft,
-                                     num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
-                                     announce=announce)
-            except ValueError as e:
-                if self.tp_group is not None:
-                    self.tp_group.abort()
-                raise ServeError(str(e)) from None
+            self.engine, self.adapters, self.tp_group = build_engine(self.served, self.ref, opts,
+                                                                     self.executor.runner.device)
         elif opts.draft is not None or opts.lora or opts.tp > 1:
             raise ServeError(f"--draft, --lora and --tp: model '{self.name}' does not generate text with the engine "
                              "(they need a language model with a tokenizer)")
-
-    def _tensor_parallel(self):
-        """--tp N: start ranks 1..N-1, shard this process's model as rank 0; the engine's announce hook."""
-        opts = self.opts
-        try:  # before any process starts: the heads, kv heads, widths and vocabulary divide over tp
-            check_tensor_parallel(self.served.module, opts.tp)
-        except ConfigError as e:
-            raise ServeError(f"--tp {opts.tp}: {e}") from None
-        num_blocks = Engine.pool_blocks(self.served.module, opts.engine_config, tp=opts.tp)
-        self._tp_dir = tempfile.TemporaryDirectory(prefix="plait-tp-")
-        self.tp_group = TensorParallelGroup(self.ref, opts.tp, num_blocks, opts.block_size,
-                                            opts.threads_per(opts.tp), self._tp_dir.name)
-        try:
-            self.served.module = shard(self.served.module, opts.tp).eval()
-            self.tp_group.wait_ready()
-        except BaseException:
-            self.tp_group.abort()
-            self.tp_group = None
-            raise
-        return self.tp_group.announce
-
-    def _draft(self):
-        """The draft model of --draft, checked: a generating model with the served model's vocabulary."""
-        assert self.opts.draft is not None
-        draft = load_model(ModelRef(self.opts.draft, trust_checkpoint=self.opts.trust_checkpoint))
-        if not isinstance(draft.module, DECODERS):
-            raise ServeError(f"--draft {self.opts.draft}: a {draft.registry_name} model cannot draft tokens; give a gpt "
-                             "or llama run, or a Hugging Face directory")
-        theirs, ours = int(draft.module.vocab_size), int(getattr(self.served.module, "vocab_size", -1))
-        if theirs != ours:  # the real vocabularies (the heads may be padded alike)
-            raise ServeError(f"--draft {self.opts.draft} has a vocabulary of {theirs} tokens and the served "
-                             f"model {ours}: a draft must share the served model's tokenizer")
-        module = draft.module.to(self.executor.runner.device) if isinstance(self.executor, LocalExecutor) else draft.module
-        return module
 
     def _executor(self) -> Executor:
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None

@@ -17,12 +17,14 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Sequence
 
-from plait.procs import spawn
+from plait.errors import ConfigError
+from plait.procs import CONTEXT, spawn
 from plait.serve.model import ModelRef, load_model
 from plait.serve.paged import PagedCache
 from plait.serve.protocol import ServeError
@@ -34,7 +36,6 @@ def shard(module, world: int):
     """The module split over every rank of the default group (its plan's matrices, in place)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from plait.errors import ConfigError
     from plait.parallel.tp import apply_tp  # lazily: only --tp needs DTensor (about 0.5 s of imports)
 
     mesh = init_device_mesh("cpu", (world,))
@@ -77,14 +78,13 @@ def worker_main(rank: int, world: int, store_path: str, ref: ModelRef, num_block
 class TensorParallelGroup:
     """Rank 0's side: the workers, the process group, and the announcement of each forward."""
 
-    def __init__(self, ref: ModelRef, world: int, num_blocks: int, block_size: int, threads: int, tmpdir: str):
+    def __init__(self, ref: ModelRef, world: int, num_blocks: int, block_size: int, threads: int):
         import torch.distributed as dist
-
-        from plait.procs import CONTEXT
 
         self.world = world
         self._ready = 0  # ranks holding their shard
-        store = os.path.join(tmpdir, "tp-store")
+        self._dir = tempfile.TemporaryDirectory(prefix="plait-tp-")  # the group's FileStore, removed with the group
+        store = os.path.join(self._dir.name, "tp-store")
         self.status = CONTEXT.Queue()
         self.procs = [spawn(worker_main, (r, world, store, ref, num_blocks, block_size, threads, self.status),
                             name=f"plait-tp-{r}", env=WORKER_ENV) for r in range(1, world)]

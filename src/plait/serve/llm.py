@@ -1,0 +1,67 @@
+"""The continuous-batching engine of one served language model, built from `plait serve`'s options: its draft
+model (--draft), its LoRA adapters (--lora) and its tensor-parallel ranks (--tp), each checked first."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.errors import ConfigError
+from plait.models.protocols import check_tensor_parallel
+from plait.serve.adapters import install_adapters, load_adapter
+from plait.serve.engine import Engine
+from plait.serve.kvcache import DECODERS
+from plait.serve.model import ModelRef, ServedModel, load_model
+from plait.serve.protocol import ServeError
+from plait.serve.tp import TensorParallelGroup, shard
+
+
+def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
+                 ) -> tuple[Engine, list[str], TensorParallelGroup | None]:
+    """(the engine, the --lora names in adapter order, the tensor-parallel group or None); `opts` a ServeOptions."""
+    draft = _draft(served, opts, device) if opts.draft is not None else None
+    router, names = None, []
+    if opts.lora:
+        adapters = [load_adapter(spec.partition("=")[0], spec.partition("=")[2], served.module, opts.trust_checkpoint)
+                    for spec in opts.lora]
+        router = install_adapters(served.module, adapters)
+        names = [a.name for a in adapters]
+    group = _tensor_parallel(served, ref, opts) if opts.tp > 1 else None
+    try:
+        engine = Engine(served.module, opts.engine_config, device, threads=opts.threads_per(1, in_process=True),
+                        draft=draft, num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
+                        announce=group.announce if group is not None else None)
+    except ValueError as e:
+        if group is not None:
+            group.abort()
+        raise ServeError(str(e)) from None
+    return engine, names, group
+
+
+def _tensor_parallel(served: ServedModel, ref: ModelRef, opts) -> TensorParallelGroup:
+    """--tp N: start ranks 1..N-1, then shard this process's model as rank 0."""
+    try:  # before any process starts: the heads, kv heads, widths and vocabulary divide over tp
+        check_tensor_parallel(served.module, opts.tp)
+    except ConfigError as e:
+        raise ServeError(f"--tp {opts.tp}: {e}") from None
+    num_blocks = Engine.pool_blocks(served.module, opts.engine_config, tp=opts.tp)
+    group = TensorParallelGroup(ref, opts.tp, num_blocks, opts.block_size, opts.threads_per(opts.tp))
+    try:
+        served.module = shard(served.module, opts.tp).eval()
+        group.wait_ready()
+    except BaseException:
+        group.abort()
+        raise
+    return group
+
+
+def _draft(served: ServedModel, opts, device: torch.device):
+    """The draft model of --draft, checked: a generating model with the served model's vocabulary."""
+    draft = load_model(ModelRef(opts.draft, trust_checkpoint=opts.trust_checkpoint))
+    if not isinstance(draft.module, DECODERS):
+        raise ServeError(f"--draft {opts.draft}: a {draft.registry_name} model cannot draft tokens; give a gpt "
+                         "or llama run, or a Hugging Face directory")
+    theirs, ours = int(draft.module.vocab_size), int(getattr(served.module, "vocab_size", -1))
+    if theirs != ours:  # the real vocabularies (the heads may be padded alike)
+        raise ServeError(f"--draft {opts.draft} has a vocabulary of {theirs} tokens and the served "
+                         f"model {ours}: a draft must share the served model's tokenizer")
+    return draft.module.to(device)
