@@ -157,20 +157,7 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
                    help="language models: continuous batching over a paged KV cache (in one process), or static "
                         "batches generated together until the longest ends (also what --replicas and --pp do)")
-    s.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV-cache block")
-    s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
-    s.add_argument("--max-seqs", type=int, default=64, help="continuous: sequences in one engine step at most")
-    s.add_argument("--max-prefill-tokens", type=int, default=512,
-                   help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
-    s.add_argument("--no-prefix-caching", action="store_true",
-                   help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")
-    s.add_argument("--draft", type=Path, metavar="RUN_OR_DIR",
-                   help="continuous: speculative decoding with this smaller model of the same tokenizer as the draft")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="--draft: tokens the draft proposes per step, checked by the served model in one forward")
-    s.add_argument("--lora", action="append", metavar="NAME=PATH",
-                   help="continuous: a LoRA adapter (a LoRA run or an --adapters-only export) over the served model, "
-                        "answering requests whose model is NAME; repeat for more (they share batches)")
+    _add_engine_args(s)
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
     s.add_argument("--max-prompt-chars", type=int, default=65_536, help="longer /v1/generate prompts get 413")
@@ -190,7 +177,29 @@ def add_parsers(sub, bench) -> None:
                    help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
                         "(MKL_CBWR), no padding rows (plait.serve.runner)")
     s.set_defaults(fn=cmd_serve)
+    _add_bench(bench)
 
+
+def _add_engine_args(s) -> None:
+    """The continuous-batching engine's flags of `plait serve`."""
+    s.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV-cache block")
+    s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
+    s.add_argument("--max-seqs", type=int, default=64, help="continuous: sequences in one engine step at most")
+    s.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")
+    s.add_argument("--draft", type=Path, metavar="RUN_OR_DIR",
+                   help="continuous: speculative decoding with this smaller model of the same tokenizer as the draft")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="--draft: tokens the draft proposes per step, checked by the served model in one forward")
+    s.add_argument("--lora", action="append", metavar="NAME=PATH",
+                   help="continuous: a LoRA adapter (a LoRA run or an --adapters-only export) over the served model, "
+                        "answering requests whose model is NAME; repeat for more (they share batches)")
+
+
+def _add_bench(bench) -> None:
+    """`plait bench serve`."""
     b = bench.add_parser("serve", help="load-test plait serve on loopback: batching off/on, 1 vs 2 replicas",
                          formatter_class=DefaultsFormatter)
     b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors", help="the model to serve and load")
