@@ -81,6 +81,15 @@ def cmd_serve(a) -> int:
 
 
 def cmd_bench_serve(a) -> int:
+    if a.generate:
+        from plait.serve.bench_generate import GenerateOptions, parse_range, run_generate  # lazily: imports torch
+
+        if a.requests < 1 or a.rate < 0:
+            raise ConfigError(f"--requests {a.requests} must be >= 1 and --rate {a.rate:g} >= 0")
+        return run_generate(str(a.model), GenerateOptions(
+            requests=a.requests, rate=a.rate or 8.0, out=a.out, serve_args=["--max-batch-size", str(a.max_batch_size)],
+            prompt_tokens=parse_range(a.prompt_tokens, "--prompt-tokens"), new_tokens=parse_range(a.new_tokens,
+                                                                                                  "--new-tokens")))
     if a.pattern == "burst":
         from plait.serve.autoscale import AutoscaleConfig  # lazily: plait --help must not import numpy (via protocol)
         from plait.serve.bench_burst import BurstOptions, run_burst  # lazily: plait --help must not import torch
@@ -205,7 +214,7 @@ def _add_bench(bench) -> None:
     b.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors", help="the model to serve and load")
     b.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop concurrencies (default 1,4,16)")
     b.add_argument("--rate", type=float, default=0.0, help="open-loop requests per second (0: 60%% of the best "
-                                                           "closed-loop throughput of batching off)")
+                                                           "closed-loop throughput of batching off; --generate: 8)")
     b.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     b.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each measurement")
     b.add_argument("--max-batch-size", type=int, default=16, help="batching on: rows merged into one batch at most")
@@ -220,4 +229,11 @@ def _add_bench(bench) -> None:
     b.add_argument("--burst-s", type=float, default=5.0, help="--pattern burst: seconds of each burst")
     b.add_argument("--idle-s", type=float, default=8.0, help="--pattern burst: seconds between the bursts (the server "
                                                              "scales to zero after 3 s)")
+    b.add_argument("--generate", action="store_true",
+                   help="a language model: streamed generation under Poisson arrivals, --scheduler static vs the "
+                        "continuous-batching engine vs the engine with prefix caching; TTFT, ITL, tokens/s and the "
+                        "engine's gauges (bench_generate.png)")
+    b.add_argument("--requests", type=int, default=64, help="--generate: requests per configuration")
+    b.add_argument("--prompt-tokens", default="8:256", metavar="LO:HI", help="--generate: prompt lengths (uniform)")
+    b.add_argument("--new-tokens", default="4:128", metavar="LO:HI", help="--generate: tokens asked for (uniform)")
     b.set_defaults(fn=cmd_bench_serve)
