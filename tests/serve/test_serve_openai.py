@@ -85,6 +85,18 @@ def test_models_and_greedy_completion_equal_transformers(client, hf_dir):
     assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
 
 
+def test_a_generate_prompt_longer_than_the_context_in_characters_is_tokenized_whole(server, hf_dir):
+    # 256 positions; this prompt has about 4 x 256 characters but fewer tokens than that: a cut at 256 characters
+    # (right for a character tokenizer) would hand the model a third of it, starting mid-word.
+    prompt = " ".join(CORPUS.split()[:190])
+    ids = hf_dir["tok"].encode(prompt, add_special_tokens=False).ids
+    assert len(prompt) > 3 * 256 and len(ids) + 8 < 256
+    r = httpx.post(server.url + "/v1/generate", json={"prompt": prompt, "max_new_tokens": 8, "temperature": 0},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == hf_greedy(hf_dir, ids, 8)
+
+
 def test_streamed_completion_equals_the_whole_one(client):
     whole = client.completions.create(model="tiny", prompt=[PROMPT, "a bird"], max_tokens=10, temperature=0)
     chunks = list(client.completions.create(model="tiny", prompt=[PROMPT, "a bird"], max_tokens=10, temperature=0,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.data.tokenizer import CharTokenizer
 from plait.serve.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.device import serve_device, torch_device
@@ -504,9 +505,9 @@ class Service:
     def gen_row(self, body: dict) -> tuple[GenRow, bool, int]:
         """Check a /v1/generate body; returns the row to generate, whether to stream, and the prompt's token count.
 
-        The prompt's length is checked before anything is copied, and only its last `context` characters are
-        tokenized: the model sees no more than that (kvcache.generate keeps the last `context` tokens), so the
-        tokens generated are the same as for the whole prompt.
+        The prompt's length is checked before anything is copied. With a character tokenizer only its last `context`
+        characters are tokenized: the model sees no more than that (kvcache.generate keeps the last `context`
+        tokens), so the tokens generated are the same as for the whole prompt.
         """
         allowed = {"prompt", "max_new_tokens", "temperature", "top_k", "seed", "stream", "model"}
         unknown = sorted(set(body) - allowed)
@@ -542,9 +543,12 @@ class Service:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(400, "'stream' must be true or false")
-        assert self.served.tokenizer is not None
-        tail = prompt[-max(1, self.served.context):]
-        ids = [int(i) for i in self.served.tokenizer.encode(tail)]
+        tok = self.served.tokenizer
+        assert tok is not None
+        # A character is a token only for a character tokenizer: for one that joins characters (BPE), the last
+        # `context` characters are fewer tokens than the model takes, cut at a place that changes the tokens.
+        tail = prompt[-max(1, self.served.context):] if isinstance(tok, CharTokenizer) else prompt
+        ids = [int(i) for i in tok.encode(tail)]
         row = GenRow(ids, n, float(temperature), top_k, secrets.randbits(63) if seed is None else seed)
         return row, stream, len(prompt)
 
