@@ -102,20 +102,37 @@ class PagedStep:
         self.tokens = t
         self.positions = torch.tensor([positions], device=device)
         self.slots = torch.tensor(slots, device=device)
-        self.decode_rows = torch.tensor([d[0] for d in decodes], device=device, dtype=torch.long)
-        if decodes:
-            widest = max(len(d[1]) for d in decodes)
-            self.decode_blocks = torch.tensor([b for d in decodes for b in d[1] + [0] * (widest - len(d[1]))],
-                                              device=device)  # (n * widest,) block ids, padded with block 0
-            k = torch.arange(widest * bs)[None]
-            lengths = torch.tensor([d[2] for d in decodes])[:, None]
-            mask = k < lengths
-            if cache.window:
-                mask &= (lengths - 1) - k < cache.window
-            self.decode_mask = mask[:, None, None].to(device)  # (n, 1, 1, widest * block_size)
+        self.decode_groups = [self._group(g, device) for g in _by_width(decodes)]
+
+    def _group(self, decodes: list[tuple[int, list[int], int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token indices, block ids padded to the group's widest table with block 0, key mask) of decodes."""
+        bs, window = self.cache.block_size, self.cache.window
+        widest = max(len(d[1]) for d in decodes)
+        blocks = torch.tensor([b for d in decodes for b in d[1] + [0] * (widest - len(d[1]))], device=device)
+        k = torch.arange(widest * bs)[None]
+        lengths = torch.tensor([d[2] for d in decodes])[:, None]
+        mask = k < lengths
+        if window:
+            mask &= (lengths - 1) - k < window
+        rows = torch.tensor([d[0] for d in decodes], device=device, dtype=torch.long)
+        return rows, blocks, mask[:, None, None].to(device)  # mask: (n, 1, 1, widest * block_size)
 
     def layer(self, name: str) -> PagedLayer:
         return PagedLayer(self, self.cache.k[name], self.cache.v[name])
+
+
+def _by_width(decodes: list[tuple[int, list[int], int]], groups: int = 4) -> list[list[tuple[int, list[int], int]]]:
+    """Decodes in at most `groups` groups of similar block-table width, widest first: a group is gathered and padded
+    to its own widest table, so a short sequence beside a long one is not padded to the long one's length (the
+    gather and the attention over padding were most of a mixed decode step). A group ends where a table is less than
+    half its widest."""
+    out: list[list[tuple[int, list[int], int]]] = []
+    for d in sorted(decodes, key=lambda d: -len(d[1])):
+        if out and (len(d[1]) * 2 >= len(out[-1][0][1]) or len(out) == groups):
+            out[-1].append(d)
+        else:
+            out.append([d])
+    return out
 
 
 class PagedLayer:
@@ -140,16 +157,19 @@ class PagedLayer:
         kv_shape = self.k_pool.shape[1:]
         gqa = k.shape[1] != q.shape[1]
         y = torch.empty_like(q)
-        if len(s.decode_rows):
-            n = len(s.decode_rows)
-            qd = q[0][:, s.decode_rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
-            kd = kb.index_select(0, s.decode_blocks).view(n, -1, *kv_shape).transpose(1, 2)  # (n, kv_heads, keys, d)
-            vd = vb.index_select(0, s.decode_blocks).view(n, -1, *kv_shape).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=s.decode_mask, enable_gqa=gqa)
-            y[0][:, s.decode_rows] = out[:, :, 0].transpose(0, 1)
+        for rows, blocks, mask in s.decode_groups:
+            n = len(rows)
+            qd = q[0][:, rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
+            kd = kb.index_select(0, blocks).view(n, -1, *kv_shape).transpose(1, 2)  # (n, kv_heads, keys, d)
+            vd = vb.index_select(0, blocks).view(n, -1, *kv_shape).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+            y[0][:, rows] = out[:, :, 0].transpose(0, 1)
         for first, stop, blocks, keys, mask in s.prefills:
-            kp = kb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
-            vp = vb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
+            if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
+                kp, vp = k[:, :, first:stop], v[:, :, first:stop]
+            else:
+                kp = kb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
+                vp = vb.index_select(0, blocks).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
             y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
                                                                  enable_gqa=gqa)
         return y
