@@ -9,6 +9,7 @@ once per configuration:
   (a) --scheduler static      whole batches (--max-batch-size 16) generated together until the longest ends
   (b) continuous              the engine: iteration-level scheduling over a paged KV cache (no prefix caching)
   (c) continuous + prefix     the same with prefix caching, on a workload whose prompts share a system prompt
+  (d) speculative             (b) with --draft: the target's first layer alone, 4 tokens proposed per step
   (e) transformers            LlamaForCausalLM.generate called per request, one at a time, as without a server
 
 The workload: `--requests` prompts of 8-256 tokens asking for 4-128 new tokens (greedy; every request gets exactly
@@ -19,7 +20,8 @@ tokens of its own). Then the prefix check of issue 33 item 3: a 256-token prompt
 each alone; TTFT of the second over the first (median of 5 pairs), with prefix caching on and off.
 
 Prints a table (requests/s, output tokens/s, p50/p99 TTFT and ITL) and writes it to serve_llm.json in --out.
-Speculative decoding (d) is not implemented yet and is not measured.
+(d) is (b) with a draft model proposing 4 tokens per step: the target's own first layer (see make_draft); the
+server's acceptance rate is read from its /metrics.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -65,6 +68,24 @@ def make_model(d: Path, width: int, layers: int) -> tuple[Path, object]:
     model.save_pretrained(d)
     tok.save(str(d / "tokenizer.json"))
     return d, model
+
+
+def make_draft(d: Path, model, target_dir: Path) -> Path:
+    """The target's first layer alone (its embeddings, norm and head shared): a quarter-depth draft. A draft of its
+    own random weights would agree with a random target at chance (1 in 512 tokens) and measure only overhead; a
+    truncated one shares the target's residual stream, so it agrees often, as a trained draft does."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    draft = LlamaForCausalLM(config).eval()
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    assert not missing, missing
+    draft.save_pretrained(d)
+    (d / "tokenizer.json").write_bytes((target_dir / "tokenizer.json").read_bytes())
+    return d
 
 
 def prompt_text(rng: random.Random, words: int) -> str:
@@ -169,8 +190,13 @@ def serve_run(model_dir: Path, name: str, workload, *flags: str) -> dict:
         t = time.perf_counter()
         results = asyncio.run(drive(srv.url, workload))
         row = summarise(name, results, time.perf_counter() - t)
+        import httpx
+
+        m = re.search(r"(?m)^plait_speculative_acceptance_rate ([\d.eE+-]+)$", httpx.get(srv.url + "/metrics").text)
+        row["acceptance_rate"] = float(m.group(1)) if m and "--draft" in flags else None
+    extra = f", draft tokens accepted {row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else ""
     print(f"  {name}: {row['output_tokens_per_s']:.0f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
-          f"ITL p99 {row['itl_p99_ms']:.1f} ms", flush=True)
+          f"ITL p99 {row['itl_p99_ms']:.1f} ms{extra}", flush=True)
     return row
 
 
@@ -222,18 +248,29 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="every server's --threads (0: its default, cores - 1)")
+    ap.add_argument("--max-seqs", type=int, default=64, help="the engine's --max-seqs for (b)-(d)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=512, help="the engine's --max-prefill-tokens for (b)-(d)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, hf_model = make_model(Path(tmp) / "tiny-llama", a.width, a.layers)
         mixed, shared = mixed_workload(a.requests, a.rate), shared_workload(a.requests, a.rate)
-        rows = [serve_run(model_dir, "(a) static batches, mixed", mixed, "--scheduler", "static"),
-                serve_run(model_dir, "(b) continuous, mixed", mixed, "--no-prefix-caching"),
-                serve_run(model_dir, "(b) continuous, shared prefix", shared, "--no-prefix-caching"),
-                serve_run(model_dir, "(c) continuous + prefix caching, shared prefix", shared)]
+        draft_dir = make_draft(Path(tmp) / "draft", hf_model, model_dir)
+        engine = ["--max-seqs", str(a.max_seqs), "--max-prefill-tokens", str(a.max_prefill_tokens), "--threads",
+                  str(a.threads)]
+        rows = [serve_run(model_dir, "(a) static batches, mixed", mixed, "--scheduler", "static", "--threads",
+                          str(a.threads)),
+                serve_run(model_dir, "(b) continuous, mixed", mixed, "--no-prefix-caching", *engine),
+                serve_run(model_dir, "(b) continuous, shared prefix", shared, "--no-prefix-caching", *engine),
+                serve_run(model_dir, "(c) continuous + prefix caching, shared prefix", shared, *engine),
+                serve_run(model_dir, "(d) continuous + speculative (1-layer draft), mixed", mixed, "--no-prefix-caching",
+                          *engine, "--draft", str(draft_dir), "--num-speculative-tokens", "4")]
         if not a.skip_transformers:
             rows.append(transformers_run(hf_model, model_dir / "tokenizer.json", mixed))
-        on, off = prefix_ttft(model_dir), prefix_ttft(model_dir, "--no-prefix-caching")
-    print(f"\n{a.requests} requests, Poisson {a.rate:g}/s, Llama width {a.width} x {a.layers} layers, load average "
+        threads = ["--threads", str(a.threads)]
+        on, off = prefix_ttft(model_dir, *threads), prefix_ttft(model_dir, "--no-prefix-caching", *threads)
+    print(f"\n{a.requests} requests, Poisson {a.rate:g}/s, Llama width {a.width} x {a.layers} layers, server --threads "
+          f"{a.threads} (0: cores - 1), load average "
           f"{os.getloadavg()[0]:.2f}\n")
     print("| configuration | requests/s | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -243,6 +280,9 @@ def main() -> None:
     speedup = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
     print(f"\n(b) / (a) output tokens/s: {speedup:.2f}x (target >= 2); p99 ITL (b) {rows[1]['itl_p99_ms']:.1f} ms vs "
           f"(a) {rows[0]['itl_p99_ms']:.1f} ms")
+    spec = rows[4]
+    print(f"(d) / (b) output tokens/s: {spec['output_tokens_per_s'] / rows[1]['output_tokens_per_s']:.2f}x with "
+          f"{spec['acceptance_rate']:.0%} of drafted tokens accepted")
     print(f"TTFT of a 90 %-shared second prompt / the first: {on:.2f} with prefix caching (target <= 0.3), "
           f"{off:.2f} without")
     a.out.mkdir(parents=True, exist_ok=True)
