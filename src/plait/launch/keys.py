@@ -33,6 +33,9 @@ class LaunchKeys:
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", ("auto", "cpu", "cuda"))
     timeout_s: int = opt(300, "seconds a collective may wait before it is an error naming the ranks that did not join",
                          minimum=1)
+    device_hour_cost: float = opt(0.0, "the price of one device (process) for one hour, any currency: summary.json "
+                                       "and the report give the run's cost and its cost to train.target (0: none)",
+                                  minimum=0, finite=True)
     check_collectives: bool = opt(False, "fingerprint every collective and compare across ranks (slower; finds the "
                                          "mismatch behind a hang)")
 

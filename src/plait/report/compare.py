@@ -1,4 +1,6 @@
-"""`plait runs compare RUN...`: one HTML page with a table of the runs' figures and their loss curves overlaid."""
+"""`plait runs compare RUN...`: one HTML page with a table of the runs' figures and their loss curves overlaid.
+
+Runs with a train.target are ranked by their time to it (those that reached it, fastest first)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,19 @@ from plait.report.runfiles import read_metrics
 # the table's columns: (summary key, heading)
 COLUMNS = (("steps", "steps"), ("parallel", "layout"), ("params", "parameters"), ("final_loss", "final loss"),
            ("val_loss", "validation loss"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
-           ("wall_time_s", "wall time"), ("world_size", "processes"))
+           ("wall_time_s", "wall time"), ("world_size", "processes"), ("time_to_target", "time to target"))
+
+
+def _rank(summaries: dict[str, dict]) -> dict[str, dict]:
+    """With a train.target in any run: the runs that reached it first, fastest first (wall time), then the rest."""
+    if not any("time_to_target" in s for s in summaries.values()):
+        return summaries
+
+    def key(item):
+        t = item[1].get("time_to_target") or {}
+        return (0, t["wall_time_s"]) if t.get("reached") else (1, 0.0)
+
+    return dict(sorted(summaries.items(), key=key))
 
 
 class CompareError(PlaitError):
@@ -67,6 +81,7 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
         summaries[name] = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
     out_dir = Path(out_dir) if out_dir else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = _rank(summaries)
     cols = [(k, h) for k, h in COLUMNS if any(k in s for s in summaries.values())]
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in cols)
     rows = "".join(

@@ -23,13 +23,15 @@ h2{margin-top:1.6em;border-bottom:2px solid #ddd}"""
 # the overview's rows, in this order (other summary keys follow under "more")
 OVERVIEW = ("steps", "resumed_from_step", "preempted", "initial_loss", "final_loss", "val_loss", "unigram_val_loss",
             "world_size", "parallel", "global_batch_size", "micro_batch_size", "grad_accum", "precision", "device",
-            "backend", "params", "trainable_params", "wall_time_s", "train_time_s", "tokens_per_s", "samples_per_s")
+            "backend", "params", "trainable_params", "wall_time_s", "train_time_s", "tokens_per_s", "samples_per_s",
+            "time_to_target", "device_hours", "cost")
 SHOWN_ELSEWHERE = {"memory", "comm", "stragglers", "sample"}
 LABELS = {"val_loss": "validation loss", "unigram_val_loss": "unigram baseline (validation)", "grad_accum":
           "gradient accumulation", "wall_time_s": "wall time", "train_time_s": "training time", "tokens_per_s":
           "throughput (tokens/s)", "samples_per_s": "throughput (samples/s)", "params": "parameters",
           "trainable_params": "trainable parameters", "resumed_from_step": "resumed from step", "world_size":
-          "processes"}
+          "processes", "time_to_target": "time to target (train.target)", "device_hours": "device-hours (this session)",
+          "cost": "cost (launch.device_hour_cost)"}
 
 
 def label(key: str) -> str:
@@ -52,10 +54,23 @@ def human_seconds(s: float) -> str:
     return f"{m} min {sec} s" if m < 60 else f"{m // 60} h {m % 60} min"
 
 
+def target_text(t: dict) -> str:
+    """summary.json's time_to_target in words."""
+    sign = "<=" if t["metric"] == "val_loss" else ">="
+    if not t.get("reached"):
+        return f"{t['metric']} {sign} {t['target']:g} not reached in {t['steps']:,} steps"
+    seen = f"{t['tokens']:,} tokens" if "tokens" in t else f"{t['samples']:,} samples"
+    cost = f", cost {t['cost']:.4g}" if "cost" in t else ""
+    return (f"{t['metric']} {sign} {t['target']:g} at step {t['step']:,}: {human_seconds(t['wall_time_s'])}, {seen}, "
+            f"{t['device_hours']:.3g} device-hours{cost}")
+
+
 def human(key: str, v) -> str:
     """A value for people: bytes in KiB/MiB/GiB, seconds in ms/s/min, counts with separators, no raw containers."""
     if v is None:
         return "-"
+    if key == "time_to_target" and isinstance(v, dict):
+        return target_text(v)
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):

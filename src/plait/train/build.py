@@ -37,6 +37,7 @@ from plait.train.job import check_job, metric_name
 from plait.train.loss import loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
 from plait.train.progressive import Freezer
+from plait.train.target import TimeToTarget
 from plait.train.telemetry import Telemetry
 from plait.train.weights import checkpoint_parts, init_from
 
@@ -101,7 +102,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
         return Served(served, rt)
     strategy = build_strategy(b)
     strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
-    callbacks = Callbacks(callbacks_for(cfg, b, strategy))
+    callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle.spec))
     start = resume_from(strategy, run_dir, rt, callbacks) if resume and run_dir is not None else 0
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
@@ -155,7 +156,7 @@ def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
     return loss_fn
 
 
-def callbacks_for(cfg: Config, b: Build, strategy: Strategy) -> list:
+def callbacks_for(cfg: Config, b: Build, strategy: Strategy, spec) -> list:
     """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
     t, rt = cfg.train, b.rt
     found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
@@ -170,6 +171,10 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy) -> list:
         found.append(KeepBest(cfg.checkpoint.keep_best))
     if t.early_stop:
         found.append(EarlyStopping(t.early_stop, log=rt.print))
+    if t.target:
+        per_sample = spec.tokens_per_sample if spec.task == "lm" else None
+        found.append(TimeToTarget(t.target, t.global_batch_size, per_sample, rt.world_size,
+                                  cfg.launch.device_hour_cost, log=rt.print))
     return found
 
 

@@ -83,6 +83,29 @@ class EarlyStopKeys:
             raise ConfigError(f"train.early_stop.min_delta = {d!r} must be a number >= 0")
 
 
+TARGET_KEYS = {"metric", "value"}
+
+
+@keys("train")
+class TargetKeys:
+    target: dict = opt({}, "record when a validation metric first reaches a value: step, samples/tokens, wall time, "
+                           "device-hours (and launch.device_hour_cost's cost): {metric = 'val_loss', value = 2.0}; {} off")
+
+    def check(self, cfg) -> None:
+        spec = self.target
+        if not spec:
+            return
+        unknown = sorted(set(spec) - TARGET_KEYS)
+        if unknown:
+            raise ConfigError(f"train.target has unknown keys {unknown}; it takes metric and value, e.g. "
+                              "{metric = 'val_loss', value = 2.0}")
+        if spec.get("metric", "val_loss") not in EARLY_STOP_METRICS:
+            raise ConfigError(f"train.target.metric = {spec['metric']!r}: choose one of {sorted(EARLY_STOP_METRICS)}")
+        v = spec.get("value")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ConfigError(f"train.target.value = {v!r} must be a number, e.g. {{metric = 'val_loss', value = 2.0}}")
+
+
 @keys("optim")
 class OptimKeys:
     name: str = opt("adamw", "optimizer: adamw, sgd, lamb or lars (layer-wise trust ratios, You et al.), adamw8bit "

@@ -323,6 +323,9 @@ class Telemetry:
                            "factor": STRAGGLER_FACTOR},
             "comm": {"bytes_per_step_per_rank": [c for _, c in per_rank]},
         }
+        if cfg.launch.device_hour_cost:  # this session's: wall time x processes
+            summary["device_hours"] = summary["wall_time_s"] * rt.world_size / 3600
+            summary["cost"] = summary["device_hours"] * cfg.launch.device_hour_cost
         if self.lm:
             summary["unigram_val_loss"] = self.bundle.unigram_val_loss
         if self.bundle.stats:
