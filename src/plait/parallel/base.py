@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from plait.parallel.gradsync import align_grads, clip_grad_norm
+from plait.parallel.saved import saved_tensors
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -143,6 +144,7 @@ class Strategy:
         self.precision = precision
         self.local_batch = local_batch  # samples per step on this data-parallel rank
         self.activation_meter = None  # set by the trainer on the steps where it measures memory
+        self.saved_codec = None  # train.activation_compression (plait.parallel.saved), set by the trainer
         self.eval_metrics: dict[str, Callable] | None = None  # train.eval_metrics: name -> fn(outputs, targets)
         self.last_metrics: torch.Tensor | None = None  # their values on the last eval_batch, float64
         self.labels: list[str] = []  # words the run's header adds to the strategy's name (e.g. "fp16 compression")
@@ -162,7 +164,7 @@ class Strategy:
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync() if i < last else contextlib.nullcontext()
-            meter = self.activation_meter.measure() if self.activation_meter else contextlib.nullcontext()
+            meter = saved_tensors(self.activation_meter, self.saved_codec, self.module)
             with ctx:
                 with meter, self.precision.autocast():
                     loss = self.loss_fn(self.model(x), y)

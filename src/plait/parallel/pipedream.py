@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from plait.parallel.gradsync import align_grads, average_tensors
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
 from plait.parallel.pipeline import PipelineStrategy, step_bubble, theoretical_bubble
+from plait.parallel.saved import saved_tensors
 from plait.parallel.scheme import Scheme
 
 PENDING = "pipedream_pending_grad"  # checkpoint key of the drained step's gradient (plain names)
@@ -104,7 +104,7 @@ class PipeDreamStrategy(PipelineStrategy):
         if not self.first:
             x = self._recv(self.prev, ACT, t, j).requires_grad_(True)
         start = time.time()  # a slot is compute: waiting for its input is bubble
-        meter = self.activation_meter.measure((self.stage_ids[0], j, t)) if self.activation_meter else nullcontext()
+        meter = saved_tensors(self.activation_meter, self.saved_codec, self.module, (self.stage_ids[0], j, t))
         with meter, self.precision.autocast():
             out = version(x)
             if self.last:

@@ -33,6 +33,7 @@ from plait.parallel.expert import refuse_experts
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
+from plait.parallel.saved import saved_tensors
 from plait.parallel.scheme import Build, Scheme
 from plait.parallel.split import pipeline_stage, stage_bounds
 
@@ -129,10 +130,9 @@ class PipelineStrategy(Strategy):
 
     # ---- the step
     def _loss(self, output, target):
-        if self.activation_meter is not None:  # the loss's saved tensors belong to the micro-batch just run
-            with self.activation_meter.measure(self._last_forward):
-                return self.loss_fn(output, target)
-        return self.loss_fn(output, target)
+        # the loss's saved tensors belong to the micro-batch just run
+        with saved_tensors(self.activation_meter, self.saved_codec, self.module, self._last_forward):
+            return self.loss_fn(output, target)
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         x = torch.cat([m[0] for m in micro_batches])
@@ -268,11 +268,7 @@ class PipelineStrategy(Strategy):
         def forward_one_chunk(mb, *args, **kwargs):
             t = time.time()
             self._last_forward = (sid, mb, len(self.peak_inflight))
-            meter = self.activation_meter.measure(self._last_forward) if self.activation_meter else None
-            if meter:
-                with meter:
-                    out = fwd(mb, *args, **kwargs)
-            else:
+            with saved_tensors(self.activation_meter, self.saved_codec, self.module, self._last_forward):
                 out = fwd(mb, *args, **kwargs)
             self.events.append((sid, "F", mb, t, time.time()))
             return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -23,11 +24,13 @@ from plait.data.augment import augmented, two_views
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
 from plait.data.user import import_object
+from plait.errors import ConfigError
 from plait.faults import SlowDevice
 from plait.finetune import ProgressiveFreeze, apply_finetune
 from plait.models import build_model
 from plait.models.hf import is_hf_dir
 from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_strategy
+from plait.parallel.saved import codec_for
 from plait.parallel.schemes import build_module, serve_rank
 from plait.runtime import Runtime, seed_all
 from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate
@@ -59,7 +62,9 @@ class Job:
 
     def to_device(self, micro: list) -> list:
         device = self.rt.device
-        return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
+        fmt = torch.channels_last if self.cfg.train.channels_last else torch.preserve_format
+        return [(x.to(device, non_blocking=True, memory_format=fmt) if x.dim() == 4 else
+                 x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -94,6 +99,8 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     run_dir = Path(run_dir) if run_dir is not None else None
     bundle = data_bundle(cfg)
     model, meta_init = model_for(cfg, layout, rt, bundle.spec)
+    if cfg.train.channels_last:
+        model = to_channels_last(model, cfg.model.name)
     loss_fn = loss_of(cfg, model, bundle.spec, rt)
     b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
               with_extra_loss(loss_fn, model), Precision(cfg.precision.dtype, rt.device), SCHEMES, meta_init, run_dir)
@@ -101,6 +108,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     if served is not None:
         return Served(served, rt)
     strategy = build_strategy(b)
+    strategy.saved_codec = codec_for(cfg.train.activation_compression)
     strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
     callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle.spec))
     start = resume_from(strategy, run_dir, rt, callbacks) if resume and run_dir is not None else 0
@@ -143,6 +151,14 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
         init_from(model, source)
     apply_finetune(model, ft)  # freezing and LoRA adapters, on the plain model's names
     return model, meta_init
+
+
+def to_channels_last(model: nn.Module, name: str) -> nn.Module:
+    """train.channels_last: the model's 4-D weights in NHWC (image batches follow in Job.to_device)."""
+    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        raise ConfigError(f"train.channels_last = true needs a convolutional model; model.name = {name!r} has no 2-D "
+                          "convolution: set train.channels_last = false")
+    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch accepts it; its stubs do not
 
 
 def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):

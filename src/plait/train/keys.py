@@ -83,6 +83,16 @@ class EarlyStopKeys:
             raise ConfigError(f"train.early_stop.min_delta = {d!r} must be a number >= 0")
 
 
+@keys("train")
+class MemoryKeys:
+    activation_compression: str = opt("none", "what autograd saves for backward, stored as bf16 (half of fp32's bytes) "
+                                              "or int8 with a scale per row (about a quarter); backward computes with "
+                                              "the decompressed tensors (approximate gradients)",
+                                      ("none", "bf16", "int8"))
+    channels_last: bool = opt(False, "convolutional models: weights and image batches in channels-last memory layout "
+                                     "(NHWC), which many convolution kernels run faster")
+
+
 TARGET_KEYS = {"metric", "value"}
 
 

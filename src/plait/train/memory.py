@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from plait.parallel.saved import param_storages
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -77,29 +79,26 @@ class ActivationMeter:
         self.totals: dict = {}
 
     @contextlib.contextmanager
-    def measure(self, key=None):
-        """Count what is saved inside; calls with the same `key` (one micro-batch's pieces) add up."""
+    def measure(self, key=None, codec=None):
+        """Count what is saved inside; calls with the same `key` (one micro-batch's pieces) add up. With a codec
+        (plait.parallel.saved: train.activation_compression) what is saved is packed first, and that is counted."""
         seen: dict[int, int] = {}
-        params = set()
-        if self.module is not None:
-            for p in self.module.parameters():
-                try:
-                    params.add(_local(p).untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):
-                    pass
+        params = param_storages(self.module)
 
         def pack(t: torch.Tensor):
             if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or not t.numel():
                 return t
-            try:
-                st = _local(t).untyped_storage()
-                if st.data_ptr() not in params:
-                    seen[st.data_ptr()] = st.nbytes()
-            except (RuntimeError, NotImplementedError):
-                pass
-            return t
+            packed = codec.pack(t, params) if codec is not None else t
+            for x in codec.tensors(packed) if codec is not None else (t,):
+                try:
+                    st = _local(x).untyped_storage()
+                    if st.data_ptr() not in params:
+                        seen[st.data_ptr()] = st.nbytes()
+                except (RuntimeError, NotImplementedError):
+                    pass
+            return packed
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, codec.unpack if codec is not None else (lambda t: t)):
             yield
         total = sum(seen.values())
         if key is not None:
