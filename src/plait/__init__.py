@@ -58,3 +58,4 @@ from plait.parallel import keys as _parallel_keys  # noqa: E402, F401, I001
 from plait.launch import keys as _launch_keys  # noqa: E402, F401, I001
 from plait.federated import keys as _federated_keys  # noqa: E402, F401, I001
 from plait.finetune import keys as _finetune_keys  # noqa: E402, F401, I001
+from plait.plan import keys as _plan_keys  # noqa: E402, F401, I001

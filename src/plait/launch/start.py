@@ -87,6 +87,13 @@ def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Conf
             pass
     from plait.train.job import check_job  # lazily: torch, which the fork server imports meanwhile on the other core
 
+    if cfg.parallel.auto:
+        from plait.launch.job import vocab_size  # lazily: the data's vocabulary (torch)
+        from plait.plan.auto import choose, needs_plan  # lazily: the planner (torch)
+
+        if needs_plan(cfg):
+            cfg = choose(cfg, vocab_size(cfg))
+            print(f"parallel.auto: {cfg.parallel.auto_reason}", flush=True)
     check_job(cfg, user_data=warm)
     return cfg
 

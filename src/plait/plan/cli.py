@@ -13,17 +13,8 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.plan.keys import UNITS, parse_size
 from plait.rundir import timestamped
-
-UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-
-
-def parse_size(text: str, what: str) -> float:
-    """'80GB' -> 80e9 bytes, '16GiB' -> 16 * 2**30."""
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not m:
-        raise ConfigError(f"{what} = {text!r} is not a size; write e.g. 80GB or 16GiB")
-    return float(m.group(1)) * UNITS[m.group(2) or ""]
 
 
 def parse_rate(text: str, what: str) -> float:

@@ -33,7 +33,7 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def describe(lay: Layout) -> str:
-    text = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}"
+    text = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}" + (f" x cp {lay.cp}" if lay.cp > 1 else "")
     if lay.zero:
         text += f", ZeRO-{lay.zero}"
     if lay.pp > 1:
@@ -44,7 +44,7 @@ def describe(lay: Layout) -> str:
 def apply(cfg: Config, lay: Layout, world: int) -> Config:
     new = copy.deepcopy(cfg)
     p, t = new.parallel, new.train
-    p.dp, p.tp, p.pp, p.zero, p.ep = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
+    p.dp, p.tp, p.pp, p.zero, p.ep, p.cp = lay.dp, lay.tp, lay.pp, lay.zero, lay.ep, lay.cp
     p.pp_schedule, p.virtual_stages, p.sequence_parallel = lay.schedule, lay.virtual_stages, lay.sequence_parallel
     t.micro_batch_size, t.activation_checkpointing = lay.micro_batch, lay.activation_checkpointing
     if lay.dp == 1:

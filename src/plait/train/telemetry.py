@@ -323,6 +323,8 @@ class Telemetry:
                            "factor": STRAGGLER_FACTOR},
             "comm": {"bytes_per_step_per_rank": [c for _, c in per_rank]},
         }
+        if cfg.parallel.auto_reason:
+            summary["auto_layout"] = cfg.parallel.auto_reason
         if cfg.launch.device_hour_cost:  # this session's: wall time x processes
             summary["device_hours"] = summary["wall_time_s"] * rt.world_size / 3600
             summary["cost"] = summary["device_hours"] * cfg.launch.device_hour_cost
