@@ -1,4 +1,5 @@
-"""Fine-tuning the default GPT on another corpus: full, frozen half, LoRA, QLoRA and a distilled student, one table.
+"""Fine-tuning the default GPT on another corpus: full, frozen half, LoRA, QLoRA, bottleneck adapters and a distilled
+student, one table.
 
     pretrain   the default job's GPT (4 blocks, width 128, context 128) on the standard library's modules
                (Lib/*.py outside test/), --pretrain-steps steps
@@ -9,6 +10,9 @@
       progressive    finetune.progressive_freeze: blocks 0..3 freeze front to back from half-way (docs/finetune.md)
       lora-r8        finetune.lora_rank = 8 on q, v, up and down of every block (the rest frozen)
       qlora-nf4      the same with the adapted layers' base weights in NF4 (bitsandbytes; skipped if absent)
+      adapters-h16   finetune.adapters: Houlsby bottleneck adapters of width 16 after every block's attention and
+                     MLP output projections (the rest frozen)
+      adapters-p16   the same after the MLP alone (Pfeiffer)
       student-alone  a half-width GPT (width 64) trained on the test corpus from scratch
       student-distill  the same student distilled from the full fine-tune (--alpha, --temperature)
 
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None, pool: RankPool | None = None) -> dict[st
             "progressive": (init, "finetune.progressive_freeze=true", "finetune.progressive_freeze_start=0.5"),
             "lora-r8": (init, "finetune.lora_rank=8", targets),
             "qlora-nf4": (init, "finetune.lora_rank=8", targets, "finetune.quantize_base='nf4'"),
+            "adapters-h16": (init, "finetune.adapters={size=16, variant='houlsby'}"),
+            "adapters-p16": (init, "finetune.adapters={size=16, variant='pfeiffer'}"),
             "student-alone": (half,),
             "student-distill": (half, f"distill.teacher='{root / 'full'}'", f"distill.alpha={a.alpha}",
                                 f"distill.temperature={a.temperature}"),

@@ -26,7 +26,7 @@ from plait.config import ModelConfig
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.files import publish
-from plait.finetune import adapter_state_dict, lora_layers, merge_lora
+from plait.finetune import adapter_layers, adapter_state_dict, adapters_state_dict, apply_adapters, lora_layers, merge_lora
 from plait.finetune.lowrank import with_low_rank_structure
 from plait.models import build_model
 from plait.models.hf_llama import to_hf
@@ -64,10 +64,14 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
 
     run_dir = Path(run_dir)
     cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)
-    if adapters_only and not lora_layers(model):
-        raise CheckpointError(f"--adapters-only: {run_dir} trained no LoRA adapters (finetune.lora_rank = 0); "
-                              "export the whole model without it")
-    state = adapter_state_dict(model) if adapters_only else merge_lora(model).state_dict()
+    bottleneck = adapter_layers(model)
+    if adapters_only and not (lora_layers(model) or bottleneck):
+        raise CheckpointError(f"--adapters-only: {run_dir} trained no adapters (finetune.lora_rank = 0, "
+                              "finetune.adapters = {}); export the whole model without it")
+    if adapters_only:
+        state = adapters_state_dict(model) if bottleneck else adapter_state_dict(model)
+    else:
+        state = merge_lora(model).state_dict()  # bottleneck adapters are not linear: they stay, named as trained
     # Tied weights share storage; safetensors wants each name to own its tensor.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     meta = {
@@ -76,7 +80,9 @@ def export(run_dir: str | Path, out: str | Path | None = None, checkpoint: str |
         "plait.spec": json.dumps(dataclasses.asdict(spec)),
         "plait.checkpoint": ckpt.name,
     }
-    if adapters_only:
+    if bottleneck:
+        meta["plait.adapters"] = json.dumps({"size": cfg.finetune.adapters.get("size", 16), "layers": list(bottleneck)})
+    if adapters_only and not bottleneck:
         f = cfg.finetune
         meta["plait.lora"] = json.dumps({"rank": f.lora_rank, "alpha": f.lora_alpha, "targets": f.lora_targets})
     tok = run_dir / "tokenizer.json"
@@ -148,16 +154,17 @@ def load_exported(path: str | Path, trust_factory: bool = False) -> tuple[nn.Mod
                               "that code with the options the file gives; pass --trust-factory only if you trust both the "
                               "file and that code (files of registered models need no flag)")
     low_rank, int8 = _compressed(path, meta, shapes)  # `plait compress` files: their layers' structure and scales
+    adapters = _adapters(path, meta)
     try:
         with torch.device("meta"):  # shapes first: a file cannot make plait allocate a model larger than it holds
-            skeleton = with_low_rank_structure(build_model(model_cfg, spec), low_rank).state_dict()
+            skeleton = with_adapters(with_low_rank_structure(build_model(model_cfg, spec), low_rank), adapters).state_dict()
     except PlaitError as e:
         raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({e})") from None
     except Exception as e:
         raise CheckpointError(f"{path}: its metadata does not describe a model plait can build ({_first_line(e)})") from None
     _check_tensors(path, skeleton, shapes)
     try:
-        model = with_low_rank_structure(build_model(model_cfg, spec), low_rank)
+        model = with_adapters(with_low_rank_structure(build_model(model_cfg, spec), low_rank), adapters)
     except PlaitError as e:
         raise CheckpointError(f"{path}: the model cannot be built ({e})") from None
     except Exception as e:
@@ -169,6 +176,31 @@ def load_exported(path: str | Path, trust_factory: bool = False) -> tuple[nn.Mod
     if int8:
         _requantize(model, int8)
     return model, meta
+
+
+def _adapters(path: Path, meta: dict) -> tuple[int, list[str]] | None:
+    """(size, layer names) of a run's bottleneck adapters (finetune.adapters), kept in the file as modules."""
+    if "plait.adapters" not in meta:
+        return None
+    try:
+        a = json.loads(meta["plait.adapters"])
+        size, layers = a["size"], a["layers"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: malformed plait.adapters metadata; export the run again") from None
+    if not (isinstance(size, int) and 0 < size <= 1 << 16 and isinstance(layers, list)
+            and all(isinstance(x, str) for x in layers)):
+        raise CheckpointError(f"{path}: malformed plait.adapters metadata; export the run again")
+    return size, layers
+
+
+def with_adapters(model: nn.Module, adapters: tuple[int, list[str]] | None) -> nn.Module:
+    if adapters is not None:
+        size, layers = adapters
+        try:
+            apply_adapters(model, size, layers)
+        except (AttributeError, TypeError) as e:
+            raise CheckpointError(f"plait.adapters names layers this model does not have ({_first_line(e)})") from None
+    return model
 
 
 def _compressed(path: Path, meta: dict, shapes: dict) -> tuple[dict[str, int], list[str]]:

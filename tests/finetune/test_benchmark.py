@@ -18,14 +18,17 @@ def test_the_tiny_benchmark_fills_the_whole_table(pool2, tmp_path, capsys):
         qlora = ["qlora-nf4"]
     except ImportError:
         qlora = []
-    assert list(rows) == ["full", "freeze-half", "progressive", "lora-r8", *qlora, "student-alone", "student-distill"]
+    assert list(rows) == ["full", "freeze-half", "progressive", "lora-r8", *qlora, "adapters-h16", "adapters-p16",
+                          "student-alone", "student-distill"]
     for name, row in rows.items():
         assert set(row) == COLUMNS, name
         assert all(math.isfinite(v) and v > 0 for v in row.values()), (name, row)
     full = rows["full"]
     assert full["trainable"] == full["params"]
-    for name in ("freeze-half", "progressive", "lora-r8"):  # less trains: less optimizer state and traffic
+    for name in ("freeze-half", "progressive", "lora-r8", "adapters-h16"):  # less trains: less state and traffic
         assert rows[name]["optimizer_bytes"] < full["optimizer_bytes"] and rows[name]["sent_per_step"] < full["sent_per_step"]
+    w, blocks = 32, 2  # --tiny: Houlsby's adapters on 2 layers a block, Pfeiffer's on 1; each 2 * 16 * w + 16 + w
+    assert rows["adapters-h16"]["trainable"] == 2 * rows["adapters-p16"]["trainable"] == 2 * blocks * (32 * w + 16 + w)
     assert rows["student-alone"]["trainable"] == rows["student-distill"]["trainable"] < full["trainable"]
     out = capsys.readouterr().out
     table = out[out.index("run "):]

@@ -63,3 +63,38 @@ class ProgressiveFreezeKeys:
         if self.progressive_freeze and cfg.train.compile:
             raise ConfigError("finetune.progressive_freeze moves a hook between blocks during training, which "
                               "recompiles the model each time; set train.compile=false")
+
+
+ADAPTER_KEYS = {"size", "variant", "targets"}
+
+
+@keys("finetune")
+class AdapterKeys:
+    adapters: dict = opt({}, "bottleneck adapters after each block's output projections, the base frozen: {size = 16, "
+                             "variant = 'houlsby'} (after attention and MLP) or 'pfeiffer' (after the MLP), or "
+                             "targets = [glob, ...] over Linear layer names; {} off")
+
+    def check(self, cfg) -> None:
+        if not self.adapters:
+            return
+        check_adapters(self.adapters)
+        if cfg.finetune.lora_rank > 0:
+            raise ConfigError("finetune.adapters with finetune.lora_rank > 0: choose one kind of adapter (set "
+                              "finetune.lora_rank=0 or finetune.adapters={})")
+
+
+def check_adapters(spec: dict, key: str = "finetune.adapters") -> None:
+    unknown = sorted(set(spec) - ADAPTER_KEYS)
+    if unknown:
+        raise ConfigError(f"{key} has unknown keys {unknown}; it takes size, variant and targets, e.g. "
+                          "{size = 16, variant = 'houlsby'}")
+    size = spec.get("size", 16)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"{key}.size = {size!r} must be an integer >= 1 (the bottleneck width), e.g. 16")
+    if spec.get("variant", "houlsby") not in ("houlsby", "pfeiffer"):
+        raise ConfigError(f"{key}.variant = {spec['variant']!r}: choose houlsby (after attention and MLP) or pfeiffer "
+                          "(after the MLP)")
+    targets = spec.get("targets")
+    if targets is not None and not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise ConfigError(f"{key}.targets = {targets!r} must be a non-empty list of glob patterns over Linear layer "
+                          "names, e.g. ['*mlp.down']")

@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch.nn as nn
 
 from plait.errors import ConfigError
+from plait.finetune.adapters import AdapterLinear, adapter_layers, adapters_state_dict, apply_adapters, targets_of
 from plait.finetune.freezing import freeze, trainable_params
 from plait.finetune.lora import LoRALinear, adapter_state_dict, apply_lora, lora_layers, merge_lora
 from plait.finetune.progressive import ProgressiveFreeze, freeze_steps
 
 
 def active(cfg) -> bool:
-    return bool(cfg.finetune.freeze) or cfg.finetune.lora_rank > 0 or cfg.finetune.progressive_freeze
+    f = cfg.finetune
+    return bool(f.freeze) or f.lora_rank > 0 or f.progressive_freeze or bool(f.adapters)
 
 
 def check_layout(cfg, layout) -> None:
@@ -38,7 +40,7 @@ def check_layout(cfg, layout) -> None:
             "finetune.freeze")
     if active(cfg) and not (layout.tp == 1 and layout.ep == 1 and layout.sync == "allreduce"
                             and layout.embedding_sharding == "none"):
-        raise ConfigError(f"finetune.freeze / lora_rank / progressive_freeze are supported with data, pipeline and "
+        raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, pipeline and "
                           f"context parallel and ZeRO 1-3 (tp = ep = 1, sync = 'allreduce', no embedding_sharding); here "
                           f"tp = {layout.tp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
                           "[finetune] keys")
@@ -48,13 +50,17 @@ def check_layout(cfg, layout) -> None:
 
 
 def apply_finetune(model: nn.Module, ft) -> nn.Module:
-    """Freeze the configured parameters, then add LoRA adapters (which freeze everything but themselves)."""
+    """Freeze the configured parameters, then add LoRA or bottleneck adapters (which freeze everything but
+    themselves)."""
     if ft.freeze:
         freeze(model, ft.freeze)
     if ft.lora_rank > 0:
         apply_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets, quantize=ft.quantize_base)
+    if ft.adapters:
+        apply_adapters(model, ft.adapters.get("size", 16), targets_of(model, ft.adapters))
     return model
 
 
-__all__ = ["LoRALinear", "ProgressiveFreeze", "active", "adapter_state_dict", "apply_finetune", "apply_lora",
+__all__ = ["AdapterLinear", "LoRALinear", "adapter_layers", "adapters_state_dict", "apply_adapters", "targets_of",
+            "ProgressiveFreeze", "active", "adapter_state_dict", "apply_finetune", "apply_lora",
            "check_layout", "freeze", "freeze_steps", "lora_layers", "merge_lora", "trainable_params"]

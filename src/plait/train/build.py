@@ -140,7 +140,7 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
     train.init_from each rank reads its own slices from (a Hugging Face directory or a safetensors file)."""
     ft, source = cfg.finetune, cfg.train.init_from
     parts_later = bool(source) and (is_hf_dir(source) or Path(source).is_file())  # readable in parts
-    reads_whole = bool((source and not parts_later) or cfg.distill.teacher or ft.lora_rank
+    reads_whole = bool((source and not parts_later) or cfg.distill.teacher or ft.lora_rank or ft.adapters
                        or cfg.train.objective == "contrastive")
     seed_all(cfg.train.seed)
     model, meta_init = build_module(layout, cfg, reads_whole, lambda: build_model(cfg.model, spec),

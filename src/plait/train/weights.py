@@ -22,7 +22,7 @@ import torch.nn as nn
 from plait.config import load_config
 from plait.data.spec import DataSpec
 from plait.errors import CheckpointError, ConfigError
-from plait.finetune import apply_lora, merge_lora
+from plait.finetune import apply_adapters, apply_lora, merge_lora, targets_of
 from plait.models import build_model
 from plait.models.hf import hf_lazy_state_dict, hf_native_parts, is_hf_dir
 from plait.models.lazy import safetensors_file
@@ -43,6 +43,8 @@ def build_run_model(run_dir: Path, adapters: bool = True):
     if adapters and cfg.finetune.lora_rank > 0:
         apply_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets,
                    quantize=cfg.finetune.quantize_base)
+    if cfg.finetune.adapters:  # not merged away: always part of the model
+        apply_adapters(model, cfg.finetune.adapters.get("size", 16), targets_of(model, cfg.finetune.adapters))
     return cfg, spec, model
 
 
