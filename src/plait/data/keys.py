@@ -64,10 +64,16 @@ class DataKeys:
     exclude: str = opt("", "an audit.json from `plait data audit`: train without the samples it flags")
     sampler: str = opt("shuffle", "training order: shuffle (a permutation per epoch) or balanced (each batch drawn with "
                                   "replacement, every class equally likely; seeded per step)", ("shuffle", "balanced"))
+    curriculum: dict = opt({}, "easiest samples first: {score = 'length' | 'loss' | 'FILE.json', pacing = 'linear' | "
+                               "'root', start = 0.2, full_at = 0.5, model = RUN_DIR (score 'loss')}: step s draws from "
+                               "the easiest fraction start..1 of the training split, all of it from full_at x "
+                               "train.steps (plait.data.curriculum); {} off")
     class_weights: str = opt("none", "classification loss weights: none, or balanced (n / (classes * class count) on the "
                                      "training split)", ("none", "balanced"))
 
     def check(self, cfg) -> None:
+        if self.curriculum:
+            check_curriculum(self.curriculum, cfg)
         if self.augment_shift < 0 or not 0.0 <= self.augment_noise < math.inf:
             raise ConfigError(f"data.augment_shift = {self.augment_shift} and data.augment_noise = {self.augment_noise} "
                               "must be >= 0 (and finite)")
@@ -94,3 +100,28 @@ class DataKeys:
                               "example's positions; set data.pack=false or parallel.pp=1")
         if self.name in FILE_SOURCES and not self.path and not self.factory:
             raise ConfigError(f"data.name = {self.name!r} needs data.path (a file or folder); set --set data.path=...")
+
+
+CURRICULUM_KEYS = {"score", "pacing", "start", "full_at", "model"}
+
+
+def check_curriculum(c: dict, cfg) -> None:
+    unknown = sorted(set(c) - CURRICULUM_KEYS)
+    if unknown:
+        raise ConfigError(f"data.curriculum has unknown keys {unknown}; it takes score, pacing, start, full_at and model, "
+                          "e.g. {score = 'length', pacing = 'root', start = 0.2}")
+    score = c.get("score")
+    if not isinstance(score, str) or not score:
+        raise ConfigError("data.curriculum.score is missing: 'length', 'loss' or a JSON file of one score per sample")
+    if c.get("pacing", "linear") not in ("linear", "root"):
+        raise ConfigError(f"data.curriculum.pacing = {c['pacing']!r}: choose linear or root")
+    for key, default in (("start", 0.2), ("full_at", 0.5)):
+        v = c.get(key, default)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+            raise ConfigError(f"data.curriculum.{key} = {v!r} must be a number in (0, 1], e.g. {default}")
+    if score == "loss" and not (c.get("model") or cfg.train.init_from):
+        raise ConfigError("data.curriculum.score = 'loss' scores samples by a trained model's loss: set "
+                          "data.curriculum.model = RUN_DIR (or train.init_from)")
+    if cfg.data.sampler != "shuffle":
+        raise ConfigError(f"data.curriculum orders the samples itself; data.sampler = {cfg.data.sampler!r} cannot "
+                          "apply too: set data.sampler='shuffle'")

@@ -21,6 +21,7 @@ from plait.callback import Callback, Callbacks
 from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
+from plait.data.curriculum import CurriculumSampler, length_scores, scores_from_file
 from plait.data.loader import StepLoader
 from plait.data.sampler import make_sampler
 from plait.data.user import import_object
@@ -117,7 +118,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     files = run_dir is not None and strategy.evaluates
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files and run_dir else None
     slices = next((c.batch_slices for c in callbacks.items if c.batch_slices is not None), None)
-    loader = StepLoader(bundle.train, make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler), start,
+    loader = StepLoader(bundle.train, sampler_for(cfg, bundle, loss_fn), start,
                         stop, rt.axis_rank("batch"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
                         pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices,
                         transform=b.batch_transform())
@@ -151,6 +152,41 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
         init_from(model, source)
     apply_finetune(model, ft)  # freezing and LoRA adapters, on the plain model's names
     return model, meta_init
+
+
+def sampler_for(cfg: Config, bundle, loss_fn):
+    """The training order: data.sampler's, or data.curriculum's over the samples' scores."""
+    c, t = cfg.data.curriculum, cfg.train
+    if not c:
+        return make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler)
+    score = c["score"]
+    if score == "length":
+        scores = length_scores(bundle.train)
+    elif score == "loss":
+        scores = loss_scores(c.get("model") or t.init_from, bundle.train, loss_fn)
+    else:
+        scores = scores_from_file(score, len(bundle.train))
+    return CurriculumSampler(scores, t.global_batch_size, t.seed, t.steps, c.get("start", 0.2), c.get("full_at", 0.5),
+                             c.get("pacing", "linear"))
+
+
+@torch.no_grad()
+def loss_scores(run_dir: str, dataset, loss_fn, batch: int = 64) -> torch.Tensor:
+    """Each training sample's loss under a trained run's model (data.curriculum.score = 'loss'), on the CPU: every
+    rank computes the same scores."""
+    from plait.train.weights import load_run_model  # lazily: only a loss curriculum reads another run
+
+    if not (Path(run_dir) / "config.toml").is_file():
+        raise ConfigError(f"data.curriculum.score = 'loss' scores by a run's model; {run_dir} is not a run directory "
+                          "(set data.curriculum.model to the --out of a training run)")
+    _, _, model = load_run_model(run_dir)
+    model.eval()
+    out = []
+    for lo in range(0, len(dataset), batch):
+        x, y = dataset.fetch(torch.arange(lo, min(lo + batch, len(dataset))))
+        logits = model(x)
+        out += [float(loss_fn(logits[i:i + 1], y[i:i + 1])) for i in range(len(y))]
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def to_channels_last(model: nn.Module, name: str) -> nn.Module:
