@@ -64,6 +64,11 @@ class DataKeys:
     exclude: str = opt("", "an audit.json from `plait data audit`: train without the samples it flags")
     sampler: str = opt("shuffle", "training order: shuffle (a permutation per epoch) or balanced (each batch drawn with "
                                   "replacement, every class equally likely; seeded per step)", ("shuffle", "balanced"))
+    mix: str = opt("none", "synthetic training samples: mixup (two samples blended) or cutmix (a box of one pasted into "
+                           "another), soft labels to match, seeded per (seed, sample, epoch) (plait.data.mix)",
+                   ("none", "mixup", "cutmix"))
+    mix_alpha: float = opt(0.2, "data.mix: the mixing weight is drawn from Beta(mix_alpha, mix_alpha)", above=0,
+                           finite=True)
     curriculum: dict = opt({}, "easiest samples first: {score = 'length' | 'loss' | 'FILE.json', pacing = 'linear' | "
                                "'root', start = 0.2, full_at = 0.5, model = RUN_DIR (score 'loss')}: step s draws from "
                                "the easiest fraction start..1 of the training split, all of it from full_at x "

@@ -23,6 +23,7 @@ from plait.data import build_data
 from plait.data.augment import augmented, two_views
 from plait.data.curriculum import CurriculumSampler, length_scores, scores_from_file
 from plait.data.loader import StepLoader
+from plait.data.mix import mixed
 from plait.data.sampler import make_sampler
 from plait.data.user import import_object
 from plait.errors import ConfigError
@@ -38,7 +39,7 @@ from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, Learning
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
-from plait.train.loss import loss_for, with_extra_loss
+from plait.train.loss import focal_loss, loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
 from plait.train.progressive import Freezer
 from plait.train.target import TimeToTarget
@@ -132,7 +133,8 @@ def data_bundle(cfg: Config):
     bundle = build_data(cfg.data, cfg.model)
     if cfg.train.objective == "contrastive":
         bundle = two_views(bundle, cfg.data, cfg.train.seed)
-    return augmented(bundle, cfg.data, cfg.train.seed)  # images, seeded per (seed, index, epoch)
+    bundle = augmented(bundle, cfg.data, cfg.train.seed)  # images, seeded per (seed, index, epoch)
+    return mixed(bundle, cfg.data, cfg.train.seed)  # mixup / cutmix: after the augmentation, seeded the same way
 
 
 def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module, object]:
@@ -199,8 +201,14 @@ def to_channels_last(model: nn.Module, name: str) -> nn.Module:
 
 def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
     """train.loss, or the data's task loss; under distillation, its mix with the teacher's soft targets."""
-    loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
-               else loss_for(spec, cfg.train.temperature, rt.axis_group("dp")))
+    if cfg.train.loss == "focal":
+        if spec.task not in ("classification", "lm") or spec.class_weights or spec.masked_targets:
+            raise ConfigError(f"train.loss = 'focal' is for classification and language models without class weights "
+                              f"or masked targets; this data's task is {spec.task!r}: set train.loss=''")
+        loss_fn = focal_loss(cfg.train.focal_gamma)
+    else:
+        loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
+                   else loss_for(spec, cfg.train.temperature, rt.axis_group("dp")))
     if cfg.distill.teacher:
         distiller = Distiller.from_run(cfg.distill, spec, rt.device)
         distiller.attach(model)

@@ -114,7 +114,7 @@ def check_user_code(cfg: Config, layout: Layout, user_data: bool = True) -> None
     """
     if user_data and (cfg.data.factory or cfg.data.name == "table"):
         build_data(cfg.data, cfg.model)  # a dataset without __len__, samples that do not collate, a missing column
-    if cfg.train.loss:
+    if cfg.train.loss and cfg.train.loss != "focal":
         import_object("train.loss", cfg.train.loss)
     for ref in cfg.train.eval_metrics:
         if not isinstance(ref, str):

@@ -42,7 +42,10 @@ class TrainKeys:
                          ("supervised", "contrastive"))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
     loss: str = opt("", "'package.module:function' (outputs, targets) -> the micro-batch's mean loss, instead of the "
-                        "data's task loss (cross-entropy, mse, ...); validation reports it as val_loss")
+                        "data's task loss (cross-entropy, mse, ...); 'focal': focal loss (train.focal_gamma); "
+                        "validation reports it as val_loss")
+    focal_gamma: float = opt(2.0, "train.loss = 'focal': the focusing exponent gamma (0: cross-entropy)", minimum=0,
+                             finite=True)
     eval_metrics: list = opt([], "'package.module:function' (outputs, targets) -> a batch mean, each reported as "
                                  "val_<function> at every evaluation")
     init_from: str = opt("", "start from these weights: a run directory (its latest checkpoint), a model.safetensors or "

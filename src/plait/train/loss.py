@@ -88,6 +88,21 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
             "regression": regression_loss}[spec.task]
 
 
+def focal_loss(gamma: float) -> Callable:
+    """train.loss = "focal" (Lin et al. 2017): -(1 - p_t)^gamma log p_t, the mean over samples (a language model's:
+    over tokens), so gamma = 0 is cross-entropy. Soft targets (data.mix) weigh each class's term by its probability."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+        if targets.is_floating_point():  # class probabilities
+            q = targets.reshape(-1, logits.shape[-1]).float()
+            return -(q * (1 - logp.exp()).pow(gamma) * logp).sum(-1).mean()
+        logpt = logp.gather(1, targets.reshape(-1, 1)).squeeze(1)
+        return -((1 - logpt.exp()).pow(gamma) * logpt).mean()
+
+    return loss
+
+
 def with_extra_loss(loss_fn: Callable, model) -> Callable:
     """loss_fn plus the model's own training term when it has one: `model.extra_loss()` after each forward.
 
