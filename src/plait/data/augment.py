@@ -9,9 +9,9 @@ Each view's randomness comes from (seed, sample index, step, view), so a sample 
 views whichever rank or micro-batch takes it: the trajectory does not depend on the layout.
 Validation (`fetch`) uses the fixed step -1, so the validation loss is one number per model.
 
-`data.augment = ["random_crop", "hflip", "noise"]` (supervised training on images) uses the same
-operations through `Augmented`: each sample's randomness comes from (seed, sample index, epoch),
-where the epoch is the pass over the data the loader is in at that sample's place in the stream.
+`data.augment = ["random_crop", "hflip", "noise", "randaugment"]` (supervised training on images; RandAugment:
+plait.data.randaugment) uses the same operations through `Augmented`: each sample's randomness comes from (seed,
+sample index, epoch), where the epoch is the pass over the data the loader is in at that sample's place in the stream.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from plait.data.randaugment import randaugment
 from plait.data.spec import DataSpec
 from plait.errors import DataError
 from plait.runtime import mix_seed
@@ -54,7 +55,7 @@ def random_crop(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return shift(x, max(1, x.shape[-1] // 8), g)
 
 
-AUGMENTS = ("random_crop", "hflip", "noise")
+AUGMENTS = ("random_crop", "hflip", "noise", "randaugment")
 
 
 class Augmented:
@@ -64,8 +65,9 @@ class Augmented:
     divided by the dataset size); validation (`fetch`) is not augmented.
     """
 
-    def __init__(self, dataset, ops: list[str], seed: int, noise_std: float):
+    def __init__(self, dataset, ops: list[str], seed: int, noise_std: float, rand_n: int = 2, rand_magnitude: int = 9):
         self.dataset, self.ops, self.seed, self.noise_std = dataset, list(ops), seed, noise_std
+        self.rand_n, self.rand_magnitude = rand_n, rand_magnitude
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -84,6 +86,8 @@ class Augmented:
                 x = hflip(x, g)
             elif op == "noise" and self.noise_std:
                 x = noise(x, self.noise_std, g)
+            elif op == "randaugment":
+                x = randaugment(x, self.rand_n, self.rand_magnitude, g)
         return x
 
     def fetch_epoch(self, idx: torch.Tensor, epochs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +107,8 @@ def augmented(bundle, data_cfg, seed: int):
     if len(bundle.spec.input_shape) != 3:
         raise DataError(f"data.augment = {data_cfg.augment} transforms images (channels, height, width); data.name = "
                         f"{bundle.spec.name!r} gives samples of shape {tuple(bundle.spec.input_shape)}: set data.augment=[]")
-    return replace(bundle, train=Augmented(bundle.train, data_cfg.augment, seed, data_cfg.augment_noise))
+    return replace(bundle, train=Augmented(bundle.train, data_cfg.augment, seed, data_cfg.augment_noise,
+                                           data_cfg.randaugment_n, data_cfg.randaugment_magnitude))
 
 
 class TwoViews:

@@ -14,7 +14,7 @@ from plait.errors import ConfigError
 SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat")
 # Sources that read the user's files: data.path names them (unless data.factory replaces the source).
 FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat")
-AUGMENTATIONS = ("random_crop", "hflip", "noise")
+AUGMENTATIONS = ("random_crop", "hflip", "noise", "randaugment")
 
 
 @keys("data")
@@ -54,7 +54,11 @@ class DataKeys:
     augment_shift: int = opt(1, "contrastive views of images: random shift of up to this many pixels (0: none)")
     augment_noise: float = opt(0.1, "contrastive views: std of the Gaussian noise added to every input")
     augment: list = opt([], "training-time augmentations of images, in order: random_crop, hflip, noise (std "
-                            "data.augment_noise), each seeded per (seed, sample index, epoch)")
+                            "data.augment_noise), randaugment (data.randaugment_n operations at "
+                            "data.randaugment_magnitude), each seeded per (seed, sample index, epoch)")
+    randaugment_n: int = opt(2, "randaugment: operations applied to each image", minimum=1)
+    randaugment_magnitude: int = opt(9, "randaugment: the magnitude of every operation, 0 (none) to 10; one number "
+                                        "for plait tune to search", minimum=0)
     workers: int = opt(0, "processes that fetch and decode batches (images, packed shards) in parallel; the order "
                           "stays the sampler's (0: the background thread only)")
     image_size: int = opt(32, "images: every image is resized to image_size x image_size pixels (RGB)")
