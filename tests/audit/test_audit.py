@@ -86,7 +86,7 @@ def test_duplicates_leakage_and_outliers():
     assert d["exact"] == [[20, 100]]
     assert [p[:2] for p in d["near"]] == [[20, 100], [40, 120]]
     assert d["leakage"] == [[40, 120]]
-    o = outliers(x, src, seed=0)
+    o = outliers(x, src)
     assert o["indices"][0] == 398 and len(o["indices"]) == 2  # 1 % of 200, the far one first
 
 

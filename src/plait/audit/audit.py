@@ -10,7 +10,8 @@ fold, so every sample gets an out-of-fold predicted probability vector. From tho
   rate), ranked by self-confidence, each with the given and the suggested label;
 - duplicates: exact (the same input bytes) and near (cosine similarity of the standardised inputs
   above `near` = 0.995), and leakage: pairs split across training and validation;
-- outliers: the 1 % of samples farthest from their 5th nearest neighbour (inputs' first principal components);
+- outliers: the 1 % of samples farthest from their 5th nearest neighbour (inputs' first principal components;
+  plait.audit.outliers, which also runs across the ranks of a process group and flags the same samples);
 - class_balance: counts per class and the ratio of the largest to the smallest;
 - el2n: the EL2N score |p - onehot(y)| of every sample (Paul et al. 2021), and how many are "easy"
   (below 0.1), and volume_reduction: a coreset of the `keep` fraction with the highest EL2N among
@@ -36,12 +37,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plait.audit.outliers import flag, kth_distances
 from plait.config import Config, apply_overrides
 from plait.data import build_data
 from plait.errors import DataError
 
 NEAR = 0.995
-OUTLIER_FRACTION = 0.01
 EASY_EL2N = 0.1
 
 
@@ -150,20 +151,10 @@ def duplicates(x: torch.Tensor, is_val: torch.Tensor, src: torch.Tensor) -> dict
     return {"exact": exact, "near": near, "leakage": leak}
 
 
-def outliers(x: torch.Tensor, src: torch.Tensor, seed: int, k: int = 5) -> dict:
-    """The OUTLIER_FRACTION of samples farthest from their k-th nearest neighbour (first principal components)."""
-    from sklearn.decomposition import PCA
-    from sklearn.neighbors import NearestNeighbors
-
-    flat = x.reshape(len(x), -1).numpy()
-    comps = PCA(n_components=min(50, flat.shape[1], len(flat)), random_state=seed).fit_transform(flat)
-    k = min(k, len(flat) - 1)
-    dist, _ = NearestNeighbors(n_neighbors=k + 1).fit(comps).kneighbors(comps)
-    score = dist[:, k]
-    flagged = np.argsort(-score, kind="stable")[: max(1, int(round(OUTLIER_FRACTION * len(flat))))]
-    return {"method": f"distance to the {k}-th nearest neighbour on {comps.shape[1]} principal components, the "
-                      f"farthest {OUTLIER_FRACTION:.0%}",
-            "indices": [int(src[i]) for i in flagged], "scores": [round(float(score[i]), 4) for i in flagged]}
+def outliers(x: torch.Tensor, src: torch.Tensor, k: int = 5) -> dict:
+    """The OUTLIER_FRACTION of samples farthest from their k-th nearest neighbour (first principal components), with
+    the arithmetic a process group shares (plait.audit.outliers): one process flags what N ranks flag."""
+    return flag(kth_distances(x, k), src, min(k, len(x) - 1))
 
 
 def volume_reduction(el2n: np.ndarray, src: torch.Tensor, flagged: set[int], keep: float) -> dict:
@@ -198,7 +189,7 @@ def run_audit(cfg: Config, out: Path, folds: int = 5, epochs: float = 10.0, keep
     if any(names):
         issues["names"] = [names[i] for i in ranked]
     dups = duplicates(x, is_val, src)
-    outl = outliers(x, src, cfg.train.seed)
+    outl = outliers(x, src)
     counts = np.bincount(labels, minlength=classes)
     balance = {"counts": counts.tolist(), "imbalance_ratio": round(float(counts.max() / max(1, counts.min())), 3),
                "remedies": "--set data.sampler=balanced (every class equally likely in each batch) or "
