@@ -77,9 +77,9 @@ def _losses(run):
             if "loss" in m]
 
 
-@pytest.mark.parametrize("mix", ["mixup", "cutmix"])
-def test_a_mixed_focal_run_at_dp2_is_the_one_process_run(pool2, tmp_path, mix):
-    sets = (f"data.mix='{mix}'", "data.mix_alpha=0.4", "train.loss='focal'", "train.focal_gamma=1.5")
+def test_a_mixed_focal_run_at_dp2_is_the_one_process_run(pool2, tmp_path):
+    # cutmix (mixup's partner and weight are drawn by the same code, tested against its formula above)
+    sets = ("data.mix='cutmix'", "data.mix_alpha=0.4", "train.loss='focal'", "train.focal_gamma=1.5")
     one = params_after(_digits("parallel.dp=1", *sets), tmp_path / "one")
     two = pool2.run(rank0_params, _digits("parallel.dp=2", *sets), tmp_path / "two")[0]
     for (l1, g1), (l2, g2) in zip(_losses(tmp_path / "one"), _losses(tmp_path / "two"), strict=True):
