@@ -14,6 +14,7 @@ from plait.rundir import timestamped
 
 
 def cmd_tune(a) -> int:
+    from plait.tune.pareto import parse_objectives, table  # lazily, with the rest of plait tune
     from plait.tune.space import read_space  # lazily: plait --help must not import torch or Optuna
     from plait.tune.study import PRUNERS, TuneOptions, Tuner, check_options  # lazily: plait --help must not import torch or Optuna
 
@@ -24,10 +25,16 @@ def cmd_tune(a) -> int:
     if a.pruner not in PRUNERS:
         raise ConfigError(f"--pruner {a.pruner!r}: choose one of {', '.join(PRUNERS)}")
     opts = TuneOptions(a.config, a.set, read_space(a.space), a.trials, a.concurrency, a.metric, a.direction,
-                       a.pruner, a.storage, a.seed, a.eval_every)
+                       a.pruner, a.storage, a.seed, a.eval_every,
+                       objectives=parse_objectives(a.objectives) if a.objectives else None)
     check_options(opts)
     out = Path(a.out) if a.out else timestamped("tune")
     s = Tuner(opts, out).run()
+    if s.get("pareto"):
+        print(f"the Pareto front ({len(s['pareto'])} of {s['complete']} complete trials):")
+        print(table(s["pareto"], list(s["objectives"])))
+        print(f"wrote {out / 'summary.json'}, {out / 'trials.csv'}, {out / 'report.html'}")
+        return 0
     if s["best_trial"] is None:
         print(f"no trial completed ({s['pruned']} pruned, {s['failed']} failed); see {out / 'trials.csv'}")
         return 1
@@ -51,6 +58,9 @@ def add_parsers(sub, bench) -> None:
     t.add_argument("--metric", default="val_loss", help="the validation figure to optimise (default val_loss)")
     t.add_argument("--direction", default="minimize", choices=["minimize", "maximize"],
                    help="minimize (a loss) or maximize (an accuracy); default minimize")
+    t.add_argument("--objectives", metavar="NAME:DIR,NAME:DIR",
+                   help="a multi-objective search over summary.json figures, e.g. val_loss:minimize,params:minimize "
+                        "(architecture search with model keys in --space); prints the Pareto front")
     t.add_argument("--pruner", default="asha", help="asha (successive halving), hyperband, median or none (default asha)")
     t.add_argument("--eval-every", type=int, default=0,
                    help="steps between validation figures the pruner sees (default: train.eval_every, or steps/10)")

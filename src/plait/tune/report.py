@@ -23,7 +23,11 @@ def _plots(study, out: Path) -> list[tuple[str, str]]:
     for name, title, fn in (("history.png", "optimisation history", ovm.plot_optimization_history),
                             ("intermediate.png", "validation figure during each trial (pruned trials stop early)",
                              ovm.plot_intermediate_values),
-                            ("importance.png", "parameter importance (fANOVA)", ovm.plot_param_importances)):
+                            ("importance.png", "parameter importance (fANOVA)", ovm.plot_param_importances),
+                            ("pareto.png", "the Pareto front (the trials no other beats on every objective)",
+                             ovm.plot_pareto_front)):
+        if (name == "pareto.png") != (len(study.directions) > 1):
+            continue
         if name == "importance.png" and finished < MIN_FOR_IMPORTANCE:
             continue  # fANOVA over one or two finished trials ranks noise
         try:
@@ -50,6 +54,12 @@ def write_report(study, summary: dict, out: Path) -> Path:
             ("steps run", f"{summary['steps_run']:,} of {summary['steps_without_pruning']:,} without pruning"
                           + (f" ({1 - summary['steps_run'] / summary['steps_without_pruning']:.0%} saved)"
                              if summary["steps_without_pruning"] else ""))]
+    if summary.get("pareto") is not None:
+        names = list(summary["objectives"])
+        rows.append(("objectives", ", ".join(f"{n} ({d})" for n, d in summary["objectives"].items())))
+        rows += [(f"Pareto trial {p['trial']}", ", ".join(f"{n} {v:.4g}" for n, v in zip(names, p["values"])) + "; "
+                  + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in p["params"].items()))
+                 for p in summary["pareto"]]
     if summary["best_trial"] is not None:
         rows += [("best value", f"{summary['best_value']:.4f} (trial {summary['best_trial']})"),
                  ("best parameters", ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}"
@@ -65,7 +75,7 @@ def write_report(study, summary: dict, out: Path) -> Path:
     body.append("<h2>trials</h2><table><tr><th>trial</th><th>state</th><th>value</th>"
                 + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "<th>steps</th></tr>")
     for t in trials:
-        value = "" if t.value is None else f"{t.value:.4f}"
+        value = "" if t.values is None else " / ".join(f"{v:.4g}" for v in t.values)
         state = t.state.name.lower() + (f": {html.escape(t.user_attrs['error'])}" if t.state == TrialState.FAIL
                                         and t.user_attrs.get("error") else "")
         cells = "".join(f"<td class=n>{t.params[k]:.4g}</td>" if isinstance(t.params.get(k), float) else

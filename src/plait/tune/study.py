@@ -26,6 +26,7 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError
+from plait.tune.pareto import front, worse_than_median
 from plait.tune.space import Dim, as_override
 
 PRUNERS = ("asha", "hyperband", "median", "none")
@@ -50,6 +51,11 @@ class TuneOptions:
     eval_every: int = 0  # 0: the config's train.eval_every, or steps / 10 when that is 0
     poll: float = 0.3
     env: dict | None = None
+    objectives: list[tuple[str, str]] | None = None  # --objectives: a multi-objective study (plait.tune.pareto)
+
+    @property
+    def multi(self) -> bool:
+        return bool(self.objectives)
 
 
 def _pruner(name: str, eval_every: int, steps: int):
@@ -136,9 +142,11 @@ class Tuner:
         sampler = optuna.samplers.TPESampler(seed=self.o.seed + done,
                                              n_startup_trials=max(2, min(10, self.o.trials // 3)),
                                              constant_liar=self.o.concurrency > 1)
+        goal = ({"directions": [d for _, d in self.o.objectives or ()]} if self.o.multi
+                else {"direction": self.o.direction})
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
-                                    pruner=_pruner(self.o.pruner, self.eval_every, self.steps),
-                                    direction=self.o.direction, load_if_exists=True)
+                                    pruner=_pruner(self.o.pruner, self.eval_every, self.steps), load_if_exists=True,
+                                    **goal)
         from optuna.trial import TrialState
 
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -164,15 +172,15 @@ class Tuner:
         with log_path.open("w") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.o.env, start_new_session=True)
             offset, reported, pruned_at = 0, set(), None
+            metric = self.o.objectives[0][0] if self.o.objectives else self.o.metric
             while True:
                 done = p.poll() is not None
-                found, offset = _val_lines(run / "metrics.jsonl", self.o.metric, offset)
+                found, offset = _val_lines(run / "metrics.jsonl", metric, offset)
                 for step, value in found:
                     if step in reported or pruned_at is not None:
                         continue
                     reported.add(step)
-                    trial.report(value, step)
-                    if not done and step < self.steps and trial.should_prune():
+                    if not done and step < self.steps and self._prune(trial, step, value):
                         p.send_signal(signal.SIGTERM)  # plait's preemption: a checkpoint, exit 0
                         pruned_at = step
                 if done:
@@ -194,16 +202,35 @@ class Tuner:
                 print(f"trial {trial.number}: {shown} -> failed (exit code {p.returncode}): {tail[0][:200]}; "
                       f"log {log_path}", flush=True)
             raise TrialFailed(tail[0])
-        value = summary.get(self.o.metric)
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            with self.lock:
-                print(f"trial {trial.number}: {shown} -> the run logged no {self.o.metric}", flush=True)
-            raise TrialFailed(f"summary.json of {run} has no {self.o.metric}; choose --metric among "
-                              f"{', '.join(k for k, v in summary.items() if isinstance(v, float))}")
+        names = [n for n, _ in self.o.objectives] if self.o.objectives else [self.o.metric]
+        values = [summary.get(n) for n in names]
+        for name, value in zip(names, values):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                with self.lock:
+                    print(f"trial {trial.number}: {shown} -> the run logged no {name}", flush=True)
+                raise TrialFailed(f"summary.json of {run} has no {name}; choose among "
+                                  f"{', '.join(k for k, v in summary.items() if isinstance(v, (int, float)))}")
         with self.lock:
-            print(f"trial {trial.number}: {shown} -> {self.o.metric} {value:.4f} ({summary.get('steps')} steps)",
-                  flush=True)
-        return float(value)
+            figures = ", ".join(f"{n} {v:.4g}" for n, v in zip(names, values))
+            print(f"trial {trial.number}: {shown} -> {figures} ({summary.get('steps')} steps)", flush=True)
+        return tuple(float(v) for v in values) if self.o.multi else float(values[0])
+
+    def _prune(self, trial, step: int, value: float) -> bool:
+        """Whether the pruner stops this trial at this evaluation. A multi-objective study (which Optuna cannot
+        prune) uses the median rule on its first objective over the finished trials' figures at the same step."""
+        if not self.o.objectives:
+            trial.report(value, step)
+            return trial.should_prune()
+        curve = {**trial.user_attrs.get("curve", {}), str(step): value}
+        trial.set_user_attr("curve", curve)
+        if self.o.pruner == "none":
+            return False
+        from optuna.trial import TrialState
+
+        others = [t.user_attrs["curve"][str(step)] for t in trial.study.get_trials(deepcopy=False,
+                                                                                     states=(TrialState.COMPLETE,))
+                  if str(step) in t.user_attrs.get("curve", {})]
+        return worse_than_median(value, others, self.o.objectives[0][1])
 
     def run(self) -> dict:
         from optuna.trial import TrialState
@@ -243,7 +270,14 @@ class Tuner:
                    "pruned": count[TrialState.PRUNED], "failed": count[TrialState.FAIL],
                    "steps_run": steps_run, "steps_without_pruning": len(trials) * self.steps,
                    "best_value": None, "best_params": None, "best_trial": None, "best_run": None}
-        if count[TrialState.COMPLETE]:
+        if self.o.objectives:
+            done = {t.number: t for t in trials if t.state == TrialState.COMPLETE}
+            names, directions = [n for n, _ in self.o.objectives], [d for _, d in self.o.objectives]
+            summary.update(metric=names[0], direction=directions[0], objectives=dict(self.o.objectives),
+                           pareto=[{"trial": k, "values": done[k].values, "params": done[k].params,
+                                    "run": done[k].user_attrs.get("run_dir")}
+                                   for k in front({k: t.values for k, t in done.items()}, directions)])
+        elif count[TrialState.COMPLETE]:
             best = study.best_trial
             summary.update(best_value=best.value, best_params=best.params, best_trial=best.number,
                            best_run=best.user_attrs.get("run_dir"))
@@ -272,7 +306,7 @@ def write_trials_csv(trials, path: Path) -> None:
         for t in trials:
             secs = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and \
                 t.datetime_start else ""
-            w.writerow([t.number, t.state.name.lower(), "" if t.value is None else t.value,
+            w.writerow([t.number, t.state.name.lower(), "" if t.values is None else " ".join(map(str, t.values)),
                         *[t.params.get(k, "") for k in keys], t.user_attrs.get("steps", ""),
                         f"{secs:.1f}" if secs != "" else "", t.user_attrs.get("run_dir", ""),
                         t.user_attrs.get("error", "")])
