@@ -257,3 +257,31 @@ def test_lora_adapters_answer_by_model_name_in_one_batch(hf_dir, tmp_path):
     assert [r.model for r in got] == ["sql", "tiny", "chat", "sql"] and listed == ["tiny", "sql", "chat"]
     assert unknown.status_code == 404
     assert unknown.json()["error"]["message"] == "the model 'sql2' does not exist; this server serves: tiny, sql, chat"
+
+
+def test_streamed_text_decodes_only_the_new_tokens_and_adds_up_to_the_whole():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from plait.data.hf_tokenizer import HFTokenizer
+    from plait.serve.openai_api import Text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    sample = "naïve café, 日本語 and emoji 🙂 stay whole: the cat sat. " * 4
+    tok.train_from_iterator([sample], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = HFTokenizer(tok)
+    ids = tok.encode(sample).ids
+    calls = []
+
+    class Counting:
+        def decode(self, xs):
+            calls.append(len(xs))
+            return hf.decode(xs)
+
+    text = Text(Counting(), stops=[])
+    out = "".join(text.add(i) for i in ids) + text.flush()
+    assert out == hf.decode(ids) == sample
+    assert "\ufffd" not in out and max(calls) < 12  # a few tokens at a time, never the whole sequence
+    stopped = Text(hf, stops=["sat."])
+    said = "".join(stopped.add(i) for i in ids[:40]) + stopped.flush()
+    assert stopped.stopped and said == sample[:sample.index("sat.")]

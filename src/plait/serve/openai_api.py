@@ -203,11 +203,25 @@ class Text:
         self.sent = 0
         self.stopped = False
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.prefix = self.read = 0  # tokens[prefix:read] were decoded last time, as context for the next ones
+
+    def _decode_new(self) -> None:
+        """Append the text the new tokens add: each step decodes only the tokens since the last text, with the
+        ones before them as context (a decoder's spacing depends on its neighbours), not the whole sequence;
+        a character still in pieces waits for its next token."""
+        before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+        after = self.tokenizer.decode(self.tokens[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
 
     def add(self, token: int) -> str:
-        """The new text to send after `token` ("" while it may still be the start of a stop string)."""
+        """The new text to send after `token` ("" while it may still be the start of a stop string; "" after a stop
+        string ended the text)."""
+        if self.stopped:
+            return ""
         self.tokens.append(token)
-        self.text = self.tokenizer.decode(self.tokens)
+        self._decode_new()
         cut = min((i for i in (self.text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
@@ -221,6 +235,10 @@ class Text:
         return out
 
     def flush(self) -> str:
+        if not self.stopped and self.read < len(self.tokens):  # the end: a character left in pieces is sent as it is
+            before = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+            self.text += self.tokenizer.decode(self.tokens[self.prefix:])[len(before):]
+            self.prefix = self.read = len(self.tokens)
         out = self.text[self.sent:]
         self.sent = len(self.text)
         return out
