@@ -116,3 +116,11 @@ def reset_compiler() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def step_losses(run: Path) -> list[tuple[float, float]]:
+    """(loss, grad norm) of every logged step of a run, in order (metrics.jsonl)."""
+    import json
+
+    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in m]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import params_after, rank0_params
+from helpers import params_after, rank0_params, step_losses
 from plait.config import load_config
 from plait.data.curriculum import CurriculumSampler, length_scores, pool_fraction
 from plait.errors import ConfigError, DataError
@@ -51,10 +51,6 @@ def _digits(*sets):
                               "optim.schedule=constant", *sets])
 
 
-def _losses(run) -> list[tuple[float, float]]:
-    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in m]
-
 
 def test_a_loss_curriculum_at_dp2_is_the_one_process_run(pool2, tmp_path):
     ref = tmp_path / "ref"
@@ -62,7 +58,7 @@ def test_a_loss_curriculum_at_dp2_is_the_one_process_run(pool2, tmp_path):
     cur = (f"data.curriculum={{score='loss', model='{ref}', pacing='root', start=0.1, full_at=0.5}}",)
     one = params_after(_digits("parallel.dp=1", *cur), tmp_path / "one")
     two = pool2.run(rank0_params, _digits("parallel.dp=2", *cur), tmp_path / "two")[0]
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    a, b = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(a) == len(b) == 8
     for (l1, g1), (l2, g2) in zip(a, b):
         assert l2 == pytest.approx(l1, rel=1e-5) and g2 == pytest.approx(g1, rel=1e-5)

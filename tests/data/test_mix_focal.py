@@ -3,13 +3,11 @@ and a dp=2 run with both on the one-process trajectory."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import params_after, rank0_params
+from helpers import params_after, rank0_params, step_losses
 from plait.config import load_config
 from plait.data.datasets import Tensors
 from plait.data.mix import Mixed
@@ -72,17 +70,13 @@ def _digits(*sets):
                               "optim.warmup_steps=0", "optim.lr=0.2", "optim.schedule=constant", *sets])
 
 
-def _losses(run):
-    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in m]
-
 
 def test_a_mixed_focal_run_at_dp2_is_the_one_process_run(pool2, tmp_path):
     # cutmix (mixup's partner and weight are drawn by the same code, tested against its formula above)
     sets = ("data.mix='cutmix'", "data.mix_alpha=0.4", "train.loss='focal'", "train.focal_gamma=1.5")
     one = params_after(_digits("parallel.dp=1", *sets), tmp_path / "one")
     two = pool2.run(rank0_params, _digits("parallel.dp=2", *sets), tmp_path / "two")[0]
-    for (l1, g1), (l2, g2) in zip(_losses(tmp_path / "one"), _losses(tmp_path / "two"), strict=True):
+    for (l1, g1), (l2, g2) in zip(step_losses(tmp_path / "one"), step_losses(tmp_path / "two"), strict=True):
         assert l2 == pytest.approx(l1, rel=1e-5) and g2 == pytest.approx(g1, rel=1e-5)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
 

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from helpers import params_after, rank0_params
+from helpers import params_after, rank0_params, step_losses
 from plait.config import load_config
 from plait.data.augment import Augmented
 from plait.data.datasets import Tensors
@@ -59,10 +57,6 @@ def test_the_magnitude_is_a_key_plait_tune_can_search(tmp_path):
     assert [(d.key, d.kind) for d in dims] == [("data.randaugment_magnitude", "int")]
 
 
-def _losses(run):
-    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in m]
-
 
 def test_a_randaugment_run_at_dp2_is_the_one_process_run(pool2, tmp_path):
     def cfg(dp):
@@ -75,6 +69,6 @@ def test_a_randaugment_run_at_dp2_is_the_one_process_run(pool2, tmp_path):
 
     one = params_after(cfg(1), tmp_path / "one")
     two = pool2.run(rank0_params, cfg(2), tmp_path / "two")[0]
-    for (l1, g1), (l2, g2) in zip(_losses(tmp_path / "one"), _losses(tmp_path / "two"), strict=True):
+    for (l1, g1), (l2, g2) in zip(step_losses(tmp_path / "one"), step_losses(tmp_path / "two"), strict=True):
         assert l2 == pytest.approx(l1, rel=1e-5) and g2 == pytest.approx(g1, rel=1e-5)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
