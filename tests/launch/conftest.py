@@ -218,12 +218,12 @@ RAY_READY_S = 180.0  # a loaded 2-core runner has taken over 60 s to bring a hea
 
 
 def wait_ray_ready(ray_bin: Path, address: str, env: dict, head: subprocess.Popen, log: Path,
-                   budget_s: float = RAY_READY_S) -> float:
+                   budget_s: float = RAY_READY_S, pause_s: float = 0.5) -> float:
     """Poll `ray status` until the head at `address` answers; returns the seconds it took. Each call may take longer
     than the one before (a loaded machine answers late, and a call cut short tells nothing) and the pause between calls
-    grows, all within budget_s; on failure the message says what the calls and `ray start` printed."""
+    grows from pause_s, all within budget_s; on failure the message says what the calls and `ray start` printed."""
     t0 = time.monotonic()
-    deadline, pause, call_s, calls, last = t0 + budget_s, 0.5, 10.0, 0, "no call made"
+    deadline, pause, call_s, calls, last = t0 + budget_s, pause_s, 10.0, 0, "no call made"
     while (left := deadline - time.monotonic()) > 0:
         calls += 1
         limit = min(call_s, max(1.0, left))

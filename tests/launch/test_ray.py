@@ -62,9 +62,11 @@ RUNNING = SimpleNamespace(poll=lambda: None, returncode=None)
 
 
 def test_the_ray_readiness_wait_polls_with_growing_pauses(ray_ready_wait, tmp_path):
-    took = ray_ready_wait(fake_ray(tmp_path, 3), "127.0.0.1:1", {}, RUNNING, tmp_path / "ray-start.log", budget_s=30)
+    # the fixture's first pause is 0.5 s; a tenth of it here, doubling as there (3.5 s of pauses would be 0.35 s)
+    took = ray_ready_wait(fake_ray(tmp_path, 3), "127.0.0.1:1", {}, RUNNING, tmp_path / "ray-start.log", budget_s=30,
+                          pause_s=0.05)
     assert (tmp_path / "calls").read_text().strip() == "4"
-    assert 0.5 + 1 + 2 <= took < 20  # the pauses after the three failures: 0.5, 1 and 2 s
+    assert 0.05 + 0.1 + 0.2 <= took < 3  # the pauses after the three failures: 0.05, 0.1 and 0.2 s (0.5 s first: 3.5)
 
 
 def test_the_ray_readiness_wait_fails_with_what_it_saw(ray_ready_wait, tmp_path):
