@@ -909,30 +909,56 @@ def part_serve(ctx: Ctx) -> None:
     points: list[Point] = []
     gen: dict[int, float] = {}
     mean_batch = None
-    for name, args in (("batching off", ["--max-batch-size", "1", "--max-delay-ms", "0"]),
-                       ("batching on", ["--max-batch-size", str(max(c, 2)), "--max-delay-ms", "5"])):
-        server = ServerProcess(str(model_file), [*args, "--max-queue", "4096", *device_args])
+    configs = (("batching off", ["--max-batch-size", "1", "--max-delay-ms", "0"]),
+               ("batching on", ["--max-batch-size", str(max(c, 2)), "--max-delay-ms", "5"]))
+    # Both servers start together (each imports torch and loads the model: seconds) and are measured one after the
+    # other; the one not being measured is idle (on --tiny's 2 cores that saves a start-up, ~3 s of the part's ~13).
+    starts: dict[str, ServerProcess | Exception] = {}
+
+    def start(name: str, args: list[str]) -> None:
         try:
-            path = f"/v2/models/{server.name}/infer"
-            url = f"http://{server.host}:{server.port}/metrics"
-            for clients in (1, c):
-                before = _batches(urllib.request.urlopen(url, timeout=30).read().decode())
-                tput, lat, errors = asyncio.run(closed_loop(server.host, server.port, path, infer_body, clients,
-                                                            s["warmup_s"], s["duration_s"]))
-                after = _batches(urllib.request.urlopen(url, timeout=30).read().decode())
-                points.append(Point(name, f"closed c={clients}", clients, None, tput, *_pcts(lat), errors))
-                print(f"[gpu_check] {name} c={clients}: {tput:.1f} req/s, {errors} errors", flush=True)
-                if name == "batching on" and clients == c and after[1] > before[1]:
-                    mean_batch = (after[0] - before[0]) / (after[1] - before[1])
-            if name == "batching on":
+            starts[name] = ServerProcess(str(model_file), [*args, "--max-queue", "4096", *device_args])
+        except Exception as e:  # raised below, once both have started or failed
+            starts[name] = e
+
+    threads = [threading.Thread(target=start, args=config) for config in configs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in starts.values() if isinstance(e, Exception)]
+    if failed:
+        for server in starts.values():
+            if not isinstance(server, Exception):
+                server.stop()
+        raise failed[0]
+    try:
+        for name, _ in configs:
+            server = starts[name]
+            try:
+                path = f"/v2/models/{server.name}/infer"
+                url = f"http://{server.host}:{server.port}/metrics"
                 for clients in (1, c):
-                    tput, lat, errors = asyncio.run(closed_loop(server.host, server.port, "/v1/generate", gen_body,
-                                                                clients, s["warmup_s"], s["gen_duration_s"]))
-                    gen[clients] = tput * s["new_tokens"]
-                    if errors or not lat:
-                        raise CheckFailed(f"/v1/generate at concurrency {clients}: {errors} errors, {len(lat)} answers")
-                    print(f"[gpu_check] generate c={clients}: {gen[clients]:.1f} tok/s", flush=True)
-        finally:
+                    before = _batches(urllib.request.urlopen(url, timeout=30).read().decode())
+                    tput, lat, errors = asyncio.run(closed_loop(server.host, server.port, path, infer_body, clients,
+                                                                s["warmup_s"], s["duration_s"]))
+                    after = _batches(urllib.request.urlopen(url, timeout=30).read().decode())
+                    points.append(Point(name, f"closed c={clients}", clients, None, tput, *_pcts(lat), errors))
+                    print(f"[gpu_check] {name} c={clients}: {tput:.1f} req/s, {errors} errors", flush=True)
+                    if name == "batching on" and clients == c and after[1] > before[1]:
+                        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+                if name == "batching on":
+                    for clients in (1, c):
+                        tput, lat, errors = asyncio.run(closed_loop(server.host, server.port, "/v1/generate", gen_body,
+                                                                    clients, s["warmup_s"], s["gen_duration_s"]))
+                        gen[clients] = tput * s["new_tokens"]
+                        if errors or not lat:
+                            raise CheckFailed(f"/v1/generate at concurrency {clients}: {errors} errors, {len(lat)} answers")
+                        print(f"[gpu_check] generate c={clients}: {gen[clients]:.1f} tok/s", flush=True)
+            finally:
+                server.stop()
+    finally:  # stopping is idempotent: a server left running by an error above stops here
+        for server in starts.values():
             server.stop()
     errors = sum(p.errors for p in points)
     off = next(p for p in points if p.config == "batching off" and p.concurrency == c)
