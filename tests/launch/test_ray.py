@@ -15,31 +15,41 @@ from helpers import max_diff
 RUN_S = 480  # a run through Ray Train took 183 s of plait_env's default 240 on a loaded 2-core runner
 
 
+@pytest.fixture(scope="module")
+def ray_run(ray_cluster, sgd_job, tmp_path_factory):
+    """One run through Ray Train serves both tests below: a dp 2 job whose rank 1 is killed at step 8 and restarts
+    once. Its first session is the plain run (attempt 0, no resume) that the first test checks; the restart is what
+    the second one checks. (A run through Ray Train costs ~20 s alone and twice that on a loaded 2-core runner: the
+    uninterrupted run the first test made before was this one's first session again.)"""
+    run = tmp_path_factory.mktemp("ray-run") / "run"
+    r = plait_env("train", sgd_job, "--set", "launch.launcher='ray'", "--set", "launch.max_restarts=1", "--out", run,
+                  env={**ray_cluster, "PLAIT_FAULTS": "kill:rank=1:step=8"}, timeout=RUN_S)
+    sessions = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in line]
+    return run, r, sessions
+
+
 @pytest.mark.slow
-def test_dp2_under_ray_ends_on_the_torchrun_weights(ray_cluster, sgd_job, sgd_reference, tmp_path):
-    run = tmp_path / "run"
-    r = plait_env("train", sgd_job, "--set", "launch.launcher='ray'", "--out", run, env=ray_cluster, timeout=RUN_S)
+def test_dp2_under_ray_ends_on_the_torchrun_weights(ray_run, sgd_reference):
+    run, r, sessions = ray_run
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 Ray Train workers on 127.0.0.1" in r.stdout
-    # each plait line once (Ray Train's print patch would tee it), no State API chatter from Ray Train's watcher
+    # each plait line once per session (Ray Train's print patch would tee it), no State API chatter from Ray Train's
+    # watcher
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)  # Ray colours its "(RayTrainWorker pid=...)" prefixes
-    assert sum(1 for line in out.splitlines() if ") plait: mlp" in line) == 1, out
+    assert len(sessions) == 2, sessions  # the first one, and the one after the restart: each says its banner once
+    assert sum(1 for line in out.splitlines() if ") plait: mlp" in line) == len(sessions), out
     assert sum(1 for line in out.splitlines() if ") done: 10 steps" in line) == 1, out
     assert "Failed to query Ray Train Controller" not in out, out
-    session = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert (session["manager"], session["world_size"], session["restart_count"]) == ("ray", 2, 0)
+    assert (sessions[0]["manager"], sessions[0]["world_size"], sessions[0]["restart_count"]) == ("ray", 2, 0)
     assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
 
 
 @pytest.mark.slow
-def test_a_killed_ray_worker_restarts_from_the_latest_checkpoint(ray_cluster, sgd_job, sgd_reference, tmp_path):
-    run = tmp_path / "run"
-    r = plait_env("train", sgd_job, "--set", "launch.launcher='ray'", "--set", "launch.max_restarts=1", "--out", run,
-                  env={**ray_cluster, "PLAIT_FAULTS": "kill:rank=1:step=8"}, timeout=RUN_S)
+def test_a_killed_ray_worker_restarts_from_the_latest_checkpoint(ray_run, sgd_reference):
+    run, r, sessions = ray_run
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "resuming from" in out and "step_0000006" in out, out  # steps 7 and 8 are lost, no more
-    sessions = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in line]
     assert [s["restart_count"] for s in sessions] == [0, 1]
     assert max_diff(sgd_reference, run_weights(run)) <= 1e-5
 
