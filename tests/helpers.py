@@ -88,13 +88,14 @@ def finish_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[list[in
 
 
 def weights(run: Path) -> dict:
-    """Export a run and load its weights."""
+    """Export a run and load its weights. The export runs in this process, as `plait export` runs it (plait.api.export,
+    which the CLI calls): a `plait export` subprocess costs ~2 s of interpreter and torch start-up per call, and the
+    fault-tolerance tests call this after every run (the CLI itself is tested in tests/export and tests/test_cli.py)."""
     from safetensors.torch import load_file
 
-    out = run / "model.safetensors"
-    r = plait("export", run, "-o", out, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return load_file(str(out))
+    from plait.api import export
+
+    return load_file(str(export(run, run / "model.safetensors")))
 
 
 def process_tree(pid: int) -> list[int]:
