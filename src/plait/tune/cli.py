@@ -26,7 +26,7 @@ def cmd_tune(a) -> int:
         raise ConfigError(f"--pruner {a.pruner!r}: choose one of {', '.join(PRUNERS)}")
     opts = TuneOptions(a.config, a.set, read_space(a.space), a.trials, a.concurrency, a.metric, a.direction,
                        a.pruner, a.storage, a.seed, a.eval_every,
-                       objectives=parse_objectives(a.objectives) if a.objectives else None)
+                       objectives=parse_objectives(a.objectives) if a.objectives else None, warm=not a.no_warm)
     check_options(opts)
     out = Path(a.out) if a.out else timestamped("tune")
     s = Tuner(opts, out).run()
@@ -65,6 +65,9 @@ def add_parsers(sub, bench) -> None:
     t.add_argument("--eval-every", type=int, default=0,
                    help="steps between validation figures the pruner sees (default: train.eval_every, or steps/10)")
     t.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    t.add_argument("--no-warm", action="store_true",
+                   help="every trial a new plait train process (default: a one-process trial is forked ready to train "
+                        "from a warm interpreter, about 2 s less a trial)")
     t.add_argument("--storage", help="an Optuna database URL for a study shared across machines "
                                      "(default: DIR/study.journal)")
     t.add_argument("--out", help="the study's folder: trials/, summary.json, trials.csv, report.html, best "

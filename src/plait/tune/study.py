@@ -1,7 +1,8 @@
 """Hyperparameter search over real `plait train` runs, with Optuna underneath.
 
 Every trial draws its values from the space, runs `plait train CONFIG --set KEY=VALUE ... --out DIR/trials/NNNN`
-(its own processes, at the config's layout) and reports each validation figure it logs (every
+(its own processes, at the config's layout; a one-process trial is forked ready to train from a warm interpreter,
+plait.tune.warm, with the same run dir) and reports each validation figure it logs (every
 `train.eval_every` steps) to the study; when the pruner says the trial cannot beat the others, the run gets
 SIGTERM — plait's preemption: it checkpoints and exits 0 — and the trial is pruned. A run that fails is recorded
 as a failed trial, with its log, and the study goes on.
@@ -25,11 +26,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.config import load_config
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 from plait.tune.pareto import front, worse_than_median
 from plait.tune.space import Dim, as_override
 
 PRUNERS = ("asha", "hyperband", "median", "none")
+
+
+class _Ended:
+    """A trial refused before it started (its values make a job plait train refuses): exited with that code."""
+
+    def __init__(self, code: int):
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        pass
+
+    def wait(self) -> int:
+        return self.returncode
 
 
 class TrialFailed(RuntimeError):
@@ -52,6 +69,7 @@ class TuneOptions:
     poll: float = 0.3
     env: dict | None = None
     objectives: list[tuple[str, str]] | None = None  # --objectives: a multi-objective study (plait.tune.pareto)
+    warm: bool = True  # one-process trials fork from a warm interpreter (plait.tune.warm); False: plait train each
 
     @property
     def multi(self) -> bool:
@@ -166,11 +184,9 @@ class Tuner:
         trial.set_user_attr("driver", self.driver)
         sets = [*self.o.sets, *(as_override(k, v) for k, v in values.items()),
                 f"train.eval_every={self.eval_every}", "log.progress=false"]
-        cmd = [sys.executable, "-m", "plait", "train", *([self.o.config] if self.o.config else []),
-               *[a for s in sets for a in ("--set", s)], "--out", str(run)]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         with log_path.open("w") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.o.env, start_new_session=True)
+            p = self._start(trial, sets, run, log, log_path)
             offset, reported, pruned_at = 0, set(), None
             metric = self.o.objectives[0][0] if self.o.objectives else self.o.metric
             while True:
@@ -215,6 +231,25 @@ class Tuner:
             print(f"trial {trial.number}: {shown} -> {figures} ({summary.get('steps')} steps)", flush=True)
         return tuple(float(v) for v in values) if self.o.multi else float(values[0])
 
+    def _start(self, trial, sets: list[str], run: Path, log, log_path: Path):
+        """The trial's run: forked warm when it is one process here (plait.tune.warm), else `plait train`."""
+        if self.o.warm:
+            from plait.tune.warm import WarmTrial, applies, can_fork  # lazily: the launcher's modules
+
+            try:
+                warm = can_fork() and applies(load_config(self.o.config, sets))
+            except PlaitError:
+                warm = False  # `plait train` says what is wrong with this trial's values, in its log
+            if warm:
+                try:
+                    return WarmTrial(self.o.config, sets, run, log_path, self.o.env, f"tune-{trial.number}")
+                except PlaitError as e:  # what `plait train` would have refused: the same line, a failed trial
+                    print(f"error: {e}", file=log, flush=True)
+                    return _Ended(getattr(e, "exit_code", 2))
+        cmd = [sys.executable, "-m", "plait", "train", *([self.o.config] if self.o.config else []),
+               *[a for s in sets for a in ("--set", s)], "--out", str(run)]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.o.env, start_new_session=True)
+
     def _prune(self, trial, step: int, value: float) -> bool:
         """Whether the pruner stops this trial at this evaluation. A multi-objective study (which Optuna cannot
         prune) uses the median rule on its first objective over the finished trials' figures at the same step."""
@@ -243,7 +278,12 @@ class Tuner:
               f"pruner {self.o.pruner}, {self.o.metric} every {self.eval_every} steps; study in {self.out}",
               flush=True)
         if todo:
-            study.optimize(self.objective, n_trials=todo, n_jobs=self.o.concurrency, catch=(TrialFailed,))
+            from plait.launch import forkserver  # lazily: the warm trials' fork server, started by the first
+
+            try:
+                study.optimize(self.objective, n_trials=todo, n_jobs=self.o.concurrency, catch=(TrialFailed,))
+            finally:
+                forkserver.stop()
         return self.finish(study)
 
     def _damaged(self, trial, attr: str, value) -> ConfigError:
