@@ -11,7 +11,8 @@ import math
 from plait.config import keys, opt
 from plait.errors import ConfigError
 
-SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat")
+SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat",
+                "large-digits")
 # Sources that read the user's files: data.path names them (unless data.factory replaces the source).
 FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat")
 AUGMENTATIONS = ("random_crop", "hflip", "noise", "randaugment")
@@ -21,7 +22,8 @@ AUGMENTATIONS = ("random_crop", "hflip", "noise", "randaugment")
 class DataKeys:
     name: str = opt(
         "stdlib-text",
-        "data source: stdlib-text, digits, synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
+        "data source: stdlib-text, digits, large-digits (digits enlarged data.digit_scale times at random places on a "
+        "data.canvas_size canvas), synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
         "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
         "Parquet file), chat (a JSONL file of prompt/completion pairs or conversations; ignored when factory is set)",
         SOURCE_NAMES,
@@ -61,6 +63,9 @@ class DataKeys:
                                         "for plait tune to search", minimum=0)
     workers: int = opt(0, "processes that fetch and decode batches (images, packed shards) in parallel; the order "
                           "stays the sampler's (0: the background thread only)")
+    canvas_size: int = opt(256, "large-digits: the canvas's side in pixels", minimum=8)
+    digit_scale: int = opt(4, "large-digits: each 8 x 8 digit is enlarged this many times (nearest neighbour)",
+                           minimum=1)
     image_size: int = opt(32, "images: every image is resized to image_size x image_size pixels (RGB)")
     on_bad_sample: str = opt("error", "images and packed data: a sample that cannot be decoded is an error naming "
                                       "the file, or is skipped (replaced by the next good one) and counted",
@@ -107,6 +112,9 @@ class DataKeys:
         if self.pack and cfg.parallel.pp > 1:
             raise ConfigError(f"data.pack = true with parallel.pp = {cfg.parallel.pp}: the later stages do not see each "
                               "example's positions; set data.pack=false or parallel.pp=1")
+        if self.name == "large-digits" and 8 * self.digit_scale > self.canvas_size:
+            raise ConfigError(f"data.digit_scale = {self.digit_scale} makes {8 * self.digit_scale}-pixel digits, larger "
+                              f"than data.canvas_size = {self.canvas_size}; lower the scale or raise the canvas")
         if self.name in FILE_SOURCES and not self.path and not self.factory:
             raise ConfigError(f"data.name = {self.name!r} needs data.path (a file or folder); set --set data.path=...")
 

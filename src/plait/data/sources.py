@@ -21,6 +21,7 @@ from plait.data.exclude import exclude
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.images import image_folder
 from plait.data.packed import packed_source
+from plait.data.placed import PlacedDigits
 from plait.data.sampler import balanced_class_weights, labels_of
 from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.data.table import table_source
@@ -225,6 +226,23 @@ def digits(data_cfg, model_cfg) -> DataBundle:
     return _class_bundle("digits", x, torch.from_numpy(labels), data_cfg.val_fraction)
 
 
+def large_digits(data_cfg, model_cfg) -> DataBundle:
+    """Digits enlarged and placed at random on a large canvas, made per batch (plait.data.placed)."""
+    size, scale = data_cfg.canvas_size, data_cfg.digit_scale  # 8 * scale <= size: checked with the keys
+    images, labels = digits_arrays()
+    small = torch.from_numpy(images).float().div(16.0)
+    y = torch.from_numpy(labels).long()
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    at = torch.randint(0, size - 8 * scale + 1, (len(y), 2), generator=g)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, int(len(y) * data_cfg.val_fraction))
+    whole = PlacedDigits(small, y, at, size, scale)
+    train, val = whole.subset(perm[n_val:]), whole.subset(perm[:n_val])
+    train.source_index, val.source_index = perm[n_val:], perm[:n_val]  # type: ignore[attr-defined]
+    spec = DataSpec(name="large-digits", task="classification", input_shape=[1, size, size], num_classes=10)
+    return DataBundle(train, val, spec)
+
+
 def synthetic(data_cfg, model_cfg) -> DataBundle:
     """Gaussian inputs labelled by a fixed random linear teacher: learnable, any size, no files."""
     g = torch.Generator().manual_seed(SPLIT_SEED)
@@ -292,7 +310,8 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
     return _class_bundle("tensors", torch.as_tensor(x), torch.as_tensor(y), data_cfg.val_fraction)
 
 
-SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "synthetic": synthetic, "clicks": clicks,
+SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "large-digits": large_digits,
+           "synthetic": synthetic, "clicks": clicks,
            "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source,
            "chat": chat_source}
 

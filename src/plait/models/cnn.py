@@ -34,4 +34,21 @@ def build_cnn(cfg, spec: DataSpec) -> CNN:
             f"model.name = 'cnn' needs image-shaped samples (channels, height, width); data.name = "
             f"{spec.name!r} gives samples of shape {tuple(spec.input_shape)}; use model.name = 'mlp'"
         )
+    if cfg.patch_size:
+        return _patch_cnn(cfg, spec)
     return CNN(spec.input_shape[0], cfg.width, cfg.depth, spec.num_classes, cfg.dropout)
+
+
+def _patch_cnn(cfg, spec: DataSpec) -> nn.Module:
+    from plait.models.patchgd import PatchCNN  # lazily: only patch gradient descent builds it
+
+    c, h, w = spec.input_shape
+    p = cfg.patch_size
+    if h % p or w % p:
+        raise ConfigError(f"model.patch_size = {p} must divide the images' height and width ({h} x {w}); choose a "
+                          f"divisor such as {next(d for d in range(min(p, h, w), 0, -1) if h % d == 0 and w % d == 0)}")
+    count = (h // p) * (w // p)
+    if cfg.patch_grad > count:
+        raise ConfigError(f"model.patch_grad = {cfg.patch_grad}: a {h} x {w} image has {count} patches of {p} x {p}; "
+                          f"choose at most {count} (0: every patch)")
+    return PatchCNN(c, cfg.width, cfg.depth, spec.num_classes, p, cfg.patch_grad or count, cfg.dropout)

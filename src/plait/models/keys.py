@@ -72,6 +72,21 @@ class LlamaKeys:
 class SmallModelKeys:
     depth: int = opt(2, "mlp and deepfm: hidden layers; cnn: convolution blocks", minimum=1)
     embedding_dim: int = opt(8, "deepfm: embedding width per categorical field", minimum=1)
+    patch_size: int = opt(0, "cnn: patch gradient descent on large images (plait.models.patchgd): the blocks see "
+                             "patch_size x patch_size patches, a head classifies the grid of their vectors (0: the "
+                             "whole image at once)", minimum=0)
+    patch_grad: int = opt(0, "cnn with patch_size: patches back-propagated per step (the rest fill the latent without "
+                             "gradients; activation memory is that of these patches); 0: every patch", minimum=0)
+
+    def check(self, cfg) -> None:
+        if self.patch_size and cfg.model.name != "cnn":
+            raise ConfigError(f"model.patch_size = {self.patch_size} is patch gradient descent for model.name = 'cnn'; "
+                              f"model.name is {cfg.model.name!r}: set model.patch_size=0")
+        if self.patch_grad and not self.patch_size:
+            raise ConfigError(f"model.patch_grad = {self.patch_grad} needs model.patch_size (the patches' side)")
+        if self.patch_size and cfg.parallel.pp > 1:
+            raise ConfigError(f"model.patch_size with parallel.pp = {cfg.parallel.pp}: the patch model has no "
+                              "pipeline cut; use dp or ZeRO")
 
 
 @keys("model")

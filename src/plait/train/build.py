@@ -35,7 +35,7 @@ from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_st
 from plait.parallel.saved import codec_for
 from plait.parallel.schemes import build_module, serve_rank
 from plait.runtime import Runtime, seed_all
-from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate
+from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate, PatchSteps
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
@@ -222,6 +222,8 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy, spec) -> list:
     found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
     if cfg.model.dropout > 0:
         found.append(DropoutSeed(t.seed, rt.rank))
+    if cfg.model.patch_size:
+        found.append(PatchSteps(strategy.module, t.seed))
     if cfg.finetune.progressive_freeze:
         found.append(Freezer(ProgressiveFreeze(strategy.module, t.steps, cfg.finetune.progressive_freeze_start),
                              strategy))

@@ -33,7 +33,7 @@ from plait.train.keys import EARLY_STOP_METRICS as METRICS
 from plait.train.optim import lr_at, set_lr
 
 __all__ = ["Best", "Callback", "Callbacks", "Decision", "DropoutSeed", "EarlyStop", "EarlyStopping", "KeepBest",
-           "LearningRate"]
+           "LearningRate", "PatchSteps"]
 
 
 # ---------------------------------------------------------------------------------------------- decisions
@@ -149,6 +149,17 @@ class LearningRate(Callback):
 
     def on_step_begin(self, step: int) -> None:
         set_lr(self.strategy.optimizer, lr_at(step, self.cfg, self.steps, self.global_batch))
+
+
+class PatchSteps(Callback):
+    """Patch gradient descent (plait.models.patchgd): the step whose patches the model draws, set before each step
+    on every rank, so every micro-batch and rank of a step back-propagates through the same patches."""
+
+    def __init__(self, module, seed: int):
+        self.module, self.seed = module, seed
+
+    def on_step_begin(self, step: int) -> None:
+        self.module.seed, self.module.step = self.seed, step
 
 
 class DropoutSeed(Callback):

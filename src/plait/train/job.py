@@ -48,6 +48,9 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
         spec = build_data(cfg.data, cfg.model).spec
         with torch.device("meta"):
             check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
+    if cfg.model.patch_size:  # the patches against the images' size, before any worker starts
+        with torch.device("meta"):
+            build_model(cfg.model, build_data(cfg.data, cfg.model).spec)
     check_composition(cfg, layout)
     check_user_code(cfg, layout, user_data)
     check_optimizer(cfg, layout)
