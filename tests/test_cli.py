@@ -70,6 +70,10 @@ def test_config_show_prints_every_key_with_its_doc(tmp_path):
     assert "steps = 7 " in r.stdout and "lr = 0.5 " in r.stdout and "dp = 1 " in r.stdout
 
 
+# For the runs that check neither the report nor the sample: matplotlib's figures cost a second or so a run.
+QUICK = ("--set", "log.report=false", "--set", "train.sample_tokens=0")
+
+
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory, tiny_text) -> Path:
     """A TOML file for a tiny GPT on the tiny corpus."""
@@ -104,7 +108,7 @@ def test_train_resume_export_through_the_launcher(tiny_config, tmp_path):
     assert os.readlink(run / "checkpoints" / "latest") == "step_0000006"
 
     # 2. a second session continues in place: more steps, and another layout (1 process)
-    r = plait("train", "--resume", run, "--set", "train.steps=10", "--set", "parallel.dp=1")
+    r = plait("train", "--resume", run, "--set", "train.steps=10", "--set", "parallel.dp=1", "--set", "log.report=false")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resuming from" in r.stdout and "step 6" in r.stdout
     summary = json.loads((run / "summary.json").read_text())
@@ -143,7 +147,7 @@ def test_train_resume_export_through_the_launcher(tiny_config, tmp_path):
 def test_same_command_under_plain_torchrun(tiny_config, tmp_path):
     run = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "plait", "train", str(tiny_config), "--set", "train.steps=3", "--out", str(run)]
+           "-m", "plait", "train", str(tiny_config), "--set", "train.steps=3", *QUICK, "--out", str(run)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -158,10 +162,14 @@ def test_error_inside_a_worker_is_one_line_and_exit_2(tiny_config, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_out_dir_of_an_existing_run_is_refused(tmp_path):
+def test_out_dir_of_an_existing_run_is_refused(tmp_path, capsys):
+    # In-process (the process boundary is checked by test_a_bad_config_exits_2_as_a_process): a subprocess spends
+    # ~5 s importing torch before it refuses.
+    from plait.cli import main
+
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    r = plait("train", "--out", tmp_path / "run", timeout=60)
-    assert r.returncode == 2 and f"continue it with --resume {tmp_path / 'run'}" in r.stderr
+    assert main(["train", "--out", str(tmp_path / "run")]) == 2
+    assert f"continue it with --resume {tmp_path / 'run'}" in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -176,7 +184,7 @@ def _free_port() -> int:
 def test_two_nodes_on_one_machine_form_one_job(tiny_config, tmp_path):
     """The same command on two 'machines' (here two launchers on loopback) joins one 2-process job."""
     run, port = tmp_path / "multi", _free_port()
-    common = ["-m", "plait", "train", str(tiny_config), "--out", str(run), "--set", "train.steps=4",
+    common = ["-m", "plait", "train", str(tiny_config), "--out", str(run), "--set", "train.steps=4", *QUICK,
               "--set", "launch.nnodes=2", "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}"]
     nodes = [subprocess.Popen([sys.executable, *common, "--set", f"launch.node_rank={r}"], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
