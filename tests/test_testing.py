@@ -46,7 +46,11 @@ def test_a_rank_exception_is_raised_with_its_rank_and_traceback():
     assert "[rank 0]" not in text
 
 
-def test_a_hang_becomes_an_error_naming_the_rank():
+def test_a_hang_becomes_an_error_naming_the_rank(monkeypatch):
+    import plait.testing
+
+    # Once rank 0 has failed, how long the harness waits for rank 1 (5 s by default): rank 1 sleeps 30 s either way.
+    monkeypatch.setattr(plait.testing, "FAILURE_GRACE_S", 1.0)
     with pytest.raises(DistributedError) as e:
         run_distributed(stall_on_rank_1, 2, timeout_s=3)
     text = str(e.value)
