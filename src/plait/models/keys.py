@@ -103,3 +103,22 @@ class MoEKeys:
 class ContrastiveKeys:
     projection_dim: int = opt(32, "train.objective = contrastive: width of the projection head on top of the encoder",
                               minimum=1)
+
+
+@keys("model")
+class EnsembleKeys:
+    ensemble: int = opt(1, "members of a deep ensemble trained together on the same batches, member k from the init "
+                           "seed + k; evaluation, export and serving average their probabilities (serving adds their "
+                           "spread); 1: one model", minimum=1)
+
+    def check(self, cfg) -> None:
+        if self.ensemble == 1:
+            return
+        p = cfg.parallel
+        other = [f"parallel.{k} = {getattr(p, k)}" for k in ("pp", "tp", "ep", "cp") if getattr(p, k) > 1]
+        if other:
+            raise ConfigError(f"model.ensemble = {self.ensemble} with {', '.join(other)}: an ensemble trains with dp and "
+                              "ZeRO (every rank runs every member on its share of the batch); set them to 1")
+        if cfg.train.objective != "supervised":
+            raise ConfigError(f"model.ensemble = {self.ensemble} with train.objective = {cfg.train.objective!r}: "
+                              "ensembles are supervised; set model.ensemble=1")

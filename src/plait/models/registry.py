@@ -68,6 +68,8 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     """
     if spec.task == "contrastive":
         return _contrastive(model_cfg, spec)
+    if model_cfg.ensemble > 1:
+        return _ensemble(model_cfg, spec)
     if model_cfg.factory:
         model = load_factory(model_cfg.factory)(**model_cfg.options)
         if not isinstance(model, nn.Module):
@@ -76,6 +78,19 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     if model_cfg.name not in MODELS:
         raise ConfigError(f"model.name = {model_cfg.name!r} is not one of: {', '.join(sorted(MODELS))}")
     return MODELS[model_cfg.name](model_cfg, spec)
+
+
+def _ensemble(model_cfg, spec: DataSpec) -> nn.Module:
+    """model.ensemble = K: K members of the model, member k from the seed set last + k (plait.models.ensemble)."""
+    import dataclasses
+
+    from plait.models.ensemble import build_ensemble  # lazily: only an ensemble needs it
+
+    if spec.task not in ("classification", "lm"):
+        raise ConfigError(f"model.ensemble = {model_cfg.ensemble} averages the members' class probabilities; this "
+                          f"data's task is {spec.task!r}: set model.ensemble=1")
+    one = dataclasses.replace(model_cfg, ensemble=1)
+    return build_ensemble(model_cfg.ensemble, lambda: build_model(one, spec))
 
 
 def _logits(module: nn.Module, args, output):

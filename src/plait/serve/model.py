@@ -77,7 +77,15 @@ class ServedModel:
     def outputs(self) -> list[TensorSpec]:
         if self.is_lm:
             return [TensorSpec("logits", "FP32", (-1, -1, self.vocab_size))]
-        return [TensorSpec("logits", "FP32", (-1, self.spec.num_classes)), TensorSpec("label", "INT64", (-1,))]
+        specs = [TensorSpec("logits", "FP32", (-1, self.spec.num_classes)), TensorSpec("label", "INT64", (-1,))]
+        return specs + [TensorSpec("spread", "FP32", (-1,))] if self.is_ensemble else specs
+
+    @property
+    def is_ensemble(self) -> bool:
+        """model.ensemble > 1: logits are the members' mean probabilities' logs, and `spread` their disagreement."""
+        from plait.models.ensemble import Ensemble  # lazily: a plain model never needs it
+
+        return isinstance(self.module, Ensemble) and not self.is_lm
 
     @property
     def vocab_size(self) -> int:

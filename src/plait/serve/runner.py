@@ -115,6 +115,8 @@ class Runner:
         out = {"logits": logits.numpy()}
         if not self.served.is_lm:
             out["label"] = logits.argmax(-1).numpy()
+        if self.served.is_ensemble:  # model.ensemble: how much the members disagree on each row's answer
+            out["spread"] = self.served.module.spread(t.to(self.device))[:n].float().cpu().numpy()
         return out
 
     def generate(self, rows: Sequence[GenRow], emit: Emit | None = None,

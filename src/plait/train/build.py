@@ -30,6 +30,7 @@ from plait.errors import ConfigError
 from plait.faults import SlowDevice
 from plait.finetune import ProgressiveFreeze, apply_finetune
 from plait.models import build_model
+from plait.models.ensemble import Ensemble, ensemble_loss
 from plait.models.hf import is_hf_dir
 from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_strategy
 from plait.parallel.saved import codec_for
@@ -144,10 +145,11 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
     ft, source = cfg.finetune, cfg.train.init_from
     parts_later = bool(source) and (is_hf_dir(source) or Path(source).is_file())  # readable in parts
     reads_whole = bool((source and not parts_later) or cfg.distill.teacher or ft.lora_rank or ft.adapters
-                       or cfg.train.objective == "contrastive")
-    seed_all(cfg.train.seed)
+                       or cfg.train.objective == "contrastive" or cfg.model.ensemble > 1)
+    seed = cfg.train.seed if cfg.train.init_seed < 0 else cfg.train.init_seed
+    seed_all(seed)
     model, meta_init = build_module(layout, cfg, reads_whole, lambda: build_model(cfg.model, spec),
-                                    rt.device, log=rt.print, reseed=lambda: seed_all(cfg.train.seed))
+                                    rt.device, log=rt.print, reseed=lambda: seed_all(seed))
     if source and meta_init is not None:  # each rank reads its shards once the scheme has cut the model
         meta_init = checkpoint_parts(source, model)
     elif source:  # before any scheme wraps the model: every layout starts from the same weights
@@ -209,6 +211,8 @@ def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
     else:
         loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
                    else loss_for(spec, cfg.train.temperature, rt.axis_group("dp")))
+    if isinstance(model, Ensemble):  # each member's gradient is its own loss's
+        loss_fn = ensemble_loss(loss_fn, model)
     if cfg.distill.teacher:
         distiller = Distiller.from_run(cfg.distill, spec, rt.device)
         distiller.attach(model)

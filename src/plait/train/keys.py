@@ -30,6 +30,8 @@ class TrainKeys:
     global_batch_size: int = opt(32, "samples per optimizer step, summed over data-parallel ranks", minimum=1)
     micro_batch_size: int = opt(16, "samples per forward/backward; accumulation = global / (micro * dp)", minimum=1)
     seed: int = opt(1234, "seed for model init and the data order")
+    init_seed: int = opt(-1, "seed for model init alone (-1: train.seed); member k of model.ensemble starts from "
+                             "init_seed + k", minimum=-1)
     eval_every: int = opt(100, "evaluate on validation data every N steps and at the end (0: only at the end)",
                           minimum=0)
     eval_samples: int = opt(256, "validation samples per evaluation", minimum=0)

@@ -1,0 +1,61 @@
+"""Deep ensembles (model.ensemble = K): K members of the configured model, each from its own initial weights, trained
+together on the same batches; the ensemble predicts with the members' average probability.
+
+Member k is built right after torch's generator is seeded with s + k, where s is the seed the job's model is built
+from (train.init_seed, or train.seed): member 0 is the model a plain run builds, member k the one a run with
+train.init_seed = s + k builds. In training the forward returns every member's logits, stacked (K, batch, ...), and
+`ensemble_loss` makes one loss whose gradient for each member is that member's own loss's: with the same batches
+and an optimizer that treats each parameter on its own (SGD, Adam, AdamW; not a clipped global norm), each member
+follows its own run. In evaluation (and serving) the forward returns log(mean_k softmax(logits_k)): the ensemble's
+log-probabilities, which the usual loss and argmax take as logits; `spread` gives the members' disagreement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+
+class Ensemble(nn.Module):
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([m(x) for m in self.members])
+        if self.training:
+            return logits
+        return torch.logsumexp(torch.log_softmax(logits.float(), -1), 0) - torch.log(torch.tensor(float(len(logits))))
+
+    @torch.no_grad()
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """Per row, the standard deviation over the members of the probability each gives the ensemble's choice."""
+        probs = torch.stack([torch.softmax(m(x).float(), -1) for m in self.members])  # (K, batch, classes)
+        label = probs.mean(0).argmax(-1, keepdim=True)
+        return probs.gather(-1, label.expand(len(probs), *label.shape)).squeeze(-1).std(0, unbiased=False)
+
+
+def build_ensemble(count: int, build: Callable[[], nn.Module]) -> Ensemble:
+    """`count` members, member k built after seeding torch's generator with (the seed set last) + k."""
+    base = torch.initial_seed()
+    members = []
+    for k in range(count):
+        torch.manual_seed(base + k)
+        members.append(build())
+    return Ensemble(members)
+
+
+def ensemble_loss(loss_fn: Callable, model: Ensemble) -> Callable:
+    """The training loss of stacked member logits (K, batch, ...): its value is the members' mean loss, its gradient
+    each member's own loss's gradient (so each member's update is the one its own run makes). In evaluation (the
+    model's eval mode: the ensemble's log-probabilities) loss_fn takes the logits as they are."""
+
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not model.training:
+            return loss_fn(logits, y)
+        each = torch.stack([loss_fn(member, y) for member in logits])
+        return each.sum() - each.detach().sum() + each.detach().mean()
+
+    return loss
