@@ -20,6 +20,7 @@ from plait.report.trackers import TRACKERS
 # on a shard of a tensor is that shard of the whole step (what ZeRO and chunked offload need).
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars", "adamw8bit")
 ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")
+PER_TENSOR_NORM_OPTIMIZERS = ("lamb", "lars")  # elementwise but for one norm per tensor (its trust ratio)
 
 
 @keys("train")
