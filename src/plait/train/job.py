@@ -28,7 +28,7 @@ from plait.models.hf import apply_hf_config, hf_native_parts, is_hf_dir
 from plait.models.hf_auto import FACTORY as HF_CLASS_FACTORY
 from plait.parallel import check_config as check_layout_config
 from plait.parallel.layout import Layout
-from plait.train.keys import ELEMENTWISE_OPTIMIZERS, PER_TENSOR_NORM_OPTIMIZERS
+from plait.train.keys import DTENSOR_OPTIMIZERS, ELEMENTWISE_OPTIMIZERS
 
 
 def check_job(cfg: Config, user_data: bool = True) -> Layout:
@@ -137,14 +137,15 @@ def metric_name(ref: str) -> str:
 def check_optimizer(cfg: Config, layout: Layout) -> None:
     """Optimizers whose update needs whole tensors, against the layout."""
     name = cfg.optim.name
-    # LAMB's and LARS's per-tensor norms: on FSDP2's DTensor shards (ZeRO-2/3) the norm is reduced across the
-    # shards, so the trust ratio is the whole tensor's; offload's plain chunks have no such reduction
-    sharded_norms = name in PER_TENSOR_NORM_OPTIMIZERS and layout.offload not in ("disk", "optimizer")
+    # ZeRO-2/3 step FSDP2's DTensor shards: LAMB's and LARS's per-tensor norms are reduced across the shards (the
+    # trust ratio is the whole tensor's), and adamw8bit quantizes each rank's own shard in its blocks (none crosses
+    # a shard's edge); offload's plain chunks have neither
+    sharded_norms = name in DTENSOR_OPTIMIZERS and layout.offload not in ("disk", "optimizer")
     if layout.elementwise_optimizer_only and name not in ELEMENTWISE_OPTIMIZERS and not sharded_norms:
         if layout.zero:
             raise ConfigError(f"optim.name = {name!r} cannot be sharded by ZeRO-{layout.zero} (its update is not "
                               f"elementwise, and ZeRO-2/3 shard each tensor); use one of "
-                              f"{', '.join(ELEMENTWISE_OPTIMIZERS + PER_TENSOR_NORM_OPTIMIZERS)}, or parallel.zero=1 "
+                              f"{', '.join(ELEMENTWISE_OPTIMIZERS + DTENSOR_OPTIMIZERS)}, or parallel.zero=1 "
                               "(whole tensors per rank)")
         raise ConfigError(f"parallel.offload = {layout.offload!r} updates the optimizer state chunk by chunk, which needs "
                           f"an elementwise optimizer; optim.name = {name!r} is not one: use one of "

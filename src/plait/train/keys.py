@@ -20,7 +20,9 @@ from plait.report.trackers import TRACKERS
 # on a shard of a tensor is that shard of the whole step (what ZeRO and chunked offload need).
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars", "adamw8bit")
 ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")
-PER_TENSOR_NORM_OPTIMIZERS = ("lamb", "lars")  # elementwise but for one norm per tensor (its trust ratio)
+# not elementwise, but right on ZeRO-2/3's DTensor shards: one norm per tensor (lamb, lars: DTensor reduces it), and
+# block-quantized states (adamw8bit: each rank's shard in its own blocks)
+DTENSOR_OPTIMIZERS = ("lamb", "lars", "adamw8bit")
 
 
 @keys("train")
