@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_GPT, finish_ranks, params_after, start_ranks
+from helpers import TINY_GPT, finish_ranks, forked_ranks, params_after, start_ranks
 from plait.config import dump_config, load_config
 from plait.testing import run_distributed
 
@@ -229,11 +229,14 @@ def test_other_models_under_data_parallel(pool2, reference, base, tmp_path, layo
     assert_same_trajectory(reference(family), got)
 
 
-@pytest.mark.slow  # 17-22 s: spawning 8 ranks on 2 cores is most of it
+@pytest.mark.slow
 def test_3d_dp2_pp2_tp2_on_8_processes(reference, base, tmp_path):
-    """dp x pp x tp all at once: the mesh's three axes, the tied weight across stages and tp groups, dp sync."""
+    """dp x pp x tp all at once: the mesh's three axes, the tied weight across stages and tp groups, dp sync.
+    The 8 ranks are forked from a server that imported torch and the trainer once (spawned, they spent ~15 s of the
+    test's ~23 importing them on 2 cores)."""
     cfg = load_config(None, [*base["gpt"], *SGD, "parallel.dp=2", "parallel.pp=2", "parallel.tp=2"])
-    got = run_distributed(trajectory, 8, cfg, tmp_path, timeout_s=120)[0]
+    with forked_ranks("plait.train.trainer", "helpers", "test_equivalence"):
+        got = run_distributed(trajectory, 8, cfg, tmp_path, timeout_s=120)[0]
     assert_same_trajectory(reference("gpt"), got)
 
 
