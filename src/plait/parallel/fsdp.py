@@ -241,10 +241,6 @@ def check(layout: Layout, keys) -> None:
             f"parallel.zero = 2 or 3 (it is {layout.zero}); set parallel.zero=3, or parallel.offload='optimizer' "
             "(optimizer state only) or 'disk'")
     check_zero(layout, (2, 3))
-    if layout.zero >= 2 and layout.pp > 1:
-        raise ConfigError(
-            f"parallel.zero = {layout.zero} with parallel.pp = {layout.pp} is not available in this version of plait; "
-            "set parallel.zero=0 (gradients are then averaged over dp by an all-reduce)")
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:

@@ -485,7 +485,8 @@ def build(b: Build, cls: type | None = None) -> PipelineStrategy:
     tied = tied_parameters(module)
     strategy = (cls or PipelineStrategy)(parts, mine, b.layout.stages, rt, b.make_optimizer, b.loss_fn, b.precision,
                                          b.local_batch, b.layout.pipeline_microbatches, b.layout.schedule,
-                                         pipeline_parts(module)["blocks"], tied, dp_sync=rt.axis_size("dp") > 1)
+                                         pipeline_parts(module)["blocks"], tied,
+                                         dp_sync=rt.axis_size("dp") > 1 and not b.layout.shards_gradients)
     strategy.bounds = bounds
     return strategy
 
