@@ -35,18 +35,21 @@ from torch.distributed.tensor import DTensor
 from plait.errors import ConfigError
 from plait.parallel.base import DTYPES, Precision, Strategy, model_blocks
 from plait.parallel.gradsync import clip_grads
+from plait.parallel.keys import DDPKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32", offload: bool = False,
-               ignored_params: set | None = None) -> nn.Module:
+               ignored_params: set | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Stage 3: shard each of model.blocks, then the root, resharding after forward; stage 2: the root alone, kept whole.
 
-    ignored_params stay as they are (expert parallel keeps its experts out and synchronises them itself)."""
+    ignored_params stay as they are (expert parallel keeps its experts out and synchronises them itself).
+    reduce_dtype: gradients reduce-scattered in this dtype (parallel.compression = fp16 | bf16), else float32."""
     mp = None
-    if param_dtype != "fp32":
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    if param_dtype != "fp32" or reduce_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype] if param_dtype != "fp32" else None,
+                                  reduce_dtype=reduce_dtype or torch.float32)
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": stage == 3, "ignored_params": ignored_params}
     if mp is not None:
         kwargs["mp_policy"] = mp
@@ -243,9 +246,14 @@ def check(layout: Layout, keys) -> None:
     check_zero(layout, (2, 3))
 
 
+# parallel.compression under ZeRO-2/3: what is reduce-scattered is cast to this dtype (FSDP2's reduce_dtype)
+REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def transform(model: nn.Module, b: Build) -> nn.Module:
     offload = b.layout.offload == "params" and b.rt.device.type != "cpu"
-    return apply_fsdp(model, b.rt.mesh["dp"], b.layout.zero, param_dtype=b.cfg.precision.dtype, offload=offload)
+    return apply_fsdp(model, b.rt.mesh["dp"], b.layout.zero, param_dtype=b.cfg.precision.dtype, offload=offload,
+                      reduce_dtype=REDUCE_DTYPES.get(b.keys(DDPKeys).compression))
 
 
 def build(b: Build) -> Strategy:
@@ -254,13 +262,17 @@ def build(b: Build) -> Strategy:
                    "live in CPU memory)")
     model = b.parallelize(b.module)
     init = b.materialize(model)  # shard-only initialisation: the single-process values, this rank's shards only
+    compression = b.keys(DDPKeys).compression  # a cast reduction: FSDP2 divides after it (no deferred reduce-scatter)
     # FSDP2 casts parameters itself (its mixed-precision policy); autocast would be redundant.
     precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
     strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,
                             stage=b.layout.zero, dp_group=b.rt.axis_group("dp"),
-                            reduce_scatter=overlap_without_streams(b.module, b.rt.mesh["dp"], b.layout.zero))
+                            reduce_scatter=None if compression in REDUCE_DTYPES else
+                            overlap_without_streams(b.module, b.rt.mesh["dp"], b.layout.zero))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
     strategy.init_memory = init
+    if compression in REDUCE_DTYPES:
+        strategy.labels.append(f"{compression} compression")
     return strategy
 
 
