@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,37 +54,75 @@ def test_kill_while_publishing_a_checkpoint_never_corrupts_latest(job, uninterru
         verify(ckpt)
 
 
-@pytest.mark.slow
 def _train_until_two_steps(job, run: Path) -> subprocess.Popen:
-    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.4"}  # every rank, every step: time to send the signal
-    p = subprocess.Popen([sys.executable, "-m", "plait", "train", str(job), "--out", str(run)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line) >= 2:
-            break
-        time.sleep(0.2)
+    p = _start_slow(job, run)
+    _wait_two_steps(p, run)
     return p
 
 
-@pytest.mark.parametrize("sig, said", [(signal.SIGTERM, "preempted (SIGTERM)"), (signal.SIGINT, "interrupted (Ctrl-C)")])
-def test_sigterm_checkpoints_and_resume_continues(job, uninterrupted, tmp_path, sig, said):
+def _start_slow(job, run: Path) -> subprocess.Popen:
+    env = {**ENV, "PLAIT_FAULTS": "slow:seconds=0.4"}  # every rank, every step: time to send the signal
+    return subprocess.Popen([sys.executable, "-m", "plait", "train", str(job), "--out", str(run)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_two_steps(p: subprocess.Popen, run: Path) -> None:
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line) >= 2:
+            break
+        time.sleep(0.2)
+
+
+SIGNALS = {signal.SIGTERM: "preempted (SIGTERM)", signal.SIGINT: "interrupted (Ctrl-C)"}
+
+
+@pytest.fixture(scope="module")
+def signalled(job, tmp_path_factory) -> dict:
+    """One run per signal, side by side (each mostly sleeps through its slowed steps): each gets its signal after two
+    steps, then both resume, side by side too. {signal: (run dir, the stopped run (returncode, stdout, stderr,
+    summary.json's bytes, where checkpoints/latest pointed), the resume's CompletedProcess)}."""
+    runs = {sig: tmp_path_factory.mktemp(sig.name) / "run" for sig in SIGNALS}
+    procs = {sig: _start_slow(job, run) for sig, run in runs.items()}
+    try:
+        for sig, p in procs.items():
+            _wait_two_steps(p, runs[sig])
+            p.send_signal(sig)
+        outs = {sig: p.communicate(timeout=120) for sig, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    # what the stop left, read before the resume rewrites it
+    stopped = {sig: (procs[sig].returncode, *outs[sig], _read(run / "summary.json"), _link(run / "checkpoints" / "latest"))
+               for sig, run in runs.items()}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        resumed = dict(zip(runs, pool.map(lambda run: plait("train", "--resume", run), runs.values())))
+    return {sig: (runs[sig], stopped[sig], resumed[sig]) for sig in SIGNALS}
+
+
+def _link(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("sig", list(SIGNALS), ids=[sig.name for sig in SIGNALS])
+def test_sigterm_checkpoints_and_resume_continues(signalled, uninterrupted, sig):
     """SIGTERM (a scheduler) and Ctrl-C do the same: every rank stops at the next logging step, one checkpoint, exit 0,
     the resume command printed, no traceback."""
-    run = tmp_path / "run"
-    p = _train_until_two_steps(job, run)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, out + err
+    said = SIGNALS[sig]
+    run, (returncode, out, err, summary_json, latest), r = signalled[sig]
+    assert returncode == 0, out + err
     assert f"{said}: stopped cleanly at step_" in out, out + err
     assert (out + err).count("continue with plait train --resume") == 1, out + err  # said once, by rank 0
     assert "death signal" not in err and "via signal" not in err, err  # the agent's echo of the same stop
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, out + err
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads(summary_json)
     assert summary["preempted"] and 2 <= summary["steps"] < 10
-    assert os.readlink(run / "checkpoints" / "latest") == f"step_{summary['steps']:07d}"
-    r = plait("train", "--resume", run)
+    assert latest == f"step_{summary['steps']:07d}"
     assert r.returncode == 0, r.stdout + r.stderr
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
 
@@ -153,21 +192,34 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(job, uninterrupted, tmp_pat
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
 
 
-@pytest.mark.slow
-def test_a_stalled_rank_becomes_an_error_naming_it(job, tmp_path):
+@pytest.fixture(scope="module")
+def failed(job, tmp_path_factory) -> dict:
+    """The stalled rank's run and the mismatched collectives' run, side by side (the first mostly waits: on its
+    timeout, then on the stalled rank): {"stall" | "mismatch": CompletedProcess}."""
     # the launcher exits only once the stalled rank wakes (its sleep outlasts the SIGTERM it gets): a stall 3 s past
     # the 4 s timeout, not more
-    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.timeout_s=4",
-              faults="stall:rank=1:step=3:seconds=7", timeout=120)
+    runs = {"stall": (["--set", "launch.timeout_s=4"], "stall:rank=1:step=3:seconds=7"),
+            "mismatch": (["--set", "launch.check_collectives=true"], "mismatch:rank=1:step=3")}
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        sets, faults = runs[name]
+        return plait("train", job, "--out", tmp_path_factory.mktemp(name) / "run", *sets, faults=faults, timeout=120)
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return dict(zip(runs, pool.map(run, runs)))
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_becomes_an_error_naming_it(failed):
+    r = failed["stall"]
     assert r.returncode == 3
     assert ("error: rank 0, step 3 (forward_backward): all_reduce did not finish within launch.timeout_s = 4 s; "
             "did not join: rank 1 (last seen: step 3 (data)") in r.stderr
 
 
 @pytest.mark.slow
-def test_mismatched_collectives_name_ranks_ops_and_call_sites(job, tmp_path):
-    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.check_collectives=true",
-              faults="mismatch:rank=1:step=3", timeout=120)
+def test_mismatched_collectives_name_ranks_ops_and_call_sites(failed):
+    r = failed["mismatch"]
     assert r.returncode == 3
     # whichever rank notices first reports; the agent then stops the other
     line = next(x for x in r.stderr.splitlines() if "ranks issued different collectives" in x)
@@ -210,7 +262,7 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
     run, port = tmp_path / "run", _free_port()
     common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
-              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=2"]  # node 1's death: seen in ~6 s
+              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=1"]  # node 1's death: seen in ~3 s
     # Waits on events, not clocks: alone (world 1), node 0 waits at step 2 until it is asked to stop, which is node 1
     # joining (the agent re-forms the job); at 2 ranks, both wait at step 6 until node 1 has been killed. The faults
     # end with the first restart (node 1's death).
