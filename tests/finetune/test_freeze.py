@@ -28,7 +28,9 @@ def test_the_job_check_refuses_a_typo_before_any_worker_starts(tiny_text):
     with pytest.raises(ConfigError, match=r"'blocks\.9\.\*' matches no parameter name; the closest are: blocks\."):
         check_job(load_config(None, gpt(tiny_text, "finetune.freeze=['blocks.9.*']")))
     with pytest.raises(ConfigError, match="supported with data, pipeline and context parallel and ZeRO 1-3"):
-        check_job(load_config(None, gpt(tiny_text, FREEZE, "parallel.dp=1", "parallel.tp=2")))
+        check_job(load_config(None, gpt(tiny_text, "finetune.lora_rank=4", "parallel.dp=1", "parallel.tp=2")))
+    assert check_job(load_config(None, gpt(tiny_text, FREEZE, "parallel.dp=1", "parallel.tp=2",
+                                           "model.vocab_multiple=64"))).tp == 2  # a fixed freeze: tests/parallel/test_freeze_tp.py
 
 
 def _frozen_names(params: dict) -> list[str]:

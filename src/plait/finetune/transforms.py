@@ -38,8 +38,10 @@ def check_layout(cfg, layout) -> None:
             "stepped, and FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen "
             "blocks would still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed "
             "finetune.freeze")
-    if active(cfg) and not (layout.tp == 1 and layout.ep == 1 and layout.sync == "allreduce"
-                            and layout.embedding_sharding == "none"):
+    # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are
+    only_freeze = bool(f.freeze) and not (f.lora_rank > 0 or f.progressive_freeze or f.adapters)
+    sharded_ok = layout.sync == "allreduce" and layout.embedding_sharding == "none" and layout.ep == 1
+    if active(cfg) and not (sharded_ok and (only_freeze or layout.tp == 1)):
         raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, pipeline and "
                           f"context parallel and ZeRO 1-3 (tp = ep = 1, sync = 'allreduce', no embedding_sharding); here "
                           f"tp = {layout.tp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
