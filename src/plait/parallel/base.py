@@ -49,7 +49,11 @@ class Precision:
         """Unscale gradients; with sharded gradients (`group` given) every rank must agree on an overflow."""
         if not self.scaler:
             return
-        self.scaler.unscale_(optimizer)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if len({hasattr(g, "to_local") for g in grads}) > 1:
+            self._unscale_local(optimizer, grads)  # DTensor and plain gradients (expert parallel's experts)
+        else:
+            self.scaler.unscale_(optimizer)
         if group is not None:
             import torch.distributed as dist
 
@@ -57,6 +61,27 @@ class Precision:
             state = self.scaler._per_optimizer_states[id(optimizer)]
             for found in state["found_inf_per_device"].values():
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+
+    def _unscale_local(self, optimizer, grads: list) -> None:
+        """GradScaler.unscale_ on each gradient's local tensor: torch's fused unscale takes a list of plain tensors or
+        of DTensors, not both. The scale, the found-inf flag and the optimizer's stage are the scaler's own."""
+        from torch.amp.grad_scaler import OptState
+
+        scaler = self.scaler
+        assert scaler is not None and scaler._scale is not None, "unscale runs after scale(loss)"
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale() has already been called on this optimizer since the last update().")
+        inv_scale = scaler._scale.double().reciprocal().float()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=scaler._scale.device)
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+        for tensors in by_kind.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.UNSCALED
 
     def step(self, optimizer) -> None:
         if self.scaler:

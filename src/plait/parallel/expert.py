@@ -113,10 +113,6 @@ def check(layout: Layout, keys) -> None:
         raise ConfigError(
             f"parallel.ep = {layout.ep} averages the experts over their replicas by all-reduce; parallel.sync = "
             f"{layout.sync!r} replaces the all-reduce: set parallel.sync='allreduce' or parallel.ep=1")
-    if layout.loss_scaling:
-        raise ConfigError(
-            f"precision.dtype = 'fp16' with parallel.ep = {layout.ep}: fp16 loss scaling does not unscale the experts' "
-            "DTensor gradients together with the dense ones; set precision.dtype='bf16' (no loss scaling) or 'fp32'")
 
 
 def check_model(layout: Layout, keys, model_cfg, model) -> None:
