@@ -132,7 +132,9 @@ def test_srun_without_torchrun_forms_one_job_from_slurms_variables(slurm, sgd_jo
 def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_job, sgd_reference, tmp_path):
     t0 = time.monotonic()
     run = tmp_path / "run"
-    job = _submit(slurm, sgd_job, run, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.4"})  # time to send the signal
+    # every rank waits at step 3 until it is asked to stop: the signal finds the job training however loaded the
+    # machine, and neither incarnation sleeps through its steps (the requeued one resumes past step 3)
+    job = _submit(slurm, sgd_job, run, env={**slurm.env, "PLAIT_FAULTS": "stall:step=3:until=stop:seconds=60"})
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 90
     while time.time() < deadline:
@@ -164,6 +166,11 @@ def test_usr1_checkpoints_requeues_and_resumes_on_the_same_weights(slurm, sgd_jo
     print(f"\nSlurm requeue test: {wall:.1f} s from sbatch to the end of the requeued job")
 
 
+# The long job's 2-node run waits at step 3 until it is preempted (the signal finds it training, however loaded the
+# machine); the 1-node runs (the short job's, the long one's second) take >= 0.5 s a step: the long one ends last.
+FAULTS = "stall:step=3:world=2:until=stop:seconds=60;slow:seconds=0.5:world=1"
+
+
 def test_cluster_run_on_slurm_preempts_resizes_and_keeps_the_trajectory(slurm, sgd_job, sgd_reference, tmp_path):
     """`plait cluster run --backend slurm --policy srtf` on the two-node cluster: the long job starts on both nodes;
     the short one arrives, the long one gets USR1 (checkpoint, end, no requeue) and is resubmitted on one node beside
@@ -174,7 +181,7 @@ def test_cluster_run_on_slurm_preempts_resizes_and_keeps_the_trajectory(slurm, s
                     'arrival = 3\n')
     out = tmp_path / "cluster"
     r = plait_env("cluster", "run", jobs, "--backend", "slurm", "--slots", "2", "--policy", "srtf", "--time", "00:10:00",
-                  "--poll", "0.3", "--out", out, env={**slurm.env, "PLAIT_FAULTS": "slow:seconds=0.5"}, timeout=300)
+                  "--poll", "0.3", "--out", out, env={**slurm.env, "PLAIT_FAULTS": FAULTS}, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "cluster.json").read_text())
     rows = {j["job"]: j for j in summary["jobs"]}
