@@ -120,6 +120,11 @@ def check(layout: Layout, keys: DDPKeys) -> None:
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} compresses the data-parallel all-reduce, but parallel.sync = "
             f"{layout.sync!r} has none; set parallel.compression='none' or parallel.sync='allreduce'")
+    if layout.replicas < 2:
+        raise ConfigError(
+            f"parallel.compression = {keys.compression!r} compresses the gradients' data-parallel reduction, and "
+            f"parallel.dp = {layout.dp} has none (no replicas to average over); set parallel.compression='none' or "
+            "parallel.dp >= 2")
     if keys.compression in ("fp16", "bf16") and layout.shards_gradients and layout.ep == 1 \
             and layout.embedding_sharding == "none":
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
