@@ -153,13 +153,14 @@ def run_env() -> dict:
 
 
 def reader_start(base: Path) -> None:
-    """What the README's Training block leaves a reader with: job.toml and a trained run runs/x (2 steps)."""
+    """What the README's Training block leaves a reader with: job.toml and a trained run runs/x (2 steps), scaled as the
+    README's own run is (scale_plait: no sample, no report figures)."""
     base.mkdir()
     with open(base / "job.toml", "w") as f:
         subprocess.run([str(BIN / "plait"), "config", "show"], stdout=f, check=True, env=run_env(), cwd=base)
-    r = subprocess.run([str(BIN / "plait"), "train", "job.toml", "--set", "train.steps=2", "--set", "train.sample_tokens=0",
-                        "--set", "log.progress=false", "--out", "runs/x"], capture_output=True, text=True, env=run_env(),
-                       cwd=base)
+    r = subprocess.run([str(BIN / "plait"), *scale_plait(["train", "job.toml", "--set", "train.steps=100", "--set",
+                                                          "log.progress=false", "--out", "runs/x"])],
+                       capture_output=True, text=True, env=run_env(), cwd=base)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
