@@ -21,8 +21,10 @@ def test_docs_hold_the_current_matrix_and_cells_are_the_job_checks_verdicts():
     assert cells[("LoRA", "tp2")].reason.startswith("finetune.freeze / lora_rank / adapters / progressive_freeze are supported")
     assert cells[("adamw8bit", "ZeRO-1")] == Cell(True)  # ZeRO-1 owns whole tensors
     assert cells[("adamw8bit", "ZeRO-3")] == Cell(True)  # each rank's shard quantized in its own blocks
-    assert cells[("adamw8bit", "tp2")].reason == ("optim.name = 'adamw8bit' keeps block-quantized states per whole "
-                                                  "tensor: the parameter server and tensor parallel are not supported")
+    assert cells[("adamw8bit", "tp2")] == Cell(True)  # tp's shards too
+    assert cells[("PowerSGD", "tp2")].reason == ("parallel.compression = 'powersgd' compresses the gradients' "
+                                                 "data-parallel reduction, and parallel.dp = 1 has none (no replicas "
+                                                 "to average over)")
     assert len(cells) == len(TECHNIQUES) * len(LAYOUTS)
 
 

@@ -150,9 +150,9 @@ def check_optimizer(cfg: Config, layout: Layout) -> None:
         raise ConfigError(f"parallel.offload = {layout.offload!r} updates the optimizer state chunk by chunk, which needs "
                           f"an elementwise optimizer; optim.name = {name!r} is not one: use one of "
                           f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or set parallel.offload='none'")
-    if name == "adamw8bit" and not layout.optimizer_sees_whole_tensors:
+    if name == "adamw8bit" and (layout.ps or layout.sync == "ps"):  # tp's DTensor shards: each in its own blocks
         raise ConfigError("optim.name = 'adamw8bit' keeps block-quantized states per whole tensor: the parameter "
-                          "server and tensor parallel are not supported; use data parallel or optim.name='adamw'")
+                          "server's shards of them are not supported; use data parallel or optim.name='adamw'")
 
 
 def check_objective(cfg: Config, layout: Layout) -> None:
