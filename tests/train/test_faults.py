@@ -192,34 +192,21 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(job, uninterrupted, tmp_pat
     assert max_diff(uninterrupted, weights(run)) <= 1e-6
 
 
-@pytest.fixture(scope="module")
-def failed(job, tmp_path_factory) -> dict:
-    """The stalled rank's run and the mismatched collectives' run, side by side (the first mostly waits: on its
-    timeout, then on the stalled rank): {"stall" | "mismatch": CompletedProcess}."""
+@pytest.mark.slow
+def test_a_stalled_rank_becomes_an_error_naming_it(job, tmp_path):
     # the launcher exits only once the stalled rank wakes (its sleep outlasts the SIGTERM it gets): a stall 3 s past
     # the 4 s timeout, not more
-    runs = {"stall": (["--set", "launch.timeout_s=4"], "stall:rank=1:step=3:seconds=7"),
-            "mismatch": (["--set", "launch.check_collectives=true"], "mismatch:rank=1:step=3")}
-
-    def run(name: str) -> subprocess.CompletedProcess:
-        sets, faults = runs[name]
-        return plait("train", job, "--out", tmp_path_factory.mktemp(name) / "run", *sets, faults=faults, timeout=120)
-
-    with ThreadPoolExecutor(len(runs)) as pool:
-        return dict(zip(runs, pool.map(run, runs)))
-
-
-@pytest.mark.slow
-def test_a_stalled_rank_becomes_an_error_naming_it(failed):
-    r = failed["stall"]
+    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.timeout_s=4",
+              faults="stall:rank=1:step=3:seconds=7", timeout=120)
     assert r.returncode == 3
     assert ("error: rank 0, step 3 (forward_backward): all_reduce did not finish within launch.timeout_s = 4 s; "
             "did not join: rank 1 (last seen: step 3 (data)") in r.stderr
 
 
 @pytest.mark.slow
-def test_mismatched_collectives_name_ranks_ops_and_call_sites(failed):
-    r = failed["mismatch"]
+def test_mismatched_collectives_name_ranks_ops_and_call_sites(job, tmp_path):
+    r = plait("train", job, "--out", tmp_path / "run", "--set", "launch.check_collectives=true",
+              faults="mismatch:rank=1:step=3", timeout=120)
     assert r.returncode == 3
     # whichever rank notices first reports; the agent then stops the other
     line = next(x for x in r.stderr.splitlines() if "ranks issued different collectives" in x)
@@ -228,15 +215,22 @@ def test_mismatched_collectives_name_ranks_ops_and_call_sites(failed):
     assert "rank 1 runs broadcast of float32 shape [3] (called at faults.py:" in line
 
 
-def test_a_slow_rank_is_flagged_as_a_straggler(tiny_text, tmp_path):
-    from helpers import rank0_params, tiny_gpt_config
-    from plait.testing import run_distributed
+def _rank0_with_faults(cfg, run_dir, faults: str):
+    """Pool task: rank0_params with PLAIT_FAULTS set on this rank (the session's pool outlives the test)."""
+    from helpers import rank0_params
 
-    os.environ["PLAIT_FAULTS"] = "slow:rank=1:seconds=0.3"
+    os.environ["PLAIT_FAULTS"] = faults
     try:
-        run_distributed(rank0_params, 2, tiny_gpt_config(tiny_text, "train.steps=6", "log.every=2"), tmp_path)
+        return rank0_params(cfg, run_dir)
     finally:
-        del os.environ["PLAIT_FAULTS"]
+        os.environ.pop("PLAIT_FAULTS", None)
+
+
+def test_a_slow_rank_is_flagged_as_a_straggler(pool2, tiny_text, tmp_path):
+    from helpers import tiny_gpt_config
+
+    pool2.run(_rank0_with_faults, tiny_gpt_config(tiny_text, "train.steps=6", "log.every=2"), tmp_path,
+              "slow:rank=1:seconds=0.3")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     # (step 2 is DDP's bucket rebuild, whose waiting happens in C++ collectives that are not timed)
     steady = [r for r in rows if r["step"] >= 4]
@@ -262,7 +256,7 @@ def test_a_node_that_joins_grows_the_job_and_one_that_dies_shrinks_it_on_one_tra
     run, port = tmp_path / "run", _free_port()
     common = [sys.executable, "-m", "plait", "train", str(job), "--out", str(run), "--set", "launch.nnodes='1:2'",
               "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}", "--set", "launch.max_restarts=1",
-              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=1"]  # node 1's death: seen in ~3 s
+              "--set", "launch.timeout_s=20", "--set", "launch.heartbeat_s=2"]  # node 1's death: seen in ~6 s
     # Waits on events, not clocks: alone (world 1), node 0 waits at step 2 until it is asked to stop, which is node 1
     # joining (the agent re-forms the job); at 2 ranks, both wait at step 6 until node 1 has been killed. The faults
     # end with the first restart (node 1's death).
