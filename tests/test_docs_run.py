@@ -24,8 +24,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|file)\s+(.+?)\s*-->\s*$")
 FENCE = re.compile(r"^```([\w-]*)\s*\n(.*?)^```\s*$", re.S | re.M)
@@ -142,6 +140,12 @@ def scale(argv: list[str]) -> list[str]:
     return [real, *rest]
 
 
+if __name__ == "__main__":  # the run script's `plait`, `torchrun` and `mpirun`: scale, then run the real one (before
+    cmd = scale(sys.argv[1:])  # pytest is imported below: ~0.1 s of every command the pages run)
+    os.execv(cmd[0], cmd)
+
+import pytest  # noqa: E402
+
 DOC_PAGES = pages()
 
 
@@ -215,8 +219,3 @@ def test_markers_stand_directly_before_a_fence():
             if "docs-test:" in line:
                 assert MARKER.match(line.strip()), f"{page.name}:{i + 1}: malformed marker {line!r}"
                 assert i + 1 < len(lines) and lines[i + 1].startswith("```"), f"{page.name}:{i + 1}: no fence after it"
-
-
-if __name__ == "__main__":  # the run script's `plait`, `torchrun` and `mpirun`: scale, then run the real one
-    cmd = scale(sys.argv[1:])
-    os.execv(cmd[0], cmd)
