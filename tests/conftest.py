@@ -24,27 +24,36 @@ import pytest  # noqa: E402
 from plait.testing import RankPool  # noqa: E402
 
 # `make test` runs the suite on two pytest-xdist workers, a file at a time (--dist loadfile: a file's module and
-# session fixtures are built once, on one worker). The modules that take longest (measured serially: the seconds
+# session fixtures are built once, on one worker). The modules that take longest (the seconds
 # beside each) are handed out first, so that the two workers finish together instead of one ending on a long file.
 # A file missing here keeps its place after them; the order is a schedule only, never a test's precondition.
-LONGEST_FIRST = [
-    "tests/train/test_faults.py",              # 103 s
-    "tests/test_docs_run.py",                  # 97
-    "tests/parallel/test_equivalence.py",      # 55
-    "tests/launch/test_ray.py",                # 55
-    "tests/launch/test_slurm.py",              # 52
-    "tests/tune/test_tune.py",                 # 47
-    "tests/ps/test_ps.py",                     # 46
-    "tests/launch/test_k8s.py",                # 33
-    "tests/launch/test_netns.py",              # 33
-    "tests/test_cli.py",                       # 32
-    "tests/federated/test_fed_network.py",     # 30
-    "tests/plan/test_plan.py",                 # 29
-    "tests/test_gpu_check.py",                 # 28
-    "tests/parallel/test_context.py",          # 40 (measured alone, 2 cores)
-    "tests/cluster/test_cluster_run.py",       # 27
-    "tests/test_testing.py",                   # 22
-    "tests/parallel/test_zero.py",             # 15
+LONGEST_FIRST = [  # seconds: the file's longest test (setup + call) in a 2-worker run of the whole suite
+    "tests/test_docs_run.py",                  # 112
+    "tests/launch/test_slurm.py",              # 41 + 40
+    "tests/train/test_faults.py",              # 28 + 19 + 13 + 12 + ...
+    "tests/cluster/test_cluster_run.py",       # 62
+    "tests/launch/test_ray.py",                # 57
+    "tests/launch/test_own_loop.py",           # 48
+    "tests/test_gpu_check.py",                 # 46
+    "tests/plan/test_auto_layout.py",          # 42
+    "tests/launch/test_netns.py",              # 41
+    "tests/test_api.py",                       # 32
+    "tests/report/test_report_chromium.py",    # 32
+    "tests/tune/test_tune.py",                 # 25
+    "tests/ps/test_ps_elastic.py",             # 25
+    "tests/parallel/test_equivalence.py",      # (55 serially)
+    "tests/ps/test_ps.py",                     # (46 serially)
+    "tests/parallel/test_shard_load.py",       # 21
+    "tests/serve/test_serve_device.py",        # 21
+    "tests/tune/test_tune_warm.py",            # 16 alone
+    "tests/launch/test_k8s.py",                # (33 serially)
+    "tests/test_cli.py",                       # (32 serially)
+    "tests/test_examples.py",                  # 17
+    "tests/federated/test_fed_network.py",     # (30 serially)
+    "tests/plan/test_plan.py",                 # (29 serially)
+    "tests/parallel/test_context.py",          # (40 alone, 2 cores)
+    "tests/test_testing.py",                   # (22 serially)
+    "tests/parallel/test_zero.py",             # (15 serially)
 ]
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 
-from helpers import plait, step_losses
+from helpers import ENV, step_losses
 from plait.config import load_config
 from plait.tune.warm import applies
 
@@ -27,12 +29,16 @@ def studies(tmp_path_factory):
     d = tmp_path_factory.mktemp("warm")
     # the second trial's width (18) is not a multiple of the 4 heads: plait train refuses it
     (d / "space.toml").write_text("optim.lr = {log_uniform = [0.01, 0.3]}\nmodel.width = {choice = [16, 18]}\n")
+    jobs = {}
+    for name, extra in (("cold", ["--no-warm"]), ("warm", [])):  # side by side: the studies mostly wait on trials
+        cmd = [sys.executable, "-m", "plait", "tune", *[a for s in SETS for a in ("--set", s)], "--space",
+               str(d / "space.toml"), "--trials", "4", "--pruner", "none", "--seed", "5", "--out", str(d / name), *extra]
+        jobs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     out = {}
-    for name, extra in (("warm", []), ("cold", ["--no-warm"])):
-        r = plait("tune", *[a for s in SETS for a in ("--set", s)], "--space", d / "space.toml", "--trials", "4",
-                  "--pruner", "none", "--seed", "5", "--out", d / name, *extra)
-        assert r.returncode == 0, r.stdout + r.stderr
-        out[name] = (d / name, r.stdout)
+    for name, job in jobs.items():
+        said = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, said
+        out[name] = (d / name, said)
     return out
 
 
