@@ -1,5 +1,5 @@
 """Warm trials (plait.tune.warm): a one-process trial forked from a warm interpreter runs what `plait train` runs.
-The same study with --no-warm (every trial a `plait train` process) draws the same values and its trials log the same
+The same 2-trial study with --no-warm (every trial a `plait train` process) draws the same values and its trials log the same
 losses step for step, with the same run-dir files; a trial whose values plait train refuses fails with the same line;
 a layout of two processes is not forked."""
 
@@ -32,7 +32,7 @@ def studies(tmp_path_factory):
     jobs = {}
     for name, extra in (("cold", ["--no-warm"]), ("warm", [])):  # side by side: the studies mostly wait on trials
         cmd = [sys.executable, "-m", "plait", "tune", *[a for s in SETS for a in ("--set", s)], "--space",
-               str(d / "space.toml"), "--trials", "4", "--pruner", "none", "--seed", "5", "--out", str(d / name), *extra]
+               str(d / "space.toml"), "--trials", "2", "--pruner", "none", "--seed", "5", "--out", str(d / name), *extra]
         jobs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     out = {}
     for name, job in jobs.items():
@@ -52,7 +52,7 @@ def test_warm_trials_follow_plait_train_step_for_step(studies):
     assert {k: (r["state"], r["optim.lr"], r["model.width"]) for k, r in a.items()} == \
         {k: (r["state"], r["optim.lr"], r["model.width"]) for k, r in b.items()}
     complete = [k for k, r in a.items() if r["state"] == "complete"]
-    assert complete and len(complete) < 4, a  # both kinds of trial were drawn
+    assert complete and len(complete) < len(a), a  # both kinds of trial were drawn (seed 5: width 16, then 18)
     for k in complete:
         run_w, run_c = (s / "trials" / f"{k:04d}" for s in (warm, cold))
         losses = step_losses(run_w)
