@@ -161,3 +161,32 @@ def step_losses(run: Path) -> list[tuple[float, float]]:
 
     return [(m["loss"], m["grad_norm"]) for m in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())
             if "loss" in m]
+
+
+# plain SGD for layout-equivalence tests: no momentum, decay, clipping, warm-up or schedule hiding a gradient's scale
+PLAIN_SGD = ["checkpoint.every=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0",
+             "optim.warmup_steps=0", "optim.lr=0.5", "optim.schedule=constant"]
+
+
+def one_process_runs(corpus: Path, root: Path, *base: str):
+    """get(*more): the tiny GPT's one-process run of base + more, (final weights, step_losses), each computed once."""
+    cache: dict = {}
+
+    def get(*more: str):
+        if more not in cache:
+            run = root / f"one-{len(cache)}"
+            cache[more] = params_after(tiny_gpt_config(corpus, "parallel.dp=1", *base, *more), run), step_losses(run)
+        return cache[more]
+
+    return get
+
+
+def assert_follows(ref: tuple[dict, list], got: dict, run: Path, steps: int, rel: float, atol: float) -> None:
+    """The run's per-step loss and grad norm within rel of the reference's, its final weights within atol."""
+    weights, losses = ref
+    mine = step_losses(run)
+    assert len(mine) == len(losses) == steps
+    for (l1, g1), (l2, g2) in zip(losses, mine):
+        assert l2 == pytest.approx(l1, rel=rel) and g2 == pytest.approx(g1, rel=rel)
+    assert got.keys() == weights.keys()
+    assert max((weights[k] - got[k]).abs().max().item() for k in weights) < atol

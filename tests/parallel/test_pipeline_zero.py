@@ -9,24 +9,15 @@ import json
 
 import pytest
 
-from helpers import params_after, rank0_params, step_losses, tiny_gpt_config
+from helpers import PLAIN_SGD, assert_follows, one_process_runs, rank0_params, tiny_gpt_config
 
-SGD = ["train.steps=4", "checkpoint.every=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0",
-       "optim.grad_clip=0", "optim.warmup_steps=0", "optim.lr=0.5", "optim.schedule=constant"]
+SGD = ["train.steps=4", *PLAIN_SGD]
 
 
 @pytest.fixture(scope="module")
 def one(tiny_text, tmp_path_factory):
     """one(*technique): the one-process run of the technique (weights, per-step losses), computed once."""
-    cache: dict = {}
-
-    def get(*more: str):
-        if more not in cache:
-            run = tmp_path_factory.mktemp("one") / "run"
-            cache[more] = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", *SGD, *more), run), step_losses(run)
-        return cache[more]
-
-    return get
+    return one_process_runs(tiny_text, tmp_path_factory.mktemp("one"), *SGD)
 
 
 CELLS = {  # the compat matrix's pp2 + ZeRO-3 cells (and ZeRO-2 with GPipe), each against its own one-process run
@@ -45,12 +36,7 @@ def test_zero_inside_pipeline_stages_follows_one_process(pool4, tiny_text, tmp_p
     weights, losses = one(*technique)
     cfg = tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.pp=2", "train.micro_batch_size=2", *SGD, *CELLS[cell])
     got = pool4.run(rank0_params, cfg, tmp_path / "run")[0]
-    mine = step_losses(tmp_path / "run")
-    assert len(mine) == len(losses) == 4
-    for (l1, g1), (l2, g2) in zip(losses, mine):
-        assert l2 == pytest.approx(l1, rel=1e-4) and g2 == pytest.approx(g1, rel=1e-4)
-    assert got.keys() == weights.keys()
-    assert max((weights[k] - got[k]).abs().max().item() for k in weights) < 1e-4
+    assert_follows((weights, losses), got, tmp_path / "run", steps=4, rel=1e-4, atol=1e-4)
     if cell == "zero3-1f1b":  # ZeRO-3 over dp 2 inside each of 2 stages: a quarter of the parameters per rank
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         whole = sum(w.numel() for w in weights.values()) * 4

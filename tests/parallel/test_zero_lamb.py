@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import params_after, rank0_params, step_losses, tiny_gpt_config
+from helpers import assert_follows, params_after, rank0_params, step_losses, tiny_gpt_config
 
 BASE = ["train.steps=4", "checkpoint.every=0", "optim.grad_clip=0", "optim.weight_decay=0.01", "optim.warmup_steps=0"]
 
@@ -18,8 +18,4 @@ def test_per_tensor_norm_optimizers_under_zero_follow_one_process(pool2, tiny_te
         run = tmp_path / f"z{zero}"
         got = pool2.run(rank0_params, tiny_gpt_config(tiny_text, "parallel.dp=2", f"parallel.zero={zero}", *BASE,
                                                        *optim), run)[0]
-        a, b = step_losses(tmp_path / "one"), step_losses(run)
-        assert len(a) == len(b) == 4
-        for (l1, g1), (l2, g2) in zip(a, b):
-            assert l2 == pytest.approx(l1, rel=1e-5) and g2 == pytest.approx(g1, rel=1e-5)
-        assert max((one[k] - got[k]).abs().max().item() for k in one) < 1e-5, zero
+        assert_follows((one, step_losses(tmp_path / "one")), got, run, steps=4, rel=1e-5, atol=1e-5)
