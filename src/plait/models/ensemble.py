@@ -27,14 +27,28 @@ class Ensemble(nn.Module):
         logits = torch.stack([m(x) for m in self.members])
         if self.training:
             return logits
-        return torch.logsumexp(torch.log_softmax(logits.float(), -1), 0) - torch.log(torch.tensor(float(len(logits))))
+        return _mean_log_prob(torch.log_softmax(logits.float(), -1))
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the eval forward's log-probabilities, the spread) from one pass of the members: what serving answers."""
+        log_probs = torch.stack([torch.log_softmax(m(x).float(), -1) for m in self.members])  # (K, batch, classes)
+        return _mean_log_prob(log_probs), _spread(log_probs.exp())
 
     @torch.no_grad()
     def spread(self, x: torch.Tensor) -> torch.Tensor:
         """Per row, the standard deviation over the members of the probability each gives the ensemble's choice."""
-        probs = torch.stack([torch.softmax(m(x).float(), -1) for m in self.members])  # (K, batch, classes)
-        label = probs.mean(0).argmax(-1, keepdim=True)
-        return probs.gather(-1, label.expand(len(probs), *label.shape)).squeeze(-1).std(0, unbiased=False)
+        return self.predict(x)[1]
+
+
+def _mean_log_prob(log_probs: torch.Tensor) -> torch.Tensor:
+    """log(mean_k p_k) from the members' log-probabilities (K, ...)."""
+    return torch.logsumexp(log_probs, 0) - torch.log(torch.tensor(float(len(log_probs))))
+
+
+def _spread(probs: torch.Tensor) -> torch.Tensor:
+    label = probs.mean(0).argmax(-1, keepdim=True)
+    return probs.gather(-1, label.expand(len(probs), *label.shape)).squeeze(-1).std(0, unbiased=False)
 
 
 def build_ensemble(count: int, build: Callable[[], nn.Module]) -> Ensemble:

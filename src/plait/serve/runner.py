@@ -111,12 +111,17 @@ class Runner:
         rows = self.padded(n) if self.pad_to else n
         if rows > n:
             t = torch.cat([t, t.new_zeros(rows - n, *t.shape[1:])])
-        logits = self.served.module(t.to(self.device))[:n].float().cpu()  # padded on the host, run on the device
+        spread = None
+        if self.served.is_ensemble:  # model.ensemble: one pass of the members gives the answer and their disagreement
+            logits, spread = self.served.module.predict(t.to(self.device))
+        else:
+            logits = self.served.module(t.to(self.device))  # padded on the host, run on the device
+        logits = logits[:n].float().cpu()
         out = {"logits": logits.numpy()}
         if not self.served.is_lm:
             out["label"] = logits.argmax(-1).numpy()
-        if self.served.is_ensemble:  # model.ensemble: how much the members disagree on each row's answer
-            out["spread"] = self.served.module.spread(t.to(self.device))[:n].float().cpu().numpy()
+        if spread is not None:
+            out["spread"] = spread[:n].float().cpu().numpy()
         return out
 
     def generate(self, rows: Sequence[GenRow], emit: Emit | None = None,
