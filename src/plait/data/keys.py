@@ -119,6 +119,18 @@ class DataKeys:
             raise ConfigError(f"data.name = {self.name!r} needs data.path (a file or folder); set --set data.path=...")
 
 
+@keys("data")
+class EpisodeKeys:
+    ways: int = opt(3, "train.objective = meta: classes per few-shot episode (N-way)", minimum=2)
+    shots: int = opt(5, "train.objective = meta: support samples per class (K-shot), what the learner adapts on",
+                     minimum=1)
+    queries: int = opt(5, "train.objective = meta: query samples per class, what an episode is scored on", minimum=1)
+    holdout_classes: int = opt(3, "train.objective = meta: the source's last classes, never trained on; validation "
+                                  "episodes draw from them alone", minimum=1)
+    episodes: int = opt(10000, "train.objective = meta: training episodes, episode i drawn from (train.seed, i)",
+                        minimum=1)
+
+
 CURRICULUM_KEYS = {"score", "pacing", "start", "full_at", "model"}
 
 

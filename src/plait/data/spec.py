@@ -18,7 +18,8 @@ SPLIT_SEED = 0  # the train/validation split never depends on train.seed
 @dataclass
 class DataSpec:
     name: str
-    task: str  # "lm": next-token prediction; "classification": one label per sample; "binary": a 0/1 label (logit out)
+    task: str  # "lm": next-token prediction; "classification": one label per sample; "binary": a 0/1 label (logit out);
+    # "fewshot": one N-way K-shot episode per sample, a label per query row (plait.data.episodes)
     input_shape: list = field(default_factory=list)  # one sample's input shape
     vocab_size: int = 0  # lm
     num_classes: int = 0  # classification
@@ -28,6 +29,8 @@ class DataSpec:
     class_weights: list = field(default_factory=list)  # classification: per-class loss weights (data.class_weights)
     masked_targets: bool = False  # lm: targets of -100 are not trained; the loss is a mean per row (chat)
     packed: bool = False  # lm: inputs are (batch, 2, context), ids then each example's positions (data.pack)
+    # fewshot: ways, shots, queries, one image's input_shape, and how the learner adapts (plait.data.episodes)
+    episode: dict = field(default_factory=dict)
 
 
 @dataclass

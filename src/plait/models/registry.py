@@ -68,6 +68,8 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     """
     if spec.task == "contrastive":
         return _contrastive(model_cfg, spec)
+    if spec.task == "fewshot":
+        return _fewshot(model_cfg, spec)
     if model_cfg.ensemble > 1:
         return _ensemble(model_cfg, spec)
     if model_cfg.factory:
@@ -91,6 +93,20 @@ def _ensemble(model_cfg, spec: DataSpec) -> nn.Module:
                           f"data's task is {spec.task!r}: set model.ensemble=1")
     one = dataclasses.replace(model_cfg, ensemble=1)
     return build_ensemble(model_cfg.ensemble, lambda: build_model(one, spec))
+
+
+def _fewshot(model_cfg, spec: DataSpec) -> nn.Module:
+    """train.objective = 'meta': the configured model classifies one episode's `ways` classes; a MetaLearner adapts it
+    to each episode (plait.models.fewshot)."""
+    import dataclasses
+
+    from plait.models.fewshot import MetaLearner  # lazily: only meta-learning needs it
+
+    e = spec.episode
+    one = dataclasses.replace(spec, task="classification", num_classes=e["ways"], input_shape=e["input_shape"],
+                              episode={})
+    return MetaLearner(build_model(model_cfg, one), e["ways"], e["shots"], e["queries"], e["algorithm"],
+                       e["inner_steps"], e["inner_lr"])
 
 
 def _logits(module: nn.Module, args, output):

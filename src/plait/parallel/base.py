@@ -218,6 +218,8 @@ class Strategy:
                                              .reshape(()) for fn in metrics.values()])
         if logits.dim() == 2 and not y.is_floating_point():  # float targets of 2-D outputs: regression, no classes
             correct = (logits.argmax(-1) == y).sum().double()
+        elif logits.dim() == 3 and y.dim() == 2 and not y.is_floating_point():  # labels per row (few-shot queries)
+            correct = (logits.argmax(-1) == y).double().mean(-1).sum()  # each sample's share of rows right
         elif logits.dim() == 1:  # one logit per sample: a binary label
             correct = ((logits > 0).long() == y.long()).sum().double()
         else:

@@ -22,6 +22,7 @@ from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
 from plait.data.curriculum import CurriculumSampler, length_scores, scores_from_file
+from plait.data.episodes import episodic
 from plait.data.loader import StepLoader
 from plait.data.mix import mixed
 from plait.data.sampler import make_sampler
@@ -132,6 +133,10 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
 def data_bundle(cfg: Config):
     """The configured data (two augmented views of each sample for a contrastive objective; data.augment applied)."""
     bundle = build_data(cfg.data, cfg.model)
+    if cfg.train.objective == "meta":  # N-way K-shot episodes; augmentation and mixing are refused with it (check_job)
+        t = cfg.train
+        return episodic(bundle, cfg.data, t.seed, {"algorithm": t.meta_algorithm, "inner_steps": t.inner_steps,
+                                                   "inner_lr": t.inner_lr})
     if cfg.train.objective == "contrastive":
         bundle = two_views(bundle, cfg.data, cfg.train.seed)
     bundle = augmented(bundle, cfg.data, cfg.train.seed)  # images, seeded per (seed, index, epoch)

@@ -55,7 +55,7 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
     for name, values in zip(names, extra):
         out[name] = float((values * sizes).sum() / sizes.sum())
-    if task in ("classification", "binary"):
+    if task in ("classification", "binary", "fewshot"):
         out["val_accuracy"] = float(correct.sum() / sizes.sum())
     return out
 
@@ -113,3 +113,18 @@ def linear_probe(strategy, bundle: DataBundle, cfg, rt, samples: int = 2000) -> 
     (xt, yt), (xv, yv) = features(bundle.train), features(bundle.val)
     probe = LogisticRegression(max_iter=2000).fit(xt, yt)
     return float(probe.score(xv, yv))
+
+
+def fewshot_from_scratch(bundle: DataBundle, cfg, rt) -> dict | None:
+    """Meta-learning runs: the held-out episodes' accuracy when the same inner steps start from a fresh initialisation
+    instead of the meta-learned one (the baseline meta-learning must beat), on rank 0, with the episode settings."""
+    if bundle.spec.task != "fewshot" or not rt.is_main:
+        return None
+    from plait.models.fewshot import episode_accuracy  # lazily: only meta-learning runs
+
+    e = bundle.spec.episode
+    torch.manual_seed(cfg.train.seed + 1)  # not the meta-learned model's initialisation
+    fresh = build_model(cfg.model, bundle.spec)
+    return {"ways": e["ways"], "shots": e["shots"], "queries": e["queries"], "algorithm": e["algorithm"],
+            "inner_steps": e["inner_steps"], "inner_lr": e["inner_lr"], "episodes": cfg.train.eval_samples,
+            "scratch_val_accuracy": episode_accuracy(fresh, bundle.val, cfg.train.eval_samples)}

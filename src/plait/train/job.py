@@ -157,6 +157,8 @@ def check_optimizer(cfg: Config, layout: Layout) -> None:
 
 def check_objective(cfg: Config, layout: Layout) -> None:
     """train.objective = 'contrastive': image or vector data, plain data parallel, negatives from the whole batch."""
+    if cfg.train.objective == "meta":
+        check_meta(cfg, layout)
     if cfg.train.objective != "contrastive":
         return
     if cfg.data.name not in ("digits", "synthetic", "tensors"):
@@ -177,6 +179,25 @@ def check_objective(cfg: Config, layout: Layout) -> None:
             f"micro-batch per rank: train.micro_batch_size ({cfg.train.micro_batch_size}) * parallel.dp ({layout.dp}) "
             f"must equal train.global_batch_size ({cfg.train.global_batch_size}); set "
             f"train.micro_batch_size={cfg.train.global_batch_size // layout.dp}")
+
+
+def check_meta(cfg: Config, layout: Layout) -> None:
+    """train.objective = 'meta': episodes of a classification source, on data parallel and ZeRO 1-3 layouts."""
+    d = cfg.data
+    if not layout.data_parallel_only:
+        raise ConfigError(f"train.objective = 'meta' adapts a whole copy of the model to each episode on its rank: it "
+                          f"needs tp = pp = ep = 1 and sync = 'allreduce' (here tp = {layout.tp}, pp = {layout.pp}, "
+                          f"ep = {layout.ep}, sync = {layout.sync!r}); use data parallel or ZeRO")
+    other = [k for k, on in (("data.augment", d.augment), ("data.mix", d.mix != "none"), ("data.curriculum",
+             d.curriculum), ("data.sampler = 'balanced'", d.sampler != "shuffle"), ("model.ensemble",
+             cfg.model.ensemble > 1), ("distill.teacher", cfg.distill.teacher), ("model.patch_size",
+             cfg.model.patch_size)) if on]
+    if d.holdout_classes < d.ways:
+        raise ConfigError(f"data.ways = {d.ways} classes per episode, but validation episodes draw from "
+                          f"data.holdout_classes = {d.holdout_classes}: hold out at least data.ways classes")
+    if other:
+        raise ConfigError(f"train.objective = 'meta' trains on episodes it draws itself; {', '.join(other)} cannot "
+                          "apply to them: turn it off or use train.objective='supervised'")
 
 
 def load_job(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -42,9 +42,10 @@ class TrainKeys:
                                minimum=1)
     sample_tokens: int = opt(200, "gpt: characters to generate as a sample at the end (0: none)", minimum=0)
     sample_prompt: str = opt("def ", "gpt: prompt for the generated sample")
-    objective: str = opt("supervised", "supervised (the data's labels) or contrastive (two augmented views per sample, "
-                                       "NT-Xent against the whole global batch, a linear probe at the end)",
-                         ("supervised", "contrastive"))
+    objective: str = opt("supervised", "supervised (the data's labels), contrastive (two augmented views per sample, "
+                                       "NT-Xent against the whole global batch, a linear probe at the end) or meta "
+                                       "(few-shot episodes, train.meta_algorithm; plait.models.fewshot)",
+                         ("supervised", "contrastive", "meta"))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
     loss: str = opt("", "'package.module:function' (outputs, targets) -> the micro-batch's mean loss, instead of the "
                         "data's task loss (cross-entropy, mse, ...); 'focal': focal loss (train.focal_gamma); "
@@ -62,6 +63,15 @@ class TrainKeys:
     def check(self, cfg) -> None:
         if not 0.0 < self.temperature < math.inf:
             raise ConfigError(f"train.temperature = {self.temperature} must be > 0, e.g. 0.5")
+
+
+@keys("train")
+class MetaKeys:
+    meta_algorithm: str = opt("reptile", "train.objective = meta: reptile (theta moves optim.lr of the way to the "
+                                         "adapted weights) or fomaml (first-order MAML: the query loss's gradient at "
+                                         "the adapted weights)", ("reptile", "fomaml"))
+    inner_steps: int = opt(5, "train.objective = meta: plain SGD steps on each episode's support set", minimum=1)
+    inner_lr: float = opt(0.1, "train.objective = meta: the learning rate of those steps", above=0, finite=True)
 
 
 EARLY_STOP_METRICS = {"val_loss": "min", "val_accuracy": "max"}  # what early stopping and keep_best can follow

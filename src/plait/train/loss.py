@@ -84,7 +84,7 @@ def loss_for(spec: DataSpec, temperature: float = 0.5, group=None) -> Callable:
         return weighted_classification_loss(torch.tensor(spec.class_weights, dtype=torch.float32))
     if spec.task == "lm" and spec.masked_targets:
         return masked_lm_loss
-    return {"lm": lm_loss, "classification": classification_loss, "binary": binary_loss,
+    return {"lm": lm_loss, "fewshot": lm_loss, "classification": classification_loss, "binary": binary_loss,
             "regression": regression_loss}[spec.task]
 
 
