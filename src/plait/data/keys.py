@@ -6,6 +6,7 @@ choices and description come from it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from plait.config import keys, opt
@@ -129,6 +130,45 @@ class EpisodeKeys:
                                   "episodes draw from them alone", minimum=1)
     episodes: int = opt(10000, "train.objective = meta: training episodes, episode i drawn from (train.seed, i)",
                         minimum=1)
+
+
+@keys("data")
+class StreamKeys:
+    stream: list = opt([], "continual learning: tasks or data versions trained one after another, each a table of "
+                           "[data] keys over these, e.g. [{classes = [0, 1, 2, 3, 4]}, {classes = [5, 6, 7, 8, 9]}]; "
+                           "train.steps is cut into equal spans (plait.data.stream); [] off")
+    classes: list = opt([], "classification: keep only these classes (both splits, labels unchanged); [] all")
+    replay: float = opt(0.0, "data.stream: the share of each batch after the first task drawn from the earlier "
+                             "tasks' training samples (experience replay)", minimum=0, finite=True)
+
+    def check(self, cfg) -> None:
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.classes):
+            raise ConfigError(f"data.classes = {self.classes} must be a list of class indices >= 0, e.g. [0, 1, 2]")
+        if self.replay >= 1:
+            raise ConfigError(f"data.replay = {self.replay} must be below 1 (it is the share of each batch drawn from "
+                              "earlier tasks), e.g. 0.25")
+        if self.replay and not self.stream:
+            raise ConfigError("data.replay replays earlier tasks of data.stream; set data.stream or data.replay=0")
+        if self.stream:
+            check_stream(self.stream, cfg)
+
+
+def check_stream(stream: list, cfg) -> None:
+    names = {f.name for f in dataclasses.fields(cfg.data)}
+    if len(stream) < 2 or not all(isinstance(e, dict) for e in stream):
+        raise ConfigError(f"data.stream = {stream!r} must list two or more tasks, each a table of [data] keys, e.g. "
+                          "[{classes = [0, 1, 2, 3, 4]}, {classes = [5, 6, 7, 8, 9]}]")
+    for k, entry in enumerate(stream):
+        bad = sorted(set(entry) - names) + sorted(n for n in ("stream", "replay") if n in entry)
+        if bad:
+            raise ConfigError(f"data.stream[{k}] sets {bad}, which are not [data] keys a task can set; use keys such "
+                              "as classes, path, exclude or name")
+    if cfg.train.steps < len(stream):
+        raise ConfigError(f"data.stream has {len(stream)} tasks but train.steps = {cfg.train.steps}: give every "
+                          "task at least one step")
+    if cfg.data.curriculum or cfg.data.sampler != "shuffle":
+        raise ConfigError("data.stream orders the samples itself (task by task); data.curriculum and data.sampler = "
+                          "'balanced' cannot apply too: turn them off")
 
 
 CURRICULUM_KEYS = {"score", "pacing", "start", "full_at", "model"}

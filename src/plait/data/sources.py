@@ -24,6 +24,7 @@ from plait.data.packed import packed_source
 from plait.data.placed import PlacedDigits
 from plait.data.sampler import balanced_class_weights, labels_of
 from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
+from plait.data.stream import keep_classes
 from plait.data.table import table_source
 from plait.data.tokenizer import CharTokenizer
 from plait.data.user import factory_source
@@ -326,6 +327,8 @@ def build_data(data_cfg, model_cfg) -> DataBundle:
         bundle = SOURCES[data_cfg.name](data_cfg, model_cfg)
     if getattr(data_cfg, "exclude", ""):
         bundle = exclude(bundle, data_cfg.exclude)
+    if getattr(data_cfg, "classes", []):
+        bundle = keep_classes(bundle, data_cfg.classes, data_cfg.name)
     if getattr(data_cfg, "class_weights", "none") == "balanced":
         if bundle.spec.task != "classification":
             raise DataError(f"data.class_weights = 'balanced' weighs classes; data.name = {data_cfg.name!r} is a "

@@ -42,3 +42,4 @@ class DataBundle:
     unigram_val_loss: float | None = None  # lm: cross-entropy of a unigram model fitted on train, on val
     ground_truth_val_loss: float | None = None  # clicks: the generating model's own loss on val (the best possible)
     stats: dict = field(default_factory=dict)  # what the source counted (chat: examples, truncated), in summary.json
+    tasks: list = field(default_factory=list)  # data.stream: each task's (train, val) in order (plait.data.stream)

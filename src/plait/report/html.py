@@ -25,7 +25,7 @@ OVERVIEW = ("steps", "resumed_from_step", "preempted", "initial_loss", "final_lo
             "world_size", "parallel", "global_batch_size", "micro_batch_size", "grad_accum", "precision", "device",
             "backend", "params", "trainable_params", "wall_time_s", "train_time_s", "tokens_per_s", "samples_per_s",
             "time_to_target", "device_hours", "cost")
-SHOWN_ELSEWHERE = {"memory", "comm", "stragglers", "sample"}
+SHOWN_ELSEWHERE = {"memory", "comm", "stragglers", "sample", "continual"}
 LABELS = {"val_loss": "validation loss", "unigram_val_loss": "unigram baseline (validation)", "grad_accum":
           "gradient accumulation", "wall_time_s": "wall time", "train_time_s": "training time", "tokens_per_s":
           "throughput (tokens/s)", "samples_per_s": "throughput (samples/s)", "params": "parameters",
@@ -111,6 +111,19 @@ def per_rank_table(rows: list[dict], caption: str) -> str:
     return f"<h3>{html.escape(caption)}</h3><table><tr><th></th>{head}</tr>{body}</table>"
 
 
+def forgetting_table(c: dict) -> str:
+    """data.stream: each task's validation figure after each task, and how much each task forgot."""
+    tasks = range(len(c["rows"][-1]["values"])) if c.get("rows") else range(0)
+    head = "".join(f"<th>task {j}</th>" for j in tasks)
+    body = "".join(f"<tr><th>after task {r['after_task']} (step {r['step']})</th>"
+                   + "".join(f"<td class=n>{v:.3f}</td>" for v in r["values"]) + "</tr>" for r in c.get("rows", []))
+    body += "<tr><th>forgetting</th>" + "".join(
+        f"<td class=n>{'' if f is None else f'{f:.3f}'}</td>" for f in c.get("forgetting", [])) + "</tr>"
+    what = f"{html.escape(c.get('metric', ''))} on each task's validation split"
+    return (f"<h2>continual learning</h2><p>{what}; data.replay {c.get('replay', 0)}, train.ewc {c.get('ewc', 0)}</p>"
+            f"<table><tr><th></th>{head}</tr>{body}</table>")
+
+
 def sections(summary: dict) -> str:
     parts = ["<h2>overview</h2>", kv_table([(k, summary[k]) for k in OVERVIEW if k in summary])]
     per_rank = (summary.get("memory") or {}).get("per_rank")
@@ -127,6 +140,8 @@ def sections(summary: dict) -> str:
         text = ("none: no rank was slower than " if not flagged else
                 "; ".join(f"rank {r}: {n} logging windows" for r, n in flagged.items()) + "; slower than ")
         parts.append(f"<h3>stragglers</h3><p>{html.escape(text)}{st.get('factor', 1.5):g} x the median step</p>")
+    if summary.get("continual"):
+        parts.append(forgetting_table(summary["continual"]))
     more = [(k, v) for k, v in summary.items() if k not in OVERVIEW and k not in SHOWN_ELSEWHERE]
     if more:
         parts += ["<h2>more</h2>", kv_table(more)]

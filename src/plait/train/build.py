@@ -26,6 +26,7 @@ from plait.data.episodes import episodic
 from plait.data.loader import StepLoader
 from plait.data.mix import mixed
 from plait.data.sampler import make_sampler
+from plait.data.stream import StreamSampler, stream_bundle
 from plait.data.user import import_object
 from plait.errors import ConfigError
 from plait.faults import SlowDevice
@@ -39,6 +40,7 @@ from plait.parallel.schemes import build_module, serve_rank
 from plait.runtime import Runtime, seed_all
 from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate, PatchSteps
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
+from plait.train.continual import Continual
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
 from plait.train.loss import focal_loss, loss_for, with_extra_loss
@@ -114,7 +116,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     strategy = build_strategy(b)
     strategy.saved_codec = codec_for(cfg.train.activation_compression)
     strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
-    callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle.spec))
+    callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle))
     start = resume_from(strategy, run_dir, rt, callbacks) if resume and run_dir is not None else 0
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
@@ -132,7 +134,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
 
 def data_bundle(cfg: Config):
     """The configured data (two augmented views of each sample for a contrastive objective; data.augment applied)."""
-    bundle = build_data(cfg.data, cfg.model)
+    bundle = stream_bundle(cfg.data, cfg.model, build_data) if cfg.data.stream else build_data(cfg.data, cfg.model)
     if cfg.train.objective == "meta":  # N-way K-shot episodes; augmentation and mixing are refused with it (check_job)
         t = cfg.train
         return episodic(bundle, cfg.data, t.seed, {"algorithm": t.meta_algorithm, "inner_steps": t.inner_steps,
@@ -166,6 +168,9 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
 def sampler_for(cfg: Config, bundle, loss_fn):
     """The training order: data.sampler's, or data.curriculum's over the samples' scores."""
     c, t = cfg.data.curriculum, cfg.train
+    if cfg.data.stream:  # task by task, with replay (plait.data.stream)
+        return StreamSampler([len(tr) for tr, _ in bundle.tasks], t.global_batch_size, t.seed, t.steps,
+                             cfg.data.replay)
     if not c:
         return make_sampler(bundle.train, t.global_batch_size, t.seed, cfg.data.sampler)
     score = c["score"]
@@ -225,9 +230,9 @@ def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
     return loss_fn
 
 
-def callbacks_for(cfg: Config, b: Build, strategy: Strategy, spec) -> list:
+def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle) -> list:
     """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
-    t, rt = cfg.train, b.rt
+    t, rt, spec = cfg.train, b.rt, bundle.spec
     found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
     if cfg.model.dropout > 0:
         found.append(DropoutSeed(t.seed, rt.rank))
@@ -238,6 +243,9 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy, spec) -> list:
                              strategy))
     found.append(SlowDevice(rt.rank))  # before the schemes' callbacks: hetero measures the slowed compute
     found += b.callbacks(strategy)
+    if cfg.data.stream:  # the forgetting table, EWC
+        sampler = StreamSampler([len(tr) for tr, _ in bundle.tasks], t.global_batch_size, t.seed, t.steps)
+        found.append(Continual(strategy, cfg, rt, bundle, sampler.boundaries(), loss_for(spec), b.run_dir))
     if cfg.checkpoint.keep_best:
         found.append(KeepBest(cfg.checkpoint.keep_best))
     if t.early_stop:

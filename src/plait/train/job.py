@@ -105,6 +105,13 @@ def check_composition(cfg: Config, layout: Layout) -> None:
         raise ConfigError(f"distill.teacher runs the whole teacher next to the whole student on each rank: it needs "
                           f"tp = pp = 1, sync = 'allreduce' and train.objective = 'supervised' (here tp = {layout.tp}, "
                           f"pp = {layout.pp}, sync = {layout.sync!r}); change the layout or set distill.teacher=''")
+    if cfg.data.stream and not layout.every_rank_evaluates:
+        raise ConfigError("data.stream evaluates every task at the end of each; the parameter server's workers do not "
+                          "evaluate (parallel.sync = 'ps'): use allreduce or gossip")
+    if cfg.train.ewc and not layout.data_parallel_only:
+        raise ConfigError(f"train.ewc adds its penalty to the parameters each rank holds whole or as ZeRO shards: it "
+                          f"needs tp = pp = ep = 1 and sync = 'allreduce' (here tp = {layout.tp}, pp = {layout.pp}, "
+                          f"ep = {layout.ep}, sync = {layout.sync!r}); use data parallel or ZeRO")
     if (cfg.train.early_stop or cfg.checkpoint.keep_best) and not layout.every_rank_evaluates:
         raise ConfigError("train.early_stop and checkpoint.keep_best need every rank to evaluate; the parameter "
                           "server's workers do not (parallel.sync = 'ps'): use allreduce or gossip")

@@ -74,6 +74,22 @@ class MetaKeys:
     inner_lr: float = opt(0.1, "train.objective = meta: the learning rate of those steps", above=0, finite=True)
 
 
+@keys("train")
+class ContinualKeys:
+    ewc: float = opt(0.0, "data.stream: elastic weight consolidation's lambda, the pull of each finished task's "
+                          "weights weighted by its Fisher information (plait.train.continual); 0 off", minimum=0,
+                     finite=True)
+    ewc_samples: int = opt(256, "train.ewc: training samples of a finished task its Fisher diagonal is averaged over",
+                           minimum=1)
+
+    def check(self, cfg) -> None:
+        if self.ewc and not cfg.data.stream:
+            raise ConfigError("train.ewc consolidates the tasks of data.stream; set data.stream or train.ewc=0")
+        if self.ewc and cfg.precision.dtype == "fp16":
+            raise ConfigError("train.ewc adds its penalty's gradient to unscaled gradients; precision.dtype = 'fp16' "
+                              "scales them: use bf16 or fp32")
+
+
 EARLY_STOP_METRICS = {"val_loss": "min", "val_accuracy": "max"}  # what early stopping and keep_best can follow
 EARLY_STOP_KEYS = {"metric", "patience", "min_delta"}
 
