@@ -13,7 +13,7 @@ from plait.config import keys, opt
 from plait.errors import ConfigError
 
 SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat",
-                "large-digits")
+                "large-digits", "digit-captions")
 # Sources that read the user's files: data.path names them (unless data.factory replaces the source).
 FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat")
 AUGMENTATIONS = ("random_crop", "hflip", "noise", "randaugment")
@@ -24,7 +24,8 @@ class DataKeys:
     name: str = opt(
         "stdlib-text",
         "data source: stdlib-text, digits, large-digits (digits enlarged data.digit_scale times at random places on a "
-        "data.canvas_size canvas), synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
+        "data.canvas_size canvas), digit-captions (digits with generated captions, for model.name = 'vlm'), "
+        "synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
         "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
         "Parquet file), chat (a JSONL file of prompt/completion pairs or conversations; ignored when factory is set)",
         SOURCE_NAMES,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import pickle
 import sysconfig
@@ -15,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plait.data.captions import digit_captions
 from plait.data.chat import chat_source
 from plait.data.datasets import DocumentWindows, Tensors, TokenWindows, split_tensors
+from plait.data.digits import digits_arrays
 from plait.data.exclude import exclude
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.images import image_folder
@@ -202,24 +203,6 @@ def _class_bundle(name: str, x: torch.Tensor, y: torch.Tensor, val_fraction: flo
     return DataBundle(train, val, spec)
 
 
-def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 8x8 digits: images (1797, 8, 8) in 0..16 and labels, as `load_digits()` gives them.
-
-    Read from the CSV that scikit-learn ships, found without importing scikit-learn: that import costs a process
-    1.3 s and every worker of an mlp/digits job paid it. `load_digits()` itself where the file is not there."""
-    spec = importlib.util.find_spec("sklearn")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
-        if path.is_file():
-            rows = np.loadtxt(path, delimiter=",")
-            if rows.ndim == 2 and rows.shape[1] == 65:
-                return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    return d.images, d.target
-
-
 def digits(data_cfg, model_cfg) -> DataBundle:
     """scikit-learn's bundled 8x8 handwritten digits (1797 images), scaled to [0, 1], shape (1, 8, 8)."""
     images, labels = digits_arrays()
@@ -312,6 +295,7 @@ def user_tensors(data_cfg, model_cfg) -> DataBundle:
 
 
 SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "large-digits": large_digits,
+           "digit-captions": digit_captions,
            "synthetic": synthetic, "clicks": clicks,
            "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source,
            "chat": chat_source}

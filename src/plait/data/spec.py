@@ -31,6 +31,7 @@ class DataSpec:
     packed: bool = False  # lm: inputs are (batch, 2, context), ids then each example's positions (data.pack)
     # fewshot: ways, shots, queries, one image's input_shape, and how the learner adapts (plait.data.episodes)
     episode: dict = field(default_factory=dict)
+    image_shape: list = field(default_factory=list)  # image + text: each row's image (its pixels lead the row)
 
 
 @dataclass

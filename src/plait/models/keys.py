@@ -10,7 +10,8 @@ from plait.config import keys, opt
 from plait.errors import ConfigError
 
 MODELS = {"gpt": "plait.models.gpt:build_gpt", "mlp": "plait.models.mlp:build_mlp", "cnn": "plait.models.cnn:build_cnn",
-          "deepfm": "plait.models.deepfm:build_deepfm", "llama": "plait.models.llama:build_llama"}
+          "deepfm": "plait.models.deepfm:build_deepfm", "llama": "plait.models.llama:build_llama",
+          "vlm": "plait.models.vlm:build_vlm"}
 
 
 @keys("model")
@@ -97,6 +98,15 @@ class MoEKeys:
     moe_capacity_factor: float = opt(0.0, "gpt MoE: training capacity per expert and sequence = factor * tokens * "
                                           "top_k / experts; extra assignments are dropped (0: dropless)")
     moe_aux_weight: float = opt(0.01, "gpt MoE: weight of the Switch load-balancing loss added to the training loss")
+
+
+@keys("model")
+class VLMKeys:
+    connector: str = opt("projection", "vlm: how image tokens reach the language model: projection (LLaVA: projected "
+                                       "into the token stream), cross_attention (Flamingo: tanh-gated cross-attention "
+                                       "layers, gates at zero) or qformer (BLIP-2: learned queries attend to the image)",
+                         ("projection", "cross_attention", "qformer"))
+    vlm_queries: int = opt(8, "vlm with connector = qformer: learned query tokens", minimum=1)
 
 
 @keys("model")

@@ -153,7 +153,8 @@ def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
 CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
                                            "llama": frozenset({"pipeline", "tensor_parallel"})}
 # The data each registered model trains on.
-DATA_FOR = {"gpt": ("stdlib-text", "text", "chat"), "llama": ("stdlib-text", "text", "chat"), "deepfm": ("clicks",)}
+DATA_FOR = {"gpt": ("stdlib-text", "text", "chat"), "llama": ("stdlib-text", "text", "chat"), "deepfm": ("clicks",),
+            "vlm": ("digit-captions",)}
 
 
 def capabilities(model_cfg) -> frozenset[str]:
@@ -202,9 +203,10 @@ def check_config(model_cfg, data_name: str) -> None:
                           "use plait.models.moe.MoE through model.factory)")
     token_data = data_name in ("stdlib-text", "text", "chat")
     text = "a text source (stdlib-text, text or chat)"
-    wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'"}.get(
+    wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'", "vlm": "data.name = 'digit-captions'"}.get(
         model_cfg.name, "digits, synthetic or tensors")
-    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name != "clicks"
+    own = ("clicks", "digit-captions")  # data only their own model reads
+    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name not in own
     if not fits:
         raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
                           "change model.name or data.name")

@@ -128,3 +128,20 @@ def fewshot_from_scratch(bundle: DataBundle, cfg, rt) -> dict | None:
     return {"ways": e["ways"], "shots": e["shots"], "queries": e["queries"], "algorithm": e["algorithm"],
             "inner_steps": e["inner_steps"], "inner_lr": e["inner_lr"], "episodes": cfg.train.eval_samples,
             "scratch_val_accuracy": episode_accuracy(fresh, bundle.val, cfg.train.eval_samples)}
+
+
+def multimodal_figures(strategy, bundle: DataBundle, cfg, rt) -> dict | None:
+    """model.name = 'vlm': the zero-shot classification accuracy on the validation images (rank 0, from the whole
+    weights: a collective, every rank calls this), with the connector and what trained."""
+    if cfg.model.name != "vlm" or cfg.model.factory:
+        return None
+    weights = strategy.full_model_state_dict()
+    if not rt.is_main:
+        return None
+    from plait.models.vlm import zero_shot_accuracy  # lazily: only a vision-language run
+
+    module = build_model(cfg.model, bundle.spec)
+    module.load_state_dict(weights)
+    trainable = sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
+    return {"connector": cfg.model.connector, "frozen": list(cfg.finetune.freeze), "trainable_params": trainable,
+            "zero_shot_accuracy": zero_shot_accuracy(module, bundle.val, cfg.train.eval_samples)}

@@ -31,7 +31,7 @@ from plait.comm.fingerprint import Fingerprinter
 from plait.config import config_to_dict, dump_config
 from plait.models.protocols import WindowMetricsModel
 from plait.train.checkpoint import step_name
-from plait.train.evaluate import evaluate, fewshot_from_scratch, generate_sample, linear_probe
+from plait.train.evaluate import evaluate, fewshot_from_scratch, generate_sample, linear_probe, multimodal_figures
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.profile import StepProfiler
@@ -305,6 +305,7 @@ class Telemetry:
         sample = generate_sample(strategy, self.bundle, cfg, rt) if evaluates else None
         probe = linear_probe(strategy, self.bundle, cfg, rt) if evaluates else None
         fewshot = fewshot_from_scratch(self.bundle, cfg, rt) if evaluates else None
+        multimodal = multimodal_figures(strategy, self.bundle, cfg, rt) if evaluates else None
         reports = _gather(strategy.report(), rt)
         layout = self.layout
         summary = {
@@ -343,6 +344,8 @@ class Telemetry:
             local, world = cfg.train.micro_batch_size, cfg.train.global_batch_size
             summary["contrastive"] = {"linear_probe_accuracy": probe, "temperature": cfg.train.temperature,
                                       "similarity_bytes_per_rank": (2 * local) * (2 * world) * 4}
+        if multimodal is not None:
+            summary["multimodal"] = multimodal
         if fewshot is not None:
             summary["fewshot"] = {**fewshot, "val_accuracy": final_eval.get("val_accuracy")}
         if rt.is_main and reports[0] is not None:
@@ -373,6 +376,8 @@ class Telemetry:
                 line += f", val accuracy {summary['val_accuracy']:.3f}"
             if summary.get("contrastive", {}).get("linear_probe_accuracy") is not None:
                 line += f", linear-probe accuracy {summary['contrastive']['linear_probe_accuracy']:.3f}"
+            if "multimodal" in summary:
+                line += f", zero-shot accuracy {summary['multimodal']['zero_shot_accuracy']:.3f}"
             if "fewshot" in summary:
                 line += f" on held-out classes ({summary['fewshot']['scratch_val_accuracy']:.3f} from scratch)"
             lines.append(line)
