@@ -286,6 +286,17 @@ def test_profile_steps_write_a_chrome_trace_per_rank(pool2, tiny_text, tmp_path)
     for rank in (0, 1):
         trace = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())
         assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    # plait whatif reads them: two steps, each replayed to its traced span, the all-reduces found and waited for
+    from plait.plan.whatif import Step, apply, simulate
+
+    ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and isinstance(e.get("pid"), int)]
+    ends = [e["ts"] + e["dur"] for e in ops if e["name"].startswith("Optimizer.zero_grad")]
+    steps = Step.from_trace(tmp_path / "traces" / "rank1.json")
+    assert len(steps) == 2 == len(ends)
+    first = min(e["ts"] for e in ops)
+    assert simulate(steps[0]) == pytest.approx(ends[0] - first, abs=0.05)  # the trace's microseconds, rounded
+    assert all(s.comms and any(t.waits for t in s.tasks) for s in steps)
+    assert simulate(apply(steps[1], "allreduce=2x", 2)) < simulate(steps[1]) < simulate(apply(steps[1], "checkpointing", 2))
     with pytest.raises(ConfigError, match=r"log.profile_steps = \[3, 2\] must be \[first, last\]"):
         load_config(None, ["log.profile_steps=[3, 2]"])
 

@@ -202,8 +202,10 @@ SET_HELP = "override a config key, as for plait train (repeatable)"
 
 def add_parsers(sub, bench) -> None:
     from plait.plan.compat import add_parsers as compat_parsers  # torch-free at import: plait --help stays light
+    from plait.plan.whatif import add_parsers as whatif_parsers  # torch-free as well
 
     compat_parsers(sub)
+    whatif_parsers(sub)
     p = sub.add_parser("plan", help="rank every layout for N devices by predicted step time and memory")
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)

@@ -167,6 +167,8 @@ class OptimKeys:
                                   "2017) or sqrt (Krizhevsky 2014)", ("none", "linear", "sqrt"))
     base_batch_size: int = opt(32, "lr_scaling: the global batch size at which optim.lr was tuned")
     trust_coefficient: float = opt(0.001, "lars: eta in the layer-wise rate eta * |w| / (|g| + weight_decay * |w|)")
+    fused: bool = opt(False, "adamw and sgd: torch's fused implementation, one kernel for every parameter's update "
+                             "(the same arithmetic; plait whatif --change fuse_optimizer predicts what it saves)")
 
     def check(self, cfg) -> None:
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
@@ -176,6 +178,9 @@ class OptimKeys:
                               "was tuned at)")
         if not 0 < self.trust_coefficient < math.inf:
             raise ConfigError(f"optim.trust_coefficient = {self.trust_coefficient} must be > 0, e.g. 0.001")
+        if self.fused and self.name not in ("adamw", "sgd"):
+            raise ConfigError(f"optim.fused = true is torch's fused AdamW and SGD; optim.name = {self.name!r} has no "
+                              "fused form: set optim.fused=false")
         if self.name == "adamw8bit" and importlib.util.find_spec("torchao") is None:
             raise ConfigError(f"optim.name = 'adamw8bit' uses torchao's AdamW8bit: {install_command('lowbit')} "
                               "(torchao), or set optim.name='adamw'")

@@ -25,8 +25,9 @@ def build_optimizer(model: nn.Module, optim_cfg, only: set[int] | None = None) -
     """The configured optimizer over the model's parameters that train (or the subset `only`, by id)."""
     groups = param_groups(model, optim_cfg.weight_decay, only)
     betas = tuple(optim_cfg.betas)
+    fused = {"fused": True} if optim_cfg.fused else {}
     if optim_cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps)
+        return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps, **fused)
     if optim_cfg.name == "lamb":
         return Lamb(groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps)
     if optim_cfg.name == "lars":
@@ -35,7 +36,7 @@ def build_optimizer(model: nn.Module, optim_cfg, only: set[int] | None = None) -
         from torchao.optim import AdamW8bit  # optional dependency (plait[lowbit]); imported only when configured
 
         return AdamW8bit(groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps)
-    return torch.optim.SGD(groups, lr=optim_cfg.lr, momentum=optim_cfg.momentum)
+    return torch.optim.SGD(groups, lr=optim_cfg.lr, momentum=optim_cfg.momentum, **fused)
 
 
 def peak_lr(optim_cfg, global_batch_size: int = 0) -> float:
