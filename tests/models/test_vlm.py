@@ -67,35 +67,64 @@ def test_gated_cross_attention_at_zero_is_the_language_model():
 
 
 def test_projection_is_the_language_model_on_projected_image_tokens():
-    """The reference: plait's GPT with the sample's projected image tokens as extra vocabulary rows, read first."""
-    model, x, _ = model_and_batch("projection", rows=2)
+    """The reference: plait's GPT with the sample's projected image tokens as extra vocabulary rows, read first; the
+    loss's gradient reaching those rows is the one reaching the projected tokens."""
+    model, x, y = model_and_batch("projection", rows=2)
     images, ids = model.split(x)
-    prefix = model.connector(model.encoder(images)).detach()
-    lm, v, p = model.lm, model.lm.vocab_size, prefix.shape[1]
+    seen: list[torch.Tensor] = []
+
+    def keep(module, args, output) -> None:  # the projected image tokens, with their gradient
+        output.retain_grad()
+        seen.append(output)
+
+    model.connector.register_forward_hook(keep)
     out = model(x)
+    masked_lm_loss(out, y).backward()
+    prefix = seen[0]
+    lm, v, p = model.lm, model.lm.vocab_size, prefix.shape[1]
     for i in range(2):
         ref = GPT(v + p, lm.context, 16, 2, 1)
         state = {k: t.clone() for k, t in lm.state_dict().items()}
-        state["tok_emb.weight"] = torch.cat([lm.tok_emb.weight.detach(), prefix[i]])
+        state["tok_emb.weight"] = torch.cat([lm.tok_emb.weight.detach(), prefix[i].detach()])
         state["head.weight"] = state["tok_emb.weight"]
         ref.load_state_dict(state)
         seq = torch.cat([torch.arange(v, v + p), ids[i]])[None]
-        torch.testing.assert_close(out[i], ref(seq)[0, p:, :v], rtol=1e-5, atol=1e-6)
+        logits = ref(seq)[:, p:, :v]
+        torch.testing.assert_close(out[i], logits[0], rtol=1e-5, atol=1e-6)
+        (masked_lm_loss(logits, y[i:i + 1]) / 2).backward()  # sample i's share of the batch's mean
+        torch.testing.assert_close(prefix.grad[i], ref.tok_emb.weight.grad[v:], rtol=1e-4, atol=1e-7)
+
+
+def attention_by_hand(attn: CrossAttention, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per head, written out."""
+    b, t, w = x.shape
+    d = w // attn.heads
+    q = attn.q(x).view(b, t, attn.heads, d).transpose(1, 2)
+    k, v = (lin(mem).view(b, mem.shape[1], attn.heads, d).transpose(1, 2) for lin in (attn.k, attn.v))
+    return attn.proj((torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5, -1) @ v).transpose(1, 2).reshape(b, t, w))
 
 
 def test_qformer_reads_the_image_as_a_set_through_attention():
     torch.manual_seed(0)
     attn = CrossAttention(8, 2, 6)
-    x, mem = torch.randn(3, 4, 8), torch.randn(3, 5, 6)
-    q = attn.q(x).view(3, 4, 2, 4).transpose(1, 2)
-    k, v = (lin(mem).view(3, 5, 2, 4).transpose(1, 2) for lin in (attn.k, attn.v))
-    want = attn.proj((torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v).transpose(1, 2).reshape(3, 4, 8))
-    torch.testing.assert_close(attn(x, mem), want)
+    x, mem = torch.randn(3, 4, 8), torch.randn(3, 5, 6, requires_grad=True)
+    torch.testing.assert_close(attn(x, mem), attention_by_hand(attn, x, mem))
     qf = QFormer(6, 8, queries=3, heads=2)
     out = qf(mem)
+    q = qf.queries.expand(3, -1, -1)
+    q = attention_by_hand(qf.cross, qf.ln1(q), mem)
+    h = qf.ln2(q)
+    q = q + attention_by_hand(qf.self_attn, h, h)
+    want = qf.out(q + qf.ffn(qf.ln3(q)))
+    torch.testing.assert_close(out, want)
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), [mem, *qf.parameters()])
+    ref = torch.autograd.grad((want * weights).sum(), [mem, *qf.parameters()])
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     assert out.shape == (3, 3, 8)
     torch.testing.assert_close(qf(mem[:, torch.randperm(5)]), out)  # no order among the image tokens of its own
-    assert float((out[0] - out[1]).abs().max()) > 1e-3  # and they reach every query
+    assert float((out[0] - out[1]).abs().max().detach()) > 1e-3  # and they reach every query
 
 
 def test_zero_shot_reads_the_digit_word_after_the_prompt():
