@@ -158,6 +158,19 @@ def test_expert_parallel_follows_one_process(request, one_process, moe_base, tmp
         assert 'src="expert_load.png"' in page and (tmp_path / "expert_load.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("pool_name, layout", [("pool2", ("parallel.dp=1", "parallel.tp=2")),
+                                                ("pool4", ("parallel.dp=2", "parallel.tp=2"))], ids=["tp2", "dp2-tp2"])
+def test_moe_blocks_stay_whole_under_tensor_parallel(request, one_process, moe_base, tmp_path, pool_name, layout):
+    """tp splits attention and the dense MLPs; every tp rank routes the same whole activations through whole experts."""
+    ref_traj, _, ref_rows = one_process()
+    got_traj, summary, rows = request.getfixturevalue(pool_name).run(
+        moe_run, load_config(None, [*moe_base, *layout]), tmp_path)[0]
+    assert_same_trajectory(ref_traj, got_traj)
+    for ref, got in zip(ref_rows, rows, strict=True):
+        assert ref["moe_tokens_per_expert"] == got["moe_tokens_per_expert"]
+    assert "tp2" in summary["parallel"]["strategy"] or summary["parallel"]["tp"] == 2
+
+
 def check_memory(summary: dict, base) -> None:
     """Each rank holds the dense parameters and half the experts: params_bytes to the byte, and the planner agrees."""
     cfg = load_config(None, [*base, "parallel.dp=2", "parallel.ep=2"])
@@ -194,11 +207,12 @@ def test_resume_ep2_to_ep1_and_back(pool2, moe_base, tmp_path):
     (("model.moe_experts=3", "parallel.ep=2"), "parallel.ep = 2 must divide model.moe_experts = 3"),
     (("model.moe_experts=4", "model.moe_top_k=5"), "model.moe_top_k = 5 must be between 1 and model.moe_experts = 4"),
     (("model.moe_experts=4", "parallel.dp=1", "parallel.pp=2"), "model.moe_experts (4) with parallel.pp = 2"),
-    (("model.moe_experts=4", "parallel.dp=1", "parallel.tp=2"), "model.moe_experts (4) with parallel.tp = 2"),
+    (("model.moe_experts=4", "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"),
+     "model.moe_experts (4) with parallel.sequence_parallel = true: an MoE block routes whole sequences"),
     (("parallel.ep=2",), "parallel.ep = 2 spreads mixture-of-experts layers over ranks, but the model has none"),
     (("model.moe_experts=4", "parallel.ep=2", "parallel.zero=1"), "parallel.zero = 1 with parallel.ep = 2"),
     (("model.moe_experts=4", "parallel.ep=0"), "parallel.ep = 0 must be >= 1"),
-], ids=["ep-dp", "ep-experts", "top-k", "pipeline", "tensor-parallel", "no-moe", "zero1", "ep0"])
+], ids=["ep-dp", "ep-experts", "top-k", "pipeline", "sequence-parallel", "no-moe", "zero1", "ep0"])
 def test_bad_expert_configs_exit_2_before_any_worker_starts(tmp_path, monkeypatch, capsys, overrides, message):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"

@@ -12,11 +12,15 @@ starts from the base model's outputs exactly (as peft does).
 
 from __future__ import annotations
 
+import copy
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from plait.errors import ConfigError
 from plait.finetune.freezing import match
@@ -166,3 +170,51 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+def tp_styles(model: nn.Module, plan: dict) -> dict:
+    """The plan with each style that targets a LoRA layer made to split its adapter as it splits the weight.
+
+    Column-parallel (the weight split by output rows): B is split the same way and A, shared by every output, is
+    whole on each rank, so each rank computes its own output columns, B_r (A x). Row-parallel (the weight split by
+    input columns): A is split the same way and B is whole, so each rank's x_r A_r^T B^T is a partial sum that the
+    layer's all-reduce adds up with the base's. Frozen weights stay frozen (requires_grad kept)."""
+    out = dict(plan)
+    for name, style in plan.items():
+        try:
+            mod = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(mod, LoRALinear) and type(style) in (ColwiseParallel, RowwiseParallel):
+            if mod.quantize == "nf4":
+                raise ConfigError("finetune.quantize_base = 'nf4' with parallel.tp > 1: a 4-bit base is stored as packed "
+                                  "codes that tensor parallel cannot split; set parallel.tp=1 or quantize_base='none'")
+            lora = copy.copy(style)  # the same layouts, applied to a LoRA layer's four tensors
+            lora.__class__ = _LoRAColwise if isinstance(style, ColwiseParallel) else _LoRARowwise
+            out[name] = lora
+    return out
+
+
+def _distribute(module: nn.Module, mesh, placements: dict, src_data_rank) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class _LoRAColwise(ColwiseParallel):
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        places = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+        return distribute_module(
+            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, places, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class _LoRARowwise(RowwiseParallel):
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        places = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1), "lora_B": Replicate()}
+        self.desired_input_layouts = (Shard(-1),)  # as RowwiseParallel sets for a Linear
+        return distribute_module(
+            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, places, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))

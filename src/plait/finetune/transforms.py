@@ -38,14 +38,21 @@ def check_layout(cfg, layout) -> None:
             "stepped, and FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen "
             "blocks would still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed "
             "finetune.freeze")
-    # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are
-    only_freeze = bool(f.freeze) and not (f.lora_rank > 0 or f.progressive_freeze or f.adapters)
+    # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
+    # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
+    tp_ok = not (f.progressive_freeze or f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))
     sharded_ok = layout.sync == "allreduce" and layout.embedding_sharding == "none" and layout.ep == 1
-    if active(cfg) and not (sharded_ok and (only_freeze or layout.tp == 1)):
-        raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, pipeline and "
-                          f"context parallel and ZeRO 1-3 (tp = ep = 1, sync = 'allreduce', no embedding_sharding); here "
-                          f"tp = {layout.tp}, ep = {layout.ep}, sync = {layout.sync!r}: change the layout or drop the "
-                          "[finetune] keys")
+    if active(cfg) and not sharded_ok:
+        raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, "
+                          f"tensor, pipeline and context parallel and ZeRO 1-3 (ep = 1, sync = 'allreduce', no "
+                          f"embedding_sharding); here ep = {layout.ep}, sync = {layout.sync!r}: change the layout or "
+                          "drop the [finetune] keys")
+    if active(cfg) and layout.tp > 1 and not tp_ok:
+        what = "finetune.adapters" if f.adapters else ("finetune.progressive_freeze" if f.progressive_freeze
+                                                       else f"finetune.quantize_base = {f.quantize_base!r}")
+        raise ConfigError(f"{what} with parallel.tp = {layout.tp} is not supported (tensor parallel splits freezing "
+                          "and LoRA layers, not bottleneck adapters, a freeze schedule or a quantized base); set "
+                          "parallel.tp=1 or use finetune.lora_rank / finetune.freeze")
     if f.progressive_freeze and layout.pp > 1:
         raise ConfigError(f"finetune.progressive_freeze with parallel.pp = {layout.pp} is not available yet: a pipeline "
                           "stage's blocks cannot stop training mid-run; use parallel.pp=1 or a fixed finetune.freeze")

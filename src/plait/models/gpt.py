@@ -241,11 +241,12 @@ class GPT(MoEHooks, nn.Module):
         plan: dict = {}
         if self.tok_emb is not None and self.tie_embeddings:
             plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        for name in self.blocks:
+        for name, block in self.blocks.items():
             b = f"blocks.{name}"
             plan.update({f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(),
-                         f"{b}.attn.v": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=rows_out),
-                         f"{b}.mlp.up": ColwiseParallel(), f"{b}.mlp.down": RowwiseParallel(output_layouts=rows_out)})
+                         f"{b}.attn.v": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=rows_out)})
+            if isinstance(block.mlp, MLP):  # an MoE block stays whole on every tp rank (plait.parallel.expert)
+                plan.update({f"{b}.mlp.up": ColwiseParallel(), f"{b}.mlp.down": RowwiseParallel(output_layouts=rows_out)})
             if sp:
                 gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
                 plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel(),

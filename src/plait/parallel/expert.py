@@ -130,18 +130,32 @@ def check_model(layout: Layout, keys, model_cfg, model) -> None:
 
 
 def refuse_experts(model_cfg, axis: str, degree: int) -> None:
-    """Mixture-of-experts blocks do not run in pipeline stages or tensor-parallel blocks in this version."""
+    """Mixture-of-experts blocks do not run in pipeline stages in this version."""
     experts = expert_counts(model_cfg)
-    if not experts:
-        return
-    if axis == "pp":
+    if experts and axis == "pp":
         raise ConfigError(
             f"model.moe_experts ({experts[0]}) with parallel.pp = {degree}: mixture-of-experts blocks do not run in "
             "pipeline stages in this version of plait (the load-balancing loss of earlier stages would not reach the "
             "loss); set parallel.pp=1 (parallel.ep spreads the experts instead) or model.moe_experts=0")
-    raise ConfigError(
-        f"model.moe_experts ({experts[0]}) with parallel.tp = {degree}: tensor parallel splits dense blocks, not "
-        "experts; set parallel.tp=1 and spread the experts with parallel.ep")
+
+
+def check_experts_tp(model_cfg, layout: Layout, sequence_parallel: bool) -> None:
+    """Tensor parallel splits the dense matrices (attention, dense MLPs) and keeps each MoE block whole on every tp
+    rank: its input is the whole activation (the attention's row-parallel output is all-reduced), so the tp ranks
+    route the same tokens and compute the same expert gradients, as they do a LayerNorm's. Not with sequence
+    parallel (an MoE block would take a shard of each sequence, and capacity is counted per whole sequence) nor
+    with expert parallel."""
+    experts = expert_counts(model_cfg)
+    if not experts:
+        return
+    if sequence_parallel:
+        raise ConfigError(f"model.moe_experts ({experts[0]}) with parallel.sequence_parallel = true: an MoE block "
+                          "routes whole sequences (capacity is counted per sequence) and sequence parallel hands it a "
+                          "shard of each; set parallel.sequence_parallel=false")
+    if layout.ep > 1:
+        raise ConfigError(f"model.moe_experts ({experts[0]}) with parallel.ep = {layout.ep} and parallel.tp = "
+                          f"{layout.tp}: with tp the experts stay whole on every tp rank; set parallel.ep=1 or "
+                          "parallel.tp=1")
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:

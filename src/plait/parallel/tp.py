@@ -11,9 +11,10 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.errors import ConfigError
+from plait.finetune.lora import tp_styles
 from plait.models import capabilities
 from plait.models.protocols import check_tensor_parallel, check_tp_plan, tensor_parallel_plan, tied_parameters
-from plait.parallel.expert import refuse_experts
+from plait.parallel.expert import check_experts_tp
 from plait.parallel.keys import TensorParallelKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
@@ -27,7 +28,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
                           "set parallel.tp=1")
     check_tensor_parallel(model, tp_mesh.size())
     tied = tied_parameters(model)
-    parallelize_module(model, tp_mesh, plan)
+    parallelize_module(model, tp_mesh, tp_styles(model, plan))  # LoRA layers split their adapters with their weights
     # parallelize_module replaces each module's parameters one module at a time: a weight shared by
     # two modules comes out as two DTensors with equal values. Share them again.
     for alias, canonical in tied.items():
@@ -55,7 +56,7 @@ def check(layout: Layout, keys: TensorParallelKeys) -> None:
 def check_model(layout: Layout, keys: TensorParallelKeys, m, model: nn.Module | None) -> None:
     """The model has a tensor-parallel plan whose matrices divide over tp (model None: the registered one m names)."""
     tp_degree = layout.tp
-    refuse_experts(m, "tp", tp_degree)
+    check_experts_tp(m, layout, keys.sequence_parallel)
     what = m.factory or (type(model).__name__ if model is not None else f"model.name = {m.name!r}")
     plan = tensor_parallel_plan(model, keys.sequence_parallel) if model is not None else None
     if (plan is None) if model is not None else "tensor_parallel" not in capabilities(m):

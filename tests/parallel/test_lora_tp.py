@@ -1,0 +1,55 @@
+"""LoRA under tensor parallel: each adapter split as its layer's weight is (column-parallel: B by output rows, A
+whole; row-parallel: A by input columns, B whole), so tp2, dp2 x tp2 and pp2 x tp2 equal one process under plain SGD (per-step
+loss and grad norm, weights: 1e-4), with adapters on column- and row-parallel layers both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PLAIN_SGD, assert_follows, one_process_runs, tiny_gpt_config
+from plait.finetune.lora import tp_styles
+
+SGD = ["train.steps=4", *PLAIN_SGD, "finetune.lora_rank=4", "model.vocab_multiple=64",
+       "finetune.lora_targets=['*attn.q', '*attn.proj', '*mlp.up', '*mlp.down']"]
+LAYOUTS = {
+    "tp2": (2, ("parallel.dp=1", "parallel.tp=2")),
+    "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2")),
+    "pp2xtp2": (4, ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")),
+}
+
+
+@pytest.fixture(scope="module")
+def one(tiny_text, tmp_path_factory):
+    return one_process_runs(tiny_text, tmp_path_factory.mktemp("one"), *SGD)
+
+
+def adapters_split(cfg, run_dir):
+    """Pool task: train; rank 0's weights, and each adapter tensor's placement on the rank."""
+    from torch.distributed.tensor import DTensor
+
+    from plait.train.trainer import train
+
+    result = train(cfg, run_dir)
+    places = {n: str(p.placements[0]) for n, p in result.strategy.module.named_parameters()
+              if "lora_" in n and isinstance(p, DTensor)}
+    weights = result.strategy.full_model_state_dict()
+    return (weights, places) if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_under_tp_follows_one_process(request, tiny_text, tmp_path, one, name):
+    world, layout = LAYOUTS[name]
+    pool = request.getfixturevalue(f"pool{world}")
+    got, places = pool.run(adapters_split, tiny_gpt_config(tiny_text, *SGD, *layout), tmp_path / "run")[0]
+    assert_follows(one(), got, tmp_path / "run", steps=4, rel=1e-4, atol=1e-4)
+    assert places["blocks.0.attn.q.lora_B"] == "S(0)" and places["blocks.0.attn.q.lora_A"] == "R"  # column-parallel
+    assert places["blocks.0.mlp.down.lora_A"] == "S(1)" and places["blocks.0.mlp.down.lora_B"] == "R"  # row-parallel
+    assert any(k.endswith("lora_B") and v.abs().max() > 0 for k, v in got.items())  # the adapters trained
+
+
+def test_only_plain_column_and_row_styles_change():
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    plan = {"x": ColwiseParallel(), "ln": SequenceParallel()}
+    assert tp_styles(torch.nn.Sequential(), plan) == plan  # no LoRA layer: the plan as it was
