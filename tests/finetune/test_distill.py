@@ -58,6 +58,22 @@ def test_a_distilled_student_follows_one_trajectory_at_dp2(pool2, pretrained, ti
         check_job(load_config(None, gpt(tiny_text, f"distill.teacher='{tmp_path}'")))
 
 
+def test_a_distilled_student_under_tensor_parallel_follows_one_process(pool2, pretrained, tiny_text, tmp_path):
+    """The whole teacher on each tp rank reads the same input; the student's logits are whole there (the head's
+    all-gather), so tp2 is the one-process trajectory (the vocabulary padded to split; the logits cut back to it)."""
+    student = ("model.width=16", "model.vocab_multiple=64", f"distill.teacher='{pretrained}'", "distill.alpha=0.7",
+               "distill.temperature=2.0")
+    ref = run_trajectory(load_config(None, gpt(tiny_text, "parallel.dp=1", *student)), tmp_path / "one")
+    got = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, "parallel.dp=1", "parallel.tp=2", *student)),
+                    tmp_path / "tp")[0]
+    assert_same(ref, got)
+    with pytest.raises(ConfigError) as e:
+        check_job(load_config(None, gpt(tiny_text, "parallel.dp=1", "parallel.pp=2", *student)))
+    assert str(e.value) == ("distill.teacher runs the whole teacher on the student's input next to the student's "
+                            "logits on each rank: it needs pp = 1, sync = 'allreduce' and train.objective = "
+                            "'supervised' (here pp = 2, sync = 'allreduce'); change the layout or set distill.teacher=''")
+
+
 def test_the_defaults_are_the_settings_the_benchmark_found_best():
     """docs/finetune.md: alpha 0.9, T 1.0 beat the student alone (2.5997 vs 2.6281); 0.5 and 2 did not (2.6422)."""
     d = load_config(None).distill

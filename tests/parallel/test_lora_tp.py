@@ -1,4 +1,4 @@
-"""LoRA under tensor parallel: each adapter split as its layer's weight is (column-parallel: B by output rows, A
+"""LoRA (and distillation) under tensor parallel: each adapter split as its layer's weight is (column-parallel: B by output rows, A
 whole; row-parallel: A by input columns, B whole), so tp2, dp2 x tp2 and pp2 x tp2 equal one process under plain SGD (per-step
 loss and grad norm, weights: 1e-4), with adapters on column- and row-parallel layers both."""
 
@@ -53,3 +53,18 @@ def test_only_plain_column_and_row_styles_change():
 
     plan = {"x": ColwiseParallel(), "ln": SequenceParallel()}
     assert tp_styles(torch.nn.Sequential(), plan) == plan  # no LoRA layer: the plan as it was
+
+
+def test_distillation_at_dp2_x_tp2_follows_one_process(pool4, tiny_text, tmp_path):
+    """The teacher whole on every rank, the student split over tp and replicated over dp (tests/finetune/test_distill.py
+    holds tp2 and dp2 alone to the same trajectory)."""
+    from helpers import params_after, step_losses
+
+    teacher = tmp_path / "teacher"
+    params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", "train.steps=6", "checkpoint.every=0"), teacher)
+    student = ["train.steps=4", *PLAIN_SGD, "model.width=16", "model.vocab_multiple=64", f"distill.teacher='{teacher}'",
+               "distill.alpha=0.7"]
+    one = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", *student), tmp_path / "one")
+    got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.tp=2",
+                                                    "train.micro_batch_size=2", *student), tmp_path / "run")[0][0]
+    assert_follows((one, step_losses(tmp_path / "one")), got, tmp_path / "run", steps=4, rel=1e-5, atol=1e-5)
