@@ -34,3 +34,36 @@ def test_compressed_reduce_scatter_sends_half_and_keeps_the_trajectory(pool2, tm
     assert 0 < moved < rtol, moved
     for (a, g), (b, h) in zip(l0, l1):
         assert b == pytest.approx(a, rel=rtol) and h == pytest.approx(g, rel=rtol)
+
+
+def trained_with_local_size(cfg, run_dir):
+    """Pool task: train; rank 0's weights and how many gradient elements it holds (its tensor-parallel shards)."""
+    import torch.distributed as dist
+
+    from plait.train.trainer import train
+
+    result = train(cfg, run_dir)
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in result.strategy.module.parameters())
+    weights = result.strategy.full_model_state_dict()
+    return (weights, local) if dist.get_rank() == 0 else None
+
+
+def test_fp16_compression_of_a_tensor_parallel_models_dp_average(pool4, tiny_text, tmp_path):
+    """dp2 x tp2: the by-hand all-reduce over dp casts each rank's shards to fp16 (torch's fp16 hook's arithmetic): the
+    bytes fall by what it saves (a ring all-reduce sends 2 (dp - 1) / dp of the buffer: 2 bytes less per element
+    at dp 2), and the run stays within fp16's rounding of the uncompressed one while differing from it."""
+    from helpers import PLAIN_SGD, tiny_gpt_config
+
+    runs = {}
+    for name in ("none", "fp16"):
+        cfg = tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.steps=4",
+                              "model.vocab_multiple=64", *PLAIN_SGD, f"parallel.compression={name}")
+        (weights, local) = pool4.run(trained_with_local_size, cfg, tmp_path / name)[0]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name] = (weights, local, step_losses(tmp_path / name), summary["comm"]["bytes_per_step_per_rank"][0])
+    (w0, n, l0, sent0), (w1, _, l1, sent1) = runs["none"], runs["fp16"]
+    assert sent0 - sent1 == pytest.approx(n * 2, rel=1e-3), (sent0, sent1, n)
+    moved = max((w0[k] - w1[k]).abs().max().item() for k in w0)
+    assert 0 < moved < 2e-3, moved
+    for (a, g), (b, h) in zip(l0, l1):
+        assert b == pytest.approx(a, rel=2e-3) and h == pytest.approx(g, rel=2e-3)

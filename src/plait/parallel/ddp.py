@@ -1,7 +1,8 @@
 """Data parallel with all-reduce: torch's DistributedDataParallel over the mesh's dp axis.
 
 A tensor-parallel model (DTensor parameters, which DDP does not take) is averaged over dp by hand:
-one flat all-reduce after backward. Compression (`parallel.compression`) runs as a DDP comm hook, and
+one flat all-reduce after backward (fp16/bf16 compression: in that dtype). Compression (`parallel.compression`)
+otherwise runs as a DDP comm hook, and
 so does plait's own all-reduce (`parallel.allreduce = "ring" | "tree" | "hierarchical"`); the two do
 not combine (a compression hook makes its own collectives).
 """
@@ -12,6 +13,7 @@ import contextlib
 import os
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -54,13 +56,17 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
     return ddp
 
 
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}  # compressions a tensor-parallel model's by-hand average does
+
+
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, *args, dp_group=None, dp: int = 1, **kwargs):
+    def __init__(self, *args, dp_group=None, dp: int = 1, compress: torch.dtype | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.by_hand = not isinstance(self.model, DDP)  # a tensor-parallel model: averaged after backward
         self.dp_group, self.dp = dp_group, dp
+        self.compress = compress  # by hand: fp16/bf16 compression of the dp all-reduce
         self.rewrap: Callable[[nn.Module], nn.Module] | None = None  # module -> a new DDP wrapper like this one
         self.sharded = self.by_hand
         if self.by_hand:
@@ -72,7 +78,7 @@ class DDPStrategy(Strategy):
     def after_backward(self) -> None:
         super().after_backward()
         if self.by_hand:
-            allreduce_grads(self.module.parameters(), self.dp_group, self.dp)
+            allreduce_grads(self.module.parameters(), self.dp_group, self.dp, self.compress)
 
     def stop_training(self, params: list) -> None:
         """As the base, then DDP rebuilt over the parameters that still train (it lays its buckets out once, from the
@@ -128,6 +134,8 @@ def check(layout: Layout, keys: DDPKeys) -> None:
     if keys.compression in ("fp16", "bf16") and layout.shards_gradients and layout.ep == 1 \
             and layout.embedding_sharding == "none":
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
+    if keys.compression in HALF and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
+        return  # tp x dp: the by-hand all-reduce over dp casts (DDPStrategy.after_backward)
     if not (layout.plain_data_parallel and layout.replicas >= 2):
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
@@ -145,11 +153,11 @@ def transform(model: nn.Module, b: Build) -> nn.Module:
 
 def build(b: Build) -> Strategy:
     model = b.parallelize(b.module)
+    compression = b.keys(DDPKeys).compression
     strategy = DDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
-                           dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"))
+                           dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"), compress=HALF.get(compression))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
     strategy.rewrap = lambda module: transform(module, b)
-    compression = b.keys(DDPKeys).compression
     if compression != "none":
         strategy.labels.append(f"{compression} compression")
     return strategy

@@ -44,18 +44,25 @@ def align_grads(params) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def allreduce_grads(params, group, size: int) -> None:
-    """Average every gradient over `group` (size ranks) with one flat all-reduce."""
-    average_tensors([_local(p.grad) for p in params if p.grad is not None], group, size)
+def allreduce_grads(params, group, size: int, dtype: torch.dtype | None = None) -> None:
+    """Average every gradient over `group` (size ranks) with one flat all-reduce (in `dtype`: compressed)."""
+    average_tensors([_local(p.grad) for p in params if p.grad is not None], group, size, dtype)
 
 
-def average_tensors(grads: list[torch.Tensor], group, size: int) -> None:
-    """Average these tensors over `group` (size ranks) in place, with one flat all-reduce."""
+def average_tensors(grads: list[torch.Tensor], group, size: int, dtype: torch.dtype | None = None) -> None:
+    """Average these tensors over `group` (size ranks) in place, with one flat all-reduce. With `dtype` (fp16/bf16
+    compression) the flat buffer is cast, divided by `size`, summed in that dtype and cast back: torch's
+    fp16_compress_hook's arithmetic, so a tensor-parallel model's shards compress as a DDP bucket does."""
     if not grads or size == 1:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat.div_(size)
+    if dtype is not None:
+        half = flat.to(dtype).div_(size)
+        dist.all_reduce(half, group=group)
+        flat.copy_(half)
+    else:
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 
