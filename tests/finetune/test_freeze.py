@@ -27,7 +27,7 @@ def test_patterns_freeze_by_name_and_a_pattern_matching_nothing_names_the_closes
 def test_the_job_check_refuses_a_typo_before_any_worker_starts(tiny_text):
     with pytest.raises(ConfigError, match=r"'blocks\.9\.\*' matches no parameter name; the closest are: blocks\."):
         check_job(load_config(None, gpt(tiny_text, "finetune.freeze=['blocks.9.*']")))
-    with pytest.raises(ConfigError, match="supported with data, tensor, pipeline and context parallel and ZeRO 1-3"):
+    with pytest.raises(ConfigError, match="supported with data, tensor, pipeline, context and expert parallel and ZeRO 1-3"):
         check_job(load_config(None, gpt(tiny_text, "finetune.lora_rank=4", "parallel.sync=gossip")))
     assert check_job(load_config(None, gpt(tiny_text, FREEZE, "parallel.dp=1", "parallel.tp=2",
                                            "model.vocab_multiple=64"))).tp == 2  # a fixed freeze: tests/parallel/test_freeze_tp.py

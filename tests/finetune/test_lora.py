@@ -77,7 +77,7 @@ def test_merge_unmerge_and_the_plain_model_it_becomes():
 def test_tied_targets_and_unsupported_layouts_are_refused(tiny_text):
     with pytest.raises(ConfigError, match="shared with .*tok_emb.weight.*tied embeddings"):
         check_job(load_config(None, gpt(tiny_text, "finetune.lora_rank=2", "finetune.lora_targets=['head']")))
-    with pytest.raises(ConfigError, match="supported with data, tensor, pipeline and context parallel and ZeRO 1-3"):
+    with pytest.raises(ConfigError, match="supported with data, tensor, pipeline, context and expert parallel and ZeRO 1-3"):
         check_job(load_config(None, gpt(tiny_text, *LORA, "parallel.sync=gossip")))
 
 

@@ -60,8 +60,10 @@ def shard_experts(model: nn.Module, mesh) -> list[str]:
         n = layer.experts // k
         for name in layer.expert_params:
             # Every rank starts from the same full weights (same seed): slicing needs no communication.
-            local = getattr(layer, name).detach()[rank * n:(rank + 1) * n].clone()
-            setattr(layer, name, nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)))
+            whole = getattr(layer, name)
+            local = whole.detach()[rank * n:(rank + 1) * n].clone()
+            dt = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)
+            setattr(layer, name, nn.Parameter(dt, requires_grad=whole.requires_grad))  # frozen experts stay frozen
             names.append(f"{prefix}.{name}" if prefix else name)
         layer.set_expert_parallel(ep.get_group())
     return names
