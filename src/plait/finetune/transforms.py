@@ -27,9 +27,9 @@ def active(cfg) -> bool:
 
 def check_layout(cfg, layout) -> None:
     """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor (not progressive), pipeline
-    (not progressive), context and expert (not progressive) parallel and ZeRO 1-3 (the keys' own rules are plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit
-    codes are buffers, held whole by every rank (an eighth of fp32); what ZeRO shards is what trains: the adapters,
-    their gradients and optimizer state."""
+    (not progressive), context and expert (not progressive) parallel and ZeRO 1-3 (the keys' own rules are
+    plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every rank (an eighth of
+    fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
     f = cfg.finetune
     if f.progressive_freeze and layout.zero:
         raise ConfigError(
