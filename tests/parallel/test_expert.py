@@ -171,6 +171,23 @@ def test_moe_blocks_stay_whole_under_tensor_parallel(request, one_process, moe_b
     assert "tp2" in summary["parallel"]["strategy"] or summary["parallel"]["tp"] == 2
 
 
+@pytest.mark.parametrize("pool_name, layout", [
+    ("pool2", ("parallel.dp=1", "parallel.pp=2")),
+    ("pool2", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=gpipe", "train.activation_checkpointing=true")),
+    ("pool4", ("parallel.dp=2", "parallel.pp=2", "parallel.zero=3")),
+    ("pool4", ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")),
+], ids=["pp2", "pp2-gpipe-ckpt", "pp2-zero3", "pp2-tp2"])
+def test_moe_blocks_in_pipeline_stages(request, one_process, moe_base, tmp_path, pool_name, layout):
+    """A stage that is not the last has no loss: each MoE layer injects its load-balancing loss's gradient at its
+    output (the schedule scales it by the micro-batches as it scales the loss's), and the logged loss adds every
+    stage's terms, so pp2 (1F1B, GPipe with recomputation), pp2 + ZeRO-3 and pp2 x tp2 are the one-process run."""
+    ref_traj, _, _ = one_process()
+    got_traj, summary, _ = request.getfixturevalue(pool_name).run(
+        moe_run, load_config(None, [*moe_base, *layout]), tmp_path)[0]
+    assert_same_trajectory(ref_traj, got_traj)
+    assert summary["parallel"]["pp"] == 2
+
+
 def check_memory(summary: dict, base) -> None:
     """Each rank holds the dense parameters and half the experts: params_bytes to the byte, and the planner agrees."""
     cfg = load_config(None, [*base, "parallel.dp=2", "parallel.ep=2"])
@@ -206,7 +223,8 @@ def test_resume_ep2_to_ep1_and_back(pool2, moe_base, tmp_path):
     (("model.moe_experts=4", "parallel.ep=3"), "parallel.ep = 3 must divide parallel.dp = 2"),
     (("model.moe_experts=3", "parallel.ep=2"), "parallel.ep = 2 must divide model.moe_experts = 3"),
     (("model.moe_experts=4", "model.moe_top_k=5"), "model.moe_top_k = 5 must be between 1 and model.moe_experts = 4"),
-    (("model.moe_experts=4", "parallel.dp=1", "parallel.pp=2"), "model.moe_experts (4) with parallel.pp = 2"),
+    (("model.moe_experts=4", "parallel.pp=2", "parallel.ep=2"), "parallel.ep = 2 with parallel.pp = 2: expert "
+                                                                  "parallel's all-to-alls do not run inside pipeline"),
     (("model.moe_experts=4", "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"),
      "model.moe_experts (4) with parallel.sequence_parallel = true: an MoE block routes whole sequences"),
     (("parallel.ep=2",), "parallel.ep = 2 spreads mixture-of-experts layers over ranks, but the model has none"),

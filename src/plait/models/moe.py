@@ -107,6 +107,20 @@ def expert_major(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=counts.device) - offset.repeat_interleave(ct) + st.repeat_interleave(ct)
 
 
+class _AuxGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward also sends `weight` to the layer's load-balancing loss: the loss's
+    gradient without the loss in the objective (a pipeline stage that is not the last has no loss of its own)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
+
+
 class MoE(nn.Module):
     """Top-k routed expert MLPs (width -> hidden -> width, GELU; SwiGLU without biases when glu), optionally with a
     per-sequence capacity."""
@@ -134,6 +148,11 @@ class MoE(nn.Module):
             nn.init.normal_(p, std=0.02)
         self.ep_group, self.ep_rank, self.ep_size = None, 0, 1
         self.aux_loss: torch.Tensor | None = None
+        # pipeline stages: the weight of the load-balancing loss whose gradient the output's backward injects (then
+        # extra_loss adds nothing), and what was injected since `take_injected`, for the logged loss
+        self.aux_grad = 0.0
+        self.injected: dict = {}  # {micro-batch key: weighted loss}: a key's last forward counts (a stage's shape
+        self.injected_key = None  # inference runs it once more, before or inside the first micro-batch's forward)
         self.stats: torch.Tensor | None = None  # the window's figures (see window_stats); not state, not saved
 
     def set_expert_parallel(self, group) -> None:
@@ -201,7 +220,18 @@ class MoE(nn.Module):
                 stats[self.experts + ASSIGNED] += n * k
                 stats[self.experts + AUX] += self.aux_loss.detach()
                 stats[self.experts + FORWARDS] += 1
-        return out.to(x.dtype).view(shape)
+        out = out.to(x.dtype).view(shape)
+        if self.aux_grad and self.aux_loss is not None and torch.is_grad_enabled():
+            if self.injected_key is not None and not _in_backward():  # a recomputed forward injects, logs nothing
+                self.injected[self.injected_key] = self.aux_grad * self.aux_loss.detach()
+            out = _AuxGrad.apply(out, self.aux_loss, self.aux_grad)
+            self.aux_loss = None  # its gradient is injected: not in extra_loss too
+        return out
+
+    def take_injected(self) -> torch.Tensor | None:
+        """The weighted load-balancing losses injected since the last call, summed over the micro-batches."""
+        got, self.injected = list(self.injected.values()), {}
+        return torch.stack(got).sum() if got else None
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The local experts on rows sorted expert-major, counts[l] rows for local expert l."""

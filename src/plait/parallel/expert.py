@@ -131,16 +131,6 @@ def check_model(layout: Layout, keys, model_cfg, model) -> None:
                 f"experts; set model.moe_experts to a multiple of {layout.ep} or parallel.ep to a divisor of {e}")
 
 
-def refuse_experts(model_cfg, axis: str, degree: int) -> None:
-    """Mixture-of-experts blocks do not run in pipeline stages in this version."""
-    experts = expert_counts(model_cfg)
-    if experts and axis == "pp":
-        raise ConfigError(
-            f"model.moe_experts ({experts[0]}) with parallel.pp = {degree}: mixture-of-experts blocks do not run in "
-            "pipeline stages in this version of plait (the load-balancing loss of earlier stages would not reach the "
-            "loss); set parallel.pp=1 (parallel.ep spreads the experts instead) or model.moe_experts=0")
-
-
 def check_experts_tp(model_cfg, layout: Layout, sequence_parallel: bool) -> None:
     """Tensor parallel splits the dense matrices (attention, dense MLPs) and keeps each MoE block whole on every tp
     rank: its input is the whole activation (the attention's row-parallel output is all-reduced), so the tp ranks

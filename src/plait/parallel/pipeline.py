@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from plait.comm.p2p import recv_tensor, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
+from plait.models.moe import moe_layers
 from plait.models.protocols import is_transformers_model, pipeline_blocks, pipeline_parts, tied_parameters
 from plait.parallel.base import Strategy
-from plait.parallel.expert import refuse_experts
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
@@ -113,6 +113,12 @@ class PipelineStrategy(Strategy):
         self.peak_inflight: list[int] = []  # per step: the most micro-batches whose activations this rank held
         self.last_timeline: list[tuple] = []
         self._last_forward = None
+        # MoE blocks in a stage: the load-balancing loss's gradient is injected at each layer's output (no stage but
+        # the last has a loss to add it to), with the model's weight; the schedule scales it as it scales the loss's
+        self.moe = [m for p in parts for m in moe_layers(p)]
+        for p in parts:
+            for m in moe_layers(p):
+                m.aux_grad = float(getattr(p, "moe_aux_weight", 0.0) or 0.0)
         self._make_schedule()
 
     def _make_schedule(self) -> None:
@@ -151,7 +157,10 @@ class PipelineStrategy(Strategy):
             allreduce_grads(self.module.parameters(), self.rt.axis_group("dp"), self.rt.axis_size("dp"))
         loss = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
         loss = loss.to(self.rt.device)
-        dist.all_reduce(loss, group=self.pp_group)  # only the last stage contributes
+        injected = [t for m in self.moe for t in [m.take_injected()] if t is not None]
+        if injected:  # every stage's MoE layers' weighted load-balancing losses, a mean over the micro-batches
+            loss = loss + torch.stack(injected).sum().float().to(loss.device) / self.microbatches
+        dist.all_reduce(loss, group=self.pp_group)  # the last stage's loss, plus each stage's injected terms
         return loss
 
     def clip_grad_norm(self, max_norm: float, need_norm: bool = True):
@@ -268,8 +277,12 @@ class PipelineStrategy(Strategy):
         def forward_one_chunk(mb, *args, **kwargs):
             t = time.time()
             self._last_forward = (sid, mb, len(self.peak_inflight))
+            for m in self.moe:  # what the MoE layers inject, by micro-batch (plait.models.moe)
+                m.injected_key = (sid, mb)
             with saved_tensors(self.activation_meter, self.saved_codec, self.module, self._last_forward):
                 out = fwd(mb, *args, **kwargs)
+            for m in self.moe:
+                m.injected_key = None
             self.events.append((sid, "F", mb, t, time.time()))
             return out
 
@@ -419,7 +432,10 @@ def check(layout: Layout, keys: PipelineKeys) -> None:
 
 def check_model(layout: Layout, keys: PipelineKeys, model_cfg, model: nn.Module | None) -> None:
     """The model can be cut into pp * virtual_stages stages (model None: the registered model model_cfg names)."""
-    refuse_experts(model_cfg, "pp", layout.pp)
+    if layout.ep > 1:
+        raise ConfigError(f"parallel.ep = {layout.ep} with parallel.pp = {layout.pp}: expert parallel's all-to-alls do "
+                          "not run inside pipeline stages in this version; set parallel.ep=1 (the experts stay whole "
+                          "in their stage) or parallel.pp=1")
     stages = layout.stages
     if model is None:
         if "pipeline" not in capabilities(model_cfg):
