@@ -58,20 +58,23 @@ def test_a_distilled_student_follows_one_trajectory_at_dp2(pool2, pretrained, ti
         check_job(load_config(None, gpt(tiny_text, f"distill.teacher='{tmp_path}'")))
 
 
-def test_a_distilled_student_under_tensor_parallel_follows_one_process(pool2, pretrained, tiny_text, tmp_path):
-    """The whole teacher on each tp rank reads the same input; the student's logits are whole there (the head's
-    all-gather), so tp2 is the one-process trajectory (the vocabulary padded to split; the logits cut back to it)."""
+def test_a_distilled_student_under_tensor_and_pipeline_parallel_follows_one_process(pool2, pretrained, tiny_text,
+                                                                                    tmp_path):
+    """tp2: the whole teacher on each tp rank reads the same input, and the student's logits are whole there (the
+    head's all-gather). pp2: the last stage runs the teacher on its local batch, a piece per micro-batch's loss. Both
+    are the one-process trajectory (the vocabulary padded to split over tp; the logits cut back to it)."""
     student = ("model.width=16", "model.vocab_multiple=64", f"distill.teacher='{pretrained}'", "distill.alpha=0.7",
                "distill.temperature=2.0")
     ref = run_trajectory(load_config(None, gpt(tiny_text, "parallel.dp=1", *student)), tmp_path / "one")
-    got = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, "parallel.dp=1", "parallel.tp=2", *student)),
-                    tmp_path / "tp")[0]
-    assert_same(ref, got)
+    for name, layout in (("tp", "parallel.tp=2"), ("pp", "parallel.pp=2")):
+        got = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, "parallel.dp=1", layout, *student)),
+                        tmp_path / name)[0]
+        assert_same(ref, got)
     with pytest.raises(ConfigError) as e:
-        check_job(load_config(None, gpt(tiny_text, "parallel.dp=1", "parallel.pp=2", *student)))
+        check_job(load_config(None, gpt(tiny_text, "parallel.sync=gossip", *student)))
     assert str(e.value) == ("distill.teacher runs the whole teacher on the student's input next to the student's "
-                            "logits on each rank: it needs pp = 1, sync = 'allreduce' and train.objective = "
-                            "'supervised' (here pp = 2, sync = 'allreduce'); change the layout or set distill.teacher=''")
+                            "logits on each rank: it needs sync = 'allreduce' and train.objective = 'supervised' (here "
+                            "sync = 'gossip'); change the layout or set distill.teacher=''")
 
 
 def test_the_defaults_are_the_settings_the_benchmark_found_best():

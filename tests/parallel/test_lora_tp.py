@@ -55,9 +55,12 @@ def test_only_plain_column_and_row_styles_change():
     assert tp_styles(torch.nn.Sequential(), plan) == plan  # no LoRA layer: the plan as it was
 
 
-def test_distillation_at_dp2_x_tp2_follows_one_process(pool4, tiny_text, tmp_path):
-    """The teacher whole on every rank, the student split over tp and replicated over dp (tests/finetune/test_distill.py
-    holds tp2 and dp2 alone to the same trajectory)."""
+@pytest.mark.parametrize("layout", [("parallel.dp=2", "parallel.tp=2"), ("parallel.dp=2", "parallel.pp=2", "parallel.zero=3"),
+                                    ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")],
+                         ids=["dp2xtp2", "pp2-zero3", "pp2xtp2"])
+def test_distillation_at_four_ranks_follows_one_process(pool4, tiny_text, tmp_path, layout):
+    """The teacher whole on every rank (in a pipeline: on the last stage, a piece of the local batch per micro-batch),
+    the student split (tests/finetune/test_distill.py holds tp2, pp2 and dp2 alone to the same trajectory)."""
     from helpers import params_after, step_losses
 
     teacher = tmp_path / "teacher"
@@ -65,6 +68,6 @@ def test_distillation_at_dp2_x_tp2_follows_one_process(pool4, tiny_text, tmp_pat
     student = ["train.steps=4", *PLAIN_SGD, "model.width=16", "model.vocab_multiple=64", f"distill.teacher='{teacher}'",
                "distill.alpha=0.7"]
     one = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", *student), tmp_path / "one")
-    got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.tp=2",
-                                                    "train.micro_batch_size=2", *student), tmp_path / "run")[0][0]
+    got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, *layout, "train.micro_batch_size=2", *student),
+                    tmp_path / "run")[0][0]
     assert_follows((one, step_losses(tmp_path / "one")), got, tmp_path / "run", steps=4, rel=1e-5, atol=1e-5)

@@ -113,6 +113,8 @@ class PipelineStrategy(Strategy):
         self.peak_inflight: list[int] = []  # per step: the most micro-batches whose activations this rank held
         self.last_timeline: list[tuple] = []
         self._last_forward = None
+        self.distiller = None  # distill.teacher's Distiller (set by build from the plain student)
+        self._teacher: list[torch.Tensor] = []  # its logits for this step's micro-batches (last stage)
         # MoE blocks in a stage: the load-balancing loss's gradient is injected at each layer's output (no stage but
         # the last has a loss to add it to), with the model's weight; the schedule scales it as it scales the loss's
         self.moe = [m for p in parts for m in moe_layers(p)]
@@ -136,6 +138,8 @@ class PipelineStrategy(Strategy):
 
     # ---- the step
     def _loss(self, output, target):
+        if self.distiller is not None and self._teacher and self._last_forward is not None:
+            self.distiller.hand(self._teacher[self._last_forward[1]])  # the piece of the micro-batch just run
         # the loss's saved tensors belong to the micro-batch just run
         with saved_tensors(self.activation_meter, self.saved_codec, self.module, self._last_forward):
             return self.loss_fn(output, target)
@@ -147,6 +151,9 @@ class PipelineStrategy(Strategy):
         self.events = []
         t0 = time.time()  # wall clock: the timeline lines up ranks of different processes (and machines)
         with self.precision.autocast():
+            if self.distiller is not None and self.last:  # distill.teacher: the last stage reads x too
+                with torch.no_grad():
+                    self._teacher = list(self.distiller.teacher(x).chunk(self.microbatches))
             self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
                                losses=losses if self.last else None)
         span = time.time() - t0
@@ -504,6 +511,9 @@ def build(b: Build, cls: type | None = None) -> PipelineStrategy:
                                          pipeline_parts(module)["blocks"], tied,
                                          dp_sync=rt.axis_size("dp") > 1 and not b.layout.shards_gradients)
     strategy.bounds = bounds
+    strategy.distiller = getattr(b.module, "plait_distiller", None)
+    if strategy.distiller is not None:  # a stage's forward is not the student's: the last stage hands its pieces
+        strategy.distiller.hooked = False
     return strategy
 
 

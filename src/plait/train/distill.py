@@ -6,8 +6,10 @@
 
 The teacher runs on each rank on the same micro-batch as the student: a forward pre-hook on the plain
 student module (which every wrapper, DDP or FSDP, still calls) computes the teacher's logits under
-no_grad and hands them to the next loss. The soft term is a mean over samples (tokens for a language
-model), like the hard loss, so the trainer's micro-batch and data-parallel scaling hold for both.
+no_grad and hands them to the next loss. A pipeline's stages never call the whole student: its last
+stage runs the teacher on the local batch and hands each micro-batch's loss its piece (`hand`). The
+soft term is a mean over samples (tokens for a language model), like the hard loss, so the trainer's
+micro-batch and data-parallel scaling hold for both.
 Evaluation (the student in eval mode) gets the hard loss alone, so validation losses compare with a
 student trained without a teacher.
 """
@@ -37,6 +39,11 @@ class Distiller:
         self.teacher = teacher.eval().requires_grad_(False)
         self.temperature, self.alpha = temperature, alpha
         self._pending: torch.Tensor | None = None
+        self.hooked = True  # a pipeline: a stage's forward is not the student's (its last stage calls `hand`)
+
+    def __deepcopy__(self, memo) -> Distiller:
+        """One teacher per process: a copy of the student (a pipeline stage) shares it, and its hook."""
+        return self
 
     @classmethod
     def from_run(cls, dcfg, spec, device: torch.device) -> Distiller:
@@ -49,9 +56,14 @@ class Distiller:
 
     def attach(self, student: nn.Module) -> None:
         student.register_forward_pre_hook(self._before_student)
+        setattr(student, "plait_distiller", self)  # noqa: B010 (a pipeline, whose stages never call the whole student, finds it here)
+
+    def hand(self, logits: torch.Tensor) -> None:
+        """The teacher's logits for the next loss (a pipeline's last stage, which runs the teacher itself)."""
+        self._pending = logits
 
     def _before_student(self, module: nn.Module, args) -> None:
-        if module.training and torch.is_grad_enabled():
+        if module.training and torch.is_grad_enabled() and self.hooked:
             with torch.no_grad():
                 self._pending = self.teacher(args[0])
 

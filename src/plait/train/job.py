@@ -102,12 +102,12 @@ def use_hf_class(cfg: Config) -> None:
 def check_composition(cfg: Config, layout: Layout) -> None:
     """What distillation and the evaluation callbacks ask of the layout."""
     # tp: the teacher reads the student's input on every tp rank, and the student's logits come out whole there (the
-    # head's all-gather), so each tp rank computes the same soft loss; pp: the last stage, which has the logits, does
-    # not have the input the teacher reads
-    if cfg.distill.teacher and (layout.pp > 1 or layout.sync != "allreduce" or cfg.train.objective != "supervised"):
+    # head's all-gather), so each tp rank computes the same soft loss; pp: the last stage runs the teacher on the
+    # local batch it loads too, one piece per micro-batch loss
+    if cfg.distill.teacher and (layout.sync != "allreduce" or cfg.train.objective != "supervised"):
         raise ConfigError(f"distill.teacher runs the whole teacher on the student's input next to the student's logits "
-                          f"on each rank: it needs pp = 1, sync = 'allreduce' and train.objective = 'supervised' (here "
-                          f"pp = {layout.pp}, sync = {layout.sync!r}); change the layout or set distill.teacher=''")
+                          f"on each rank: it needs sync = 'allreduce' and train.objective = 'supervised' (here sync = "
+                          f"{layout.sync!r}); change the layout or set distill.teacher=''")
     if cfg.data.stream and not layout.every_rank_evaluates:
         raise ConfigError("data.stream evaluates every task at the end of each; the parameter server's workers do not "
                           "evaluate (parallel.sync = 'ps'): use allreduce or gossip")
