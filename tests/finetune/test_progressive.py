@@ -25,8 +25,8 @@ def test_the_schedule_is_floor_of_t0_plus_i_times_the_rest_over_the_blocks():
 
 
 def test_layouts_that_cannot_change_what_trains_are_refused(tiny_text):
-    with pytest.raises(ConfigError, match=r"parallel.zero = 3 lays its buffers out once.*use parallel.zero=0"):
-        check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE, "parallel.dp=2", "parallel.zero=3")))
+    with pytest.raises(ConfigError, match=r"parallel.zero = 1 lays its flat gradient buffer out once.*use parallel.zero=0"):
+        check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE, "parallel.dp=2", "parallel.zero=1")))
     with pytest.raises(ConfigError, match=r"progressive_freeze_start = 1.0 must be in \[0, 1\)"):
         check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE[:2], "finetune.progressive_freeze_start=1.0")))
     with pytest.raises(ConfigError, match=r"model 'deepfm' has no `blocks`"):
@@ -81,6 +81,25 @@ def test_dp2_follows_the_single_process_trajectory_and_sends_only_what_trains(po
     # DDP at dp=2 sends 4 bytes per trainable element, rebuilt at each freeze; + the 24-byte gather of the logged loss.
     assert sent[1:] == [4 * trainable[1] + 24, 4 * trainable[2] + 24, 4 * trainable[2] + 24]
     assert sent[0] == 4 * trainable[0]
+
+
+@pytest.mark.parametrize("zero, layout", [(2, "parallel.dp=2"), (3, "parallel.dp=2"), (3, "parallel.cp=2")],
+                         ids=["zero2", "zero3", "cp2-zero3"])
+def test_zero_2_and_3_follow_it_too_and_stop_reduce_scattering_what_froze(pool2, runs, tiny_text, tmp_path, zero,
+                                                                         layout):
+    """FSDP2's unsharded copies stop requiring a gradient with their parameters: a frozen block's gradients are
+    neither computed nor reduce-scattered (2 bytes per element less at dp = 2, fp32), its weights fixed; at ZeRO-3
+    its backward, and so the all-gather before it, does not run either (2 bytes more)."""
+    dp = "parallel.dp=1" if "cp" in layout else "parallel.dp=2"
+    got = pool2.run(_run, load_config(None, gpt(tiny_text, dp, layout, f"parallel.zero={zero}", *PROGRESSIVE)),
+                    tmp_path)[0]
+    assert_same(runs[4][:4], got[:4])
+    if "cp" in layout:  # its bytes are ring attention's too
+        return
+    params = got[2]
+    block1 = sum(params[k].numel() for k in _block(params, ("blocks.1.",)))
+    sent = [r["comm_bytes"] for r in got[4] if "loss" in r]
+    assert sent[1] - sent[2] == (2 if zero == 2 else 4) * block1 and sent[2] == sent[3]
 
 
 def test_the_report_plots_step_time_with_the_freezes_marked(runs, tmp_path):

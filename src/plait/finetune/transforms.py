@@ -31,13 +31,11 @@ def check_layout(cfg, layout) -> None:
     plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every rank (an eighth of
     fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
     f = cfg.finetune
-    if f.progressive_freeze and layout.zero:
+    if f.progressive_freeze and layout.zero == 1:
         raise ConfigError(
-            f"finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = "
-            f"{layout.zero} lays its buffers out once: ZeRO-1's flat gradient buffer would still be reduce-scattered and "
-            "stepped, and FSDP2 (zero = 2, 3) keeps each parameter's requires_grad from its first all-gather, so frozen "
-            "blocks would still get gradients and traffic; use parallel.zero=0 (data parallel) or a fixed "
-            "finetune.freeze")
+            "finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = 1 lays "
+            "its flat gradient buffer out once: it would still be reduce-scattered and stepped; use parallel.zero=0 "
+            "(data parallel), 2 or 3 (FSDP2: a frozen block's gradients stop) or a fixed finetune.freeze")
     # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
     # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
     tp_ok = not (f.progressive_freeze or f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError
@@ -141,6 +142,20 @@ class FSDPStrategy(Strategy):
         if self.reduce_scatter is not None:
             self.reduce_scatter.wait()  # the last unit's (the root's) reduce-scatter, before anything reads a gradient
         super().after_backward()
+
+    def stop_training(self, params: list) -> None:
+        """As the base (out of the optimizer, state and gradients dropped), and FSDP2's unsharded copies of these
+        parameters stop requiring a gradient too: FSDP2 makes each once, at its first all-gather, with the sharded
+        parameter's requires_grad, and reduce-scatters the gradients its copies get. Frozen, they get none: no
+        gradient, no traffic, as a parameter frozen before wrapping (plait.finetune.freeze)."""
+        super().stop_training(params)
+        ids = {id(p) for p in params}
+        for module in self.model.modules():
+            state = _get_module_fsdp_state(module)
+            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                if id(fsdp_param.sharded_param) in ids and hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.requires_grad_(False)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -8,7 +8,8 @@ then holds exactly the parameters whose state the checkpoint has.
 
 When blocks freeze, the strategy stops training their parameters (Strategy.stop_training): they leave the
 optimizer and, at dp > 1, DDP is rebuilt over the parameters that still train. The schedule depends on
-the step alone, so every rank freezes at the same step. ZeRO is refused by plait.finetune.progressive.check.
+the step alone, so every rank freezes at the same step. Under ZeRO-2/3 FSDP2's unsharded copies stop requiring a
+gradient too (plait.parallel.fsdp); ZeRO-1 is refused (plait.finetune.transforms.check_layout).
 """
 
 from __future__ import annotations
