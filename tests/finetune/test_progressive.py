@@ -83,16 +83,21 @@ def test_dp2_follows_the_single_process_trajectory_and_sends_only_what_trains(po
     assert sent[0] == 4 * trainable[0]
 
 
-@pytest.mark.parametrize("zero, layout", [(2, "parallel.dp=2"), (3, "parallel.dp=2"), (3, "parallel.cp=2")],
-                         ids=["zero2", "zero3", "cp2-zero3"])
+@pytest.mark.parametrize("zero, layout", [(2, "parallel.dp=2"), (3, "parallel.dp=2"), (3, "parallel.cp=2"),
+                                          (0, "parallel.tp=2")], ids=["zero2", "zero3", "cp2-zero3", "tp2"])
 def test_zero_2_and_3_follow_it_too_and_stop_reduce_scattering_what_froze(pool2, runs, tiny_text, tmp_path, zero,
                                                                          layout):
     """FSDP2's unsharded copies stop requiring a gradient with their parameters: a frozen block's gradients are
     neither computed nor reduce-scattered (2 bytes per element less at dp = 2, fp32), its weights fixed; at ZeRO-3
     its backward, and so the all-gather before it, does not run either (2 bytes more)."""
-    dp = "parallel.dp=1" if "cp" in layout else "parallel.dp=2"
-    got = pool2.run(_run, load_config(None, gpt(tiny_text, dp, layout, f"parallel.zero={zero}", *PROGRESSIVE)),
+    dp = "parallel.dp=2" if layout == "parallel.dp=2" else "parallel.dp=1"
+    more = ("model.vocab_multiple=64",) if "tp" in layout else ()  # the vocabulary splits over tp
+    got = pool2.run(_run, load_config(None, gpt(tiny_text, dp, layout, f"parallel.zero={zero}", *PROGRESSIVE, *more)),
                     tmp_path)[0]
+    if more:  # another vocabulary padding: its own one-process run
+        assert_same(_run(load_config(None, gpt(tiny_text, "parallel.dp=1", *PROGRESSIVE, *more)), tmp_path / "one")[:4],
+                    got[:4])
+        return
     assert_same(runs[4][:4], got[:4])
     if "cp" in layout:  # its bytes are ring attention's too
         return

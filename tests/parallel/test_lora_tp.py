@@ -71,3 +71,16 @@ def test_distillation_at_four_ranks_follows_one_process(pool4, tiny_text, tmp_pa
     got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, *layout, "train.micro_batch_size=2", *student),
                     tmp_path / "run")[0][0]
     assert_follows((one, step_losses(tmp_path / "one")), got, tmp_path / "run", steps=4, rel=1e-5, atol=1e-5)
+
+
+def test_progressive_freezing_at_dp2_x_tp2_follows_one_process(pool4, tiny_text, tmp_path):
+    """Blocks freeze mid-run on split DTensor weights; the by-hand dp average skips what froze (tp2 alone:
+    tests/finetune/test_progressive.py)."""
+    from helpers import params_after, step_losses
+
+    prog = ["train.steps=4", *PLAIN_SGD, "model.vocab_multiple=64", "finetune.progressive_freeze=true",
+            "finetune.progressive_freeze_start=0.25"]
+    one = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", *prog), tmp_path / "one")
+    got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2",
+                                                    *prog), tmp_path / "run")[0][0]
+    assert_follows((one, step_losses(tmp_path / "one")), got, tmp_path / "run", steps=4, rel=1e-5, atol=1e-5)

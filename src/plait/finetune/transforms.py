@@ -26,8 +26,8 @@ def active(cfg) -> bool:
 
 
 def check_layout(cfg, layout) -> None:
-    """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor (not progressive), pipeline
-    (not progressive), context and expert (not progressive) parallel and ZeRO 1-3 (the keys' own rules are
+    """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor, pipeline (not progressive),
+    context and expert (not progressive) parallel and ZeRO 1-3 (not progressive at 1) (the keys' own rules are
     plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every rank (an eighth of
     fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
     f = cfg.finetune
@@ -38,7 +38,7 @@ def check_layout(cfg, layout) -> None:
             "(data parallel), 2 or 3 (FSDP2: a frozen block's gradients stop) or a fixed finetune.freeze")
     # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
     # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
-    tp_ok = not (f.progressive_freeze or f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))
+    tp_ok = not (f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))
     sharded_ok = layout.sync == "allreduce" and layout.embedding_sharding == "none"
     if active(cfg) and not sharded_ok:
         raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, "
@@ -49,11 +49,10 @@ def check_layout(cfg, layout) -> None:
         raise ConfigError(f"finetune.progressive_freeze with parallel.ep = {layout.ep} is not available yet: the expert "
                           "layers' own gradient average is laid out once; use parallel.ep=1 or a fixed finetune.freeze")
     if active(cfg) and layout.tp > 1 and not tp_ok:
-        what = "finetune.adapters" if f.adapters else ("finetune.progressive_freeze" if f.progressive_freeze
-                                                       else f"finetune.quantize_base = {f.quantize_base!r}")
-        raise ConfigError(f"{what} with parallel.tp = {layout.tp} is not supported (tensor parallel splits freezing "
-                          "and LoRA layers, not bottleneck adapters, a freeze schedule or a quantized base); set "
-                          "parallel.tp=1 or use finetune.lora_rank / finetune.freeze")
+        what = "finetune.adapters" if f.adapters else f"finetune.quantize_base = {f.quantize_base!r}"
+        raise ConfigError(f"{what} with parallel.tp = {layout.tp} is not supported (tensor parallel splits frozen "
+                          "and LoRA layers, not bottleneck adapters or a quantized base); set parallel.tp=1 or use "
+                          "finetune.lora_rank / finetune.freeze")
     if f.progressive_freeze and layout.pp > 1:
         raise ConfigError(f"finetune.progressive_freeze with parallel.pp = {layout.pp} is not available yet: a pipeline "
                           "stage's blocks cannot stop training mid-run; use parallel.pp=1 or a fixed finetune.freeze")
