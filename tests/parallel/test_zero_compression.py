@@ -67,3 +67,25 @@ def test_fp16_compression_of_a_tensor_parallel_models_dp_average(pool4, tiny_tex
     assert 0 < moved < 2e-3, moved
     for (a, g), (b, h) in zip(l0, l1):
         assert b == pytest.approx(a, rel=2e-3) and h == pytest.approx(g, rel=2e-3)
+
+
+def test_fp16_compression_of_the_dense_part_under_expert_parallel(pool2, tiny_text, tmp_path):
+    """dp2 x ep2: DDP's fp16 hook compresses the dense part's all-reduce (each expert lives on one rank here: nothing
+    to average): its bytes fall by 2 per dense element, and the run stays within fp16's rounding."""
+    from helpers import PLAIN_SGD, tiny_gpt_config
+
+    runs = {}
+    for name in ("none", "fp16"):
+        cfg = tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "train.steps=4",
+                              *PLAIN_SGD, f"parallel.compression={name}")
+        weights = pool2.run(rank0_params, cfg, tmp_path / name)[0]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name] = (weights, step_losses(tmp_path / name), summary["comm"]["bytes_per_step_per_rank"][0])
+    (w0, l0, sent0), (w1, l1, sent1) = runs["none"], runs["fp16"]
+    dense = sum(v.numel() for k, v in w0.items()  # the tied head is the embedding: one tensor, sent once
+                if k.rsplit(".", 1)[-1] not in ("w1", "b1", "w2", "b2") and k != "head.weight")
+    assert sent0 - sent1 == pytest.approx(dense * 2, rel=1e-3), (sent0, sent1, dense)
+    moved = max((w0[k] - w1[k]).abs().max().item() for k in w0)
+    assert 0 < moved < 2e-3, moved
+    for (a, g), (b, h) in zip(l0, l1):
+        assert b == pytest.approx(a, rel=2e-3) and h == pytest.approx(g, rel=2e-3)
