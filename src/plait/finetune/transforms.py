@@ -27,15 +27,10 @@ def active(cfg) -> bool:
 
 def check_layout(cfg, layout) -> None:
     """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor, pipeline (not progressive),
-    context and expert (not progressive) parallel and ZeRO 1-3 (not progressive at 1) (the keys' own rules are
+    context and expert parallel and ZeRO 1-3 (the keys' own rules are
     plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every rank (an eighth of
     fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
     f = cfg.finetune
-    if f.progressive_freeze and layout.zero == 1:
-        raise ConfigError(
-            "finetune.progressive_freeze changes which parameters train during the run, but parallel.zero = 1 lays "
-            "its flat gradient buffer out once: it would still be reduce-scattered and stepped; use parallel.zero=0 "
-            "(data parallel), 2 or 3 (FSDP2: a frozen block's gradients stop) or a fixed finetune.freeze")
     # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
     # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
     tp_ok = not (f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))
@@ -45,14 +40,15 @@ def check_layout(cfg, layout) -> None:
                           f"tensor, pipeline, context and expert parallel and ZeRO 1-3 (sync = 'allreduce', no "
                           f"embedding_sharding); here sync = {layout.sync!r}, embedding_sharding = "
                           f"{layout.embedding_sharding!r}: change the layout or drop the [finetune] keys")
-    if f.progressive_freeze and layout.ep > 1:
-        raise ConfigError(f"finetune.progressive_freeze with parallel.ep = {layout.ep} is not available yet: the expert "
-                          "layers' own gradient average is laid out once; use parallel.ep=1 or a fixed finetune.freeze")
     if active(cfg) and layout.tp > 1 and not tp_ok:
         what = "finetune.adapters" if f.adapters else f"finetune.quantize_base = {f.quantize_base!r}"
         raise ConfigError(f"{what} with parallel.tp = {layout.tp} is not supported (tensor parallel splits frozen "
                           "and LoRA layers, not bottleneck adapters or a quantized base); set parallel.tp=1 or use "
                           "finetune.lora_rank / finetune.freeze")
+    if f.progressive_freeze and layout.zero >= 2 and cfg.model.moe_experts:
+        raise ConfigError(f"finetune.progressive_freeze with model.moe_experts and parallel.zero = {layout.zero}: a "
+                          "frozen MoE block's load-balancing loss still reaches back into it, where FSDP2 has not "
+                          "gathered the parameters again; use parallel.zero=0 or a fixed finetune.freeze")
     if f.progressive_freeze and layout.pp > 1:
         raise ConfigError(f"finetune.progressive_freeze with parallel.pp = {layout.pp} is not available yet: a pipeline "
                           "stage's blocks cannot stop training mid-run; use parallel.pp=1 or a fixed finetune.freeze")

@@ -34,6 +34,7 @@ recomputed forward repeats its all-to-alls, every rank recomputing the same bloc
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,7 +44,8 @@ from plait.errors import ConfigError
 from plait.models import expert_counts
 from plait.models.moe import MoE, moe_layers
 from plait.parallel.base import Strategy
-from plait.parallel.fsdp import apply_fsdp
+from plait.parallel.ddp import transform as ddp_transform
+from plait.parallel.fsdp import apply_fsdp, stop_unsharded
 from plait.parallel.gradsync import allreduce_grads
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
@@ -76,11 +78,25 @@ class ExpertParallelStrategy(Strategy):
         super().__init__(*args, **kwargs)
         self.experts, self.replica_group, self.dp = experts, replica_group, dp
         self.name = f"ep{ep}+" + (f"zero{zero}" if zero else "ddp")
+        self.rewrap: Callable[[nn.Module], nn.Module] | None = None  # the plain model -> a new DDP over the dense part
 
     def no_sync(self):
         if isinstance(self.model, DDP):
             return self.model.no_sync()
         return _fsdp_no_sync(self.model)
+
+    def stop_training(self, params: list) -> None:
+        """Progressive freezing: as the base; the dense part's DDP rebuilt over what still trains (it lays its buckets
+        out once), or FSDP2's unsharded copies frozen too. Frozen experts get no gradient: their replica average
+        (after_backward) skips them."""
+        super().stop_training(params)
+        if isinstance(self.model, DDP) and self.rewrap is not None:
+            old = self.model
+            old._remove_autograd_hooks()
+            self.model = self.rewrap(self.module)
+            del old
+        elif not isinstance(self.model, DDP):
+            stop_unsharded(self.model, params)
 
     def after_backward(self) -> None:
         # The replicas' sum over dp (see the module docstring): one flat all-reduce over ep_replica.
@@ -166,9 +182,13 @@ def build(b: Build) -> Strategy:
         offload = layout.offload != "none" and b.rt.device.type != "cpu"
         model = apply_fsdp(model, b.rt.mesh["dp"], layout.zero, b.cfg.precision.dtype, offload,
                            ignored_params=set(experts))
-    return ExpertParallelStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
-                                  experts=experts, replica_group=experts[0].device_mesh["ep_replica"].get_group(),
-                                  dp=layout.dp, ep=layout.ep, zero=layout.zero)
+    strategy = ExpertParallelStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
+                                      b.local_batch, experts=experts,
+                                      replica_group=experts[0].device_mesh["ep_replica"].get_group(),
+                                      dp=layout.dp, ep=layout.ep, zero=layout.zero)
+    if isinstance(model, DDP):
+        strategy.rewrap = lambda module: ddp_transform(module, b)
+    return strategy
 
 
 SCHEME = Scheme("expert", applies=applies, check=check, check_model=check_model, transform=transform, strategy=build)

@@ -122,6 +122,17 @@ def overlap_without_streams(model: nn.Module, dp_mesh, stage: int) -> DeferredRe
     return comm
 
 
+def stop_unsharded(model: nn.Module, params: list) -> None:
+    """FSDP2's unsharded copies of these (frozen) sharded parameters stop requiring a gradient (FSDPStrategy)."""
+    ids = {id(p) for p in params}
+    for module in model.modules():
+        state = _get_module_fsdp_state(module)
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            if id(fsdp_param.sharded_param) in ids and hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.requires_grad_(False)
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded = True
@@ -149,13 +160,7 @@ class FSDPStrategy(Strategy):
         parameter's requires_grad, and reduce-scatters the gradients its copies get. Frozen, they get none: no
         gradient, no traffic, as a parameter frozen before wrapping (plait.finetune.freeze)."""
         super().stop_training(params)
-        ids = {id(p) for p in params}
-        for module in self.model.modules():
-            state = _get_module_fsdp_state(module)
-            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
-            for fsdp_param in getattr(group, "fsdp_params", []):
-                if id(fsdp_param.sharded_param) in ids and hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.requires_grad_(False)
+        stop_unsharded(self.model, params)
 
     @contextlib.contextmanager
     def no_sync(self):

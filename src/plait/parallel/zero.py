@@ -81,6 +81,16 @@ class ZeroOneStrategy(Strategy):
         # one float32 norm over a whole segment loses precision as the segment grows.
         return clip_grads([], max_norm, partial=[p.grad for p in self.owned if p.grad is not None], group=self.group)
 
+    def stop_training(self, params: list) -> None:
+        """Progressive freezing: out of the owner's optimizer, their state dropped. Their gradients stay views of the
+        flat buffer (frozen, autograd adds nothing to them: zeros are reduce-scattered and all-gathered unchanged, the
+        traffic is the same; the flat buffers are laid out once)."""
+        ids = {id(p) for p in params}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in ids]
+        for p in params:
+            self.optimizer.state.pop(p, None)
+
     def state_dict(self) -> dict:
         self._init_optimizer_state()
         return super().state_dict()
