@@ -1,6 +1,7 @@
-"""parallel.compression = fp16 | bf16 under ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype. The bytes a
-rank sends per step fall by exactly what the reduce-scatter saves (n parameters x 2 bytes x (dp - 1) / dp), and the
-run stays within the dtype's rounding of the uncompressed one while differing from it (so the cast happened)."""
+"""parallel.compression = fp16 | bf16 under ZeRO 1-3: FSDP2 (ZeRO-1: its flat buffer) reduce-scatters the gradients
+in that dtype. The bytes a rank sends per step fall by exactly what the reduce-scatter saves (n parameters x 2 bytes
+x (dp - 1) / dp), and the run stays within the dtype's rounding of the uncompressed one while differing from it (so
+the cast happened)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ BASE = ["model.name=mlp", "data.name=digits", "model.width=64", "model.depth=2",
         "optim.schedule=constant"]
 
 
-@pytest.mark.parametrize("zero, dtype, rtol", [(3, "fp16", 2e-3), (2, "bf16", 2e-2)])
+@pytest.mark.parametrize("zero, dtype, rtol", [(3, "fp16", 2e-3), (2, "bf16", 2e-2), (1, "fp16", 2e-3)])
 def test_compressed_reduce_scatter_sends_half_and_keeps_the_trajectory(pool2, tmp_path, zero, dtype, rtol):
     from plait.config import load_config
 
@@ -28,6 +29,13 @@ def test_compressed_reduce_scatter_sends_half_and_keeps_the_trajectory(pool2, tm
         runs[name] = (weights, step_losses(tmp_path / name), json.loads((tmp_path / name / "summary.json").read_text()))
     (w0, l0, s0), (w1, l1, s1) = runs["none"], runs[dtype]
     n = s0["trainable_params"]
+    if zero == 1:  # ZeRO-1 reduce-scatters its flat buffer: every rank's segment padded to the largest owner's load
+        from plait.comm.placement import balanced_owners
+
+        sizes = [v.numel() for v in w0.values()]
+        owner = balanced_owners(sizes, 2)
+        n = 2 * max(sum(s for s, o in zip(sizes, owner) if o == r) for r in range(2))
+        assert n > s0["trainable_params"]
     sent0, sent1 = (s["comm"]["bytes_per_step_per_rank"][0] for s in (s0, s1))
     assert sent0 - sent1 == pytest.approx(n * 2 * (2 - 1) / 2, rel=1e-3), (sent0, sent1, n)
     moved = max((w0[k] - w1[k]).abs().max().item() for k in w0)

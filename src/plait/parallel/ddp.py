@@ -136,6 +136,8 @@ def check(layout: Layout, keys: DDPKeys) -> None:
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
     if keys.compression in HALF and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
         return  # tp x dp: the by-hand all-reduce over dp casts (DDPStrategy.after_backward)
+    if keys.compression in HALF and layout.zero == 1 and layout.data_parallel_only and layout.ep == 1:
+        return  # ZeRO-1: its flat reduce-scatter in that dtype (plait.parallel.zero)
     if keys.compression in HALF and applies(layout, keys) and layout.ep > 1 and layout.tp == 1:
         return  # ep: DDP's hook compresses the dense part (the experts' replicas average by hand, uncompressed)
     if not (layout.plain_data_parallel and layout.replicas >= 2):

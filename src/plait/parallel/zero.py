@@ -28,8 +28,10 @@ import torch.nn as nn
 from plait.comm.placement import balanced_owners
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
+from plait.parallel.ddp import HALF
 from plait.parallel.fsdp import check_zero
 from plait.parallel.gradsync import clip_grads
+from plait.parallel.keys import DDPKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 
@@ -59,6 +61,7 @@ class ZeroOneStrategy(Strategy):
                 p.data = view
                 p.grad = self.flat_grads[fill[o]:fill[o] + n].view_as(p)
                 fill[o] += n
+        self.compress: torch.dtype | None = None  # parallel.compression = fp16 | bf16: the reduce-scatter's dtype
         self.owned = [p for p, o in zip(params, owner) if o == self.rank]
         self.owned_numel = loads[self.rank]
         optimizer = make_optimizer(module, only=set(map(id, self.owned)))
@@ -67,6 +70,12 @@ class ZeroOneStrategy(Strategy):
     def forward_backward(self, micro_batches) -> torch.Tensor:
         loss = super().forward_backward(micro_batches)
         lo = self.rank * self.segment
+        if self.compress is not None:  # fp16/bf16 compression: cast, divide, reduce-scatter in that dtype, cast back
+            half = self.flat_grads.to(self.compress).div_(self.ranks)
+            mine = torch.empty(self.segment, dtype=self.compress, device=half.device)
+            dist.reduce_scatter_single(mine, half, group=self.group)
+            self.flat_grads[lo:lo + self.segment].copy_(mine)
+            return loss
         # In place: the output is this rank's own segment of the input buffer.
         dist.reduce_scatter_single(self.flat_grads[lo:lo + self.segment], self.flat_grads, group=self.group)
         self.flat_grads[lo:lo + self.segment].div_(self.ranks)
@@ -132,6 +141,7 @@ def check(layout: Layout, keys) -> None:
 
 def build(b: Build) -> Strategy:
     strategy = ZeroOneStrategy(b.module, b.make_optimizer, b.loss_fn, b.precision, b.local_batch, b.rt.axis_group("dp"))
+    strategy.compress = HALF.get(b.keys(DDPKeys).compression)
     strategy.model = b.parallelize(b.module)  # activation checkpointing / compile, after the flat buffers exist
     return strategy
 
