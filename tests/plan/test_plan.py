@@ -136,9 +136,14 @@ def test_moe_parameters_memory_and_all_to_all_follow_the_arithmetic():
     one = (2 - 1) * hw.latency_s + (2 - 1) / 2 * rows / hw.intra_bw
     assert t["ep_comm_s"] == pytest.approx(4 * layers * 1 * one)
     assert predict_time(shape, Layout(dp=4, zero=3, micro_batch=8), 32, hw)["ep_comm_s"] == 0.0
-    # the planner offers expert parallel where the experts and dp allow it, as valid configs (MoE runs with tp = pp = 1)
+    # the planner offers expert parallel where the experts and dp allow it, as valid configs; tp and pp keep the
+    # experts whole (ep = 1 with them), and cp does not combine with ep
     assert {(lay.dp, lay.tp, lay.pp, lay.ep, lay.cp) for lay in layouts(shape, 4, 32)} == {
-        (4, 1, 1, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 4, 1), (2, 1, 1, 1, 2), (1, 1, 1, 1, 4)}  # cp: not with ep
+        (4, 1, 1, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 4, 1), (2, 1, 1, 1, 2), (1, 1, 1, 1, 4), (2, 2, 1, 1, 1),
+        (2, 1, 2, 1, 1), (1, 2, 2, 1, 1), (1, 1, 4, 1, 1), (1, 2, 1, 1, 2)}
+    # under tp an expert is whole on every tp rank, and the planner counts it so: the experts alone outweigh half
+    # the model a tp rank would hold if they were split too
+    assert shape.device_params(Layout(dp=2, tp=2, micro_batch=16))[0] > shape.expert_params > shape.params // 2
     load_config(None, [s.strip() for s in Layout(dp=4, ep=2, micro_batch=8).sets().split("--set ")[1:]] + [
         "model.moe_experts=8", "model.moe_every=2"])
 
