@@ -163,6 +163,13 @@ def step_losses(run: Path) -> list[tuple[float, float]]:
             if "loss" in m]
 
 
+# tensor-parallel layouts of the tiny GPT: name -> (processes, overrides)
+TP_LAYOUTS = {
+    "tp2": (2, ("parallel.dp=1", "parallel.tp=2")),
+    "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2")),
+    "pp2xtp2": (4, ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")),
+}
+
 # plain SGD for layout-equivalence tests: no momentum, decay, clipping, warm-up or schedule hiding a gradient's scale
 PLAIN_SGD = ["checkpoint.every=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0",
              "optim.warmup_steps=0", "optim.lr=0.5", "optim.schedule=constant"]

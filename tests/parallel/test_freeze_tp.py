@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import PLAIN_SGD, assert_follows, one_process_runs, rank0_params, tiny_gpt_config
+from helpers import PLAIN_SGD, TP_LAYOUTS, assert_follows, one_process_runs, rank0_params, tiny_gpt_config
 
 SGD = ["train.steps=4", *PLAIN_SGD, "finetune.freeze=['blocks.0.*', 'tok_emb*']", "model.vocab_multiple=64"]
-LAYOUTS = {
-    "tp2": (2, ("parallel.dp=1", "parallel.tp=2")),
-    "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2")),
-    "pp2xtp2": (4, ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")),
-}
+LAYOUTS = TP_LAYOUTS
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PLAIN_SGD, assert_follows, one_process_runs, tiny_gpt_config
+from helpers import PLAIN_SGD, TP_LAYOUTS, assert_follows, one_process_runs, tiny_gpt_config
 from plait.finetune.lora import tp_styles
 
 SGD = ["train.steps=4", *PLAIN_SGD, "finetune.lora_rank=4", "model.vocab_multiple=64",
        "finetune.lora_targets=['*attn.q', '*attn.proj', '*mlp.up', '*mlp.down']"]
-LAYOUTS = {
-    "tp2": (2, ("parallel.dp=1", "parallel.tp=2")),
-    "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2")),
-    "pp2xtp2": (4, ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2")),
-}
+LAYOUTS = TP_LAYOUTS
 
 
 @pytest.fixture(scope="module")

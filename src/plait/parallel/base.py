@@ -246,12 +246,17 @@ class Strategy:
     def stop_training(self, params: list) -> None:
         """These parameters train no more (progressive freezing): out of the optimizer, their state and gradients
         dropped. Layouts that lay gradient synchronisation out once from what trains rebuild it (DDP)."""
+        self.drop_from_optimizer(params)
+        for p in params:
+            p.grad = None
+
+    def drop_from_optimizer(self, params: list) -> None:
+        """These parameters out of the optimizer's groups, their state dropped."""
         ids = {id(p) for p in params}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in ids]
         for p in params:
             self.optimizer.state.pop(p, None)
-            p.grad = None
 
     def step_metrics(self, record: dict) -> dict:
         """Scheme-specific figures for a metrics.jsonl record (compression ratio, staleness, ...)."""

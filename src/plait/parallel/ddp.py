@@ -56,6 +56,14 @@ def apply_ddp(model: nn.Module, dp_mesh, device, compression: Compression | None
     return ddp
 
 
+def rebuilt(model: nn.Module, module: nn.Module, rewrap: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
+    """A DDP wrapper made again over what trains now (DDP lays its buckets out once); anything else as it was."""
+    if not isinstance(model, DDP) or rewrap is None:
+        return model
+    model._remove_autograd_hooks()
+    return rewrap(module)
+
+
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}  # compressions a tensor-parallel model's by-hand average does
 
 
@@ -85,11 +93,7 @@ class DDPStrategy(Strategy):
         parameters that require a gradient, so the rebuilt one sends only what trains). A collective: every rank
         freezes at the same step. A compression hook's state starts afresh."""
         super().stop_training(params)
-        if isinstance(self.model, DDP) and self.rewrap is not None:
-            old = self.model
-            old._remove_autograd_hooks()
-            self.model = self.rewrap(self.module)
-            del old
+        self.model = rebuilt(self.model, self.module, self.rewrap)
 
     def step_metrics(self, record: dict) -> dict:
         """With compression: the uncompressed all-reduce bytes per step and their ratio to the bytes sent."""

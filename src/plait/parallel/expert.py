@@ -44,6 +44,7 @@ from plait.errors import ConfigError
 from plait.models import expert_counts
 from plait.models.moe import MoE, moe_layers
 from plait.parallel.base import Strategy
+from plait.parallel.ddp import rebuilt
 from plait.parallel.ddp import transform as ddp_transform
 from plait.parallel.fsdp import apply_fsdp, stop_unsharded
 from plait.parallel.gradsync import allreduce_grads
@@ -90,12 +91,9 @@ class ExpertParallelStrategy(Strategy):
         out once), or FSDP2's unsharded copies frozen too. Frozen experts get no gradient: their replica average
         (after_backward) skips them."""
         super().stop_training(params)
-        if isinstance(self.model, DDP) and self.rewrap is not None:
-            old = self.model
-            old._remove_autograd_hooks()
-            self.model = self.rewrap(self.module)
-            del old
-        elif not isinstance(self.model, DDP):
+        if isinstance(self.model, DDP):
+            self.model = rebuilt(self.model, self.module, self.rewrap)
+        else:
             stop_unsharded(self.model, params)
 
     def after_backward(self) -> None:

@@ -94,11 +94,7 @@ class ZeroOneStrategy(Strategy):
         """Progressive freezing: out of the owner's optimizer, their state dropped. Their gradients stay views of the
         flat buffer (frozen, autograd adds nothing to them: zeros are reduce-scattered and all-gathered unchanged, the
         traffic is the same; the flat buffers are laid out once)."""
-        ids = {id(p) for p in params}
-        for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in ids]
-        for p in params:
-            self.optimizer.state.pop(p, None)
+        self.drop_from_optimizer(params)
 
     def state_dict(self) -> dict:
         self._init_optimizer_state()

@@ -86,6 +86,16 @@ def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
     return tok.decode(out[0].tolist())
 
 
+def whole_model_on_main(strategy, bundle: DataBundle, cfg, rt):
+    """The trained weights in a plain model on rank 0 (None elsewhere); gathering them is a collective."""
+    weights = strategy.full_model_state_dict()
+    if not rt.is_main:
+        return None
+    module = build_model(cfg.model, bundle.spec)
+    module.load_state_dict(weights)
+    return module
+
+
 def linear_probe(strategy, bundle: DataBundle, cfg, rt, samples: int = 2000) -> float | None:
     """Contrastive runs: accuracy of a logistic regression on the frozen encoder's features (train split -> val split).
 
@@ -94,13 +104,11 @@ def linear_probe(strategy, bundle: DataBundle, cfg, rt, samples: int = 2000) -> 
     """
     if bundle.spec.task != "contrastive":
         return None
-    weights = strategy.full_model_state_dict()
-    if not rt.is_main:
+    module = whole_model_on_main(strategy, bundle, cfg, rt)
+    if module is None:
         return None
     from sklearn.linear_model import LogisticRegression  # lazily: only rank 0 at the end needs scikit-learn
 
-    module = build_model(cfg.model, bundle.spec)
-    module.load_state_dict(weights)
     module.eval()
 
     def features(views) -> tuple:
@@ -135,13 +143,11 @@ def multimodal_figures(strategy, bundle: DataBundle, cfg, rt) -> dict | None:
     weights: a collective, every rank calls this), with the connector and what trained."""
     if cfg.model.name != "vlm" or cfg.model.factory:
         return None
-    weights = strategy.full_model_state_dict()
-    if not rt.is_main:
+    module = whole_model_on_main(strategy, bundle, cfg, rt)
+    if module is None:
         return None
     from plait.models.vlm import zero_shot_accuracy  # lazily: only a vision-language run
 
-    module = build_model(cfg.model, bundle.spec)
-    module.load_state_dict(weights)
     trainable = sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
     return {"connector": cfg.model.connector, "frozen": list(cfg.finetune.freeze), "trainable_params": trainable,
             "zero_shot_accuracy": zero_shot_accuracy(module, bundle.val, cfg.train.eval_samples)}
