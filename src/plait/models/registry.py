@@ -151,7 +151,8 @@ def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
 
 # What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).
 CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
-                                           "llama": frozenset({"pipeline", "tensor_parallel"})}
+                                           "llama": frozenset({"pipeline", "tensor_parallel"}),
+                                           "deepfm": frozenset({"pipeline", "tensor_parallel"})}
 # The data each registered model trains on.
 DATA_FOR = {"gpt": ("stdlib-text", "text", "chat"), "llama": ("stdlib-text", "text", "chat"), "deepfm": ("clicks",),
             "vlm": ("digit-captions",)}

@@ -150,6 +150,17 @@ class StepStrategy(Protocol):
     def full_model_state_dict(self) -> dict: ...
 
 
+def correct_predictions(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """How many of a validation batch's predictions are right (float64 scalar; 0 where outputs have no classes)."""
+    if logits.dim() == 2 and not y.is_floating_point():  # float targets of 2-D outputs: regression, no classes
+        return (logits.argmax(-1) == y).sum().double()
+    if logits.dim() == 3 and y.dim() == 2 and not y.is_floating_point():  # labels per row (few-shot queries)
+        return (logits.argmax(-1) == y).double().mean(-1).sum()  # each sample's share of rows right
+    if logits.dim() == 1:  # one logit per sample: a binary label
+        return ((logits > 0).long() == y.long()).sum().double()
+    return torch.zeros((), dtype=torch.float64, device=logits.device)
+
+
 class Strategy:
     """Single-process training; the base that the schemes refine (the members of StepStrategy, with defaults)."""
 
@@ -216,15 +227,7 @@ class Strategy:
         if metrics:
             self.last_metrics = torch.stack([torch.as_tensor(fn(logits, y), dtype=torch.float64, device=logits.device)
                                              .reshape(()) for fn in metrics.values()])
-        if logits.dim() == 2 and not y.is_floating_point():  # float targets of 2-D outputs: regression, no classes
-            correct = (logits.argmax(-1) == y).sum().double()
-        elif logits.dim() == 3 and y.dim() == 2 and not y.is_floating_point():  # labels per row (few-shot queries)
-            correct = (logits.argmax(-1) == y).double().mean(-1).sum()  # each sample's share of rows right
-        elif logits.dim() == 1:  # one logit per sample: a binary label
-            correct = ((logits > 0).long() == y.long()).sum().double()
-        else:
-            correct = torch.zeros((), dtype=torch.float64, device=logits.device)
-        return loss, correct
+        return loss, correct_predictions(logits, y)
 
     def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
         """Clip the global gradient norm to max_norm (> 0); returns the norm when clipping or asked for it."""

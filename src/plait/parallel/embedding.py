@@ -106,8 +106,24 @@ class ShardedEmbeddings(nn.Module):
 
 
 def apply_embedding_sharding(model: nn.Module, mode: str, dp_mesh) -> nn.Module:
-    model.embed = ShardedEmbeddings(cast(nn.Module, model.embed), mode, dp_mesh)
+    if model.embed is not None:  # a pipeline stage after the first holds no tables
+        model.embed = ShardedEmbeddings(cast(nn.Module, model.embed), mode, dp_mesh)
     return model
+
+
+def dp_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the sharded tables in `model` (a pipeline stage's): each dp rank holds its own share."""
+    return [p for m in model.modules() if isinstance(m, ShardedEmbeddings) for p in m.parameters()]
+
+
+def gather_over_dp(sd: dict, group, n: int) -> dict:
+    """A full state dict from every dp rank's (whole tables live on their owner only)."""
+    parts: list = [None] * n
+    dist.all_gather_object(parts, sd, group=group)
+    out: dict = {}
+    for p in parts:
+        out.update(p)
+    return out
 
 
 class EmbeddingShardStrategy(Strategy):
@@ -135,12 +151,7 @@ class EmbeddingShardStrategy(Strategy):
 
     def full_model_state_dict(self) -> dict:
         sd = super().full_model_state_dict()  # row shards become whole tables; whole tables stay on their owner
-        parts: list = [None] * self.n
-        dist.all_gather_object(parts, sd, group=self.group)
-        out: dict = {}
-        for p in parts:
-            out.update(p)
-        return out
+        return gather_over_dp(sd, self.group, self.n)
 
 
 class _Local:
@@ -154,9 +165,9 @@ class _Local:
 def check(layout: Layout, keys: EmbeddingKeys) -> None:
     if keys.embedding_sharding == "none":
         return
-    if layout.dp == 1 or layout.splits_model or layout.zero:
+    if layout.dp == 1 or layout.zero:
         raise ConfigError(f"parallel.embedding_sharding = {keys.embedding_sharding!r} shards over the dp ranks: it needs "
-                          "parallel.dp >= 2 with tp = pp = 1 and zero = 0")
+                          "parallel.dp >= 2 with zero = 0")
 
 
 def check_model(layout: Layout, keys: EmbeddingKeys, model_cfg, model) -> None:

@@ -105,7 +105,12 @@ def clip_grads(whole: list[torch.Tensor], max_norm: float, *, partial: Sequence[
             dist.all_reduce(shard_sq, group=group)
         sq = sq + shard_sq
     norm = sq.sqrt().float()
-    if max_norm > 0 and every:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([_local(g) for g in every], coef.to(device))
+    clip_to(every, norm, max_norm)
     return norm
+
+
+def clip_to(grads: Sequence[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients by max_norm / norm where their (already global) norm is above max_norm > 0."""
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([_local(g) for g in grads], coef.to(_local(grads[0]).device))

@@ -24,13 +24,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from plait.comm.p2p import recv_tensor, send_tensor
+from plait.comm.p2p import recv_message, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
 from plait.models.moe import moe_layers
 from plait.models.protocols import is_transformers_model, pipeline_blocks, pipeline_parts, tied_parameters
-from plait.parallel.base import Strategy
-from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm
+from plait.parallel.base import Strategy, correct_predictions
+from plait.parallel.embedding import dp_sharded_parameters, gather_over_dp
+from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm, clip_to, norm_sq
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
 from plait.parallel.saved import saved_tensors
@@ -58,9 +59,12 @@ def union_module(parts: list[nn.Module], blocks_attr: str) -> nn.Module:
         return _nested_union(parts)
     blocks = nn.ModuleDict()
     for part in parts:
+        for name, param in part._parameters.items():  # a parameter of the model's own that a stage keeps
+            if param is not None:
+                union.register_parameter(name, param)
         for name, child in part.named_children():
             if name == blocks_attr:
-                for k, b in child.items():
+                for k, b in child.named_children():
                     blocks[k] = b
             elif child is not None:
                 union.add_module(name, child)
@@ -93,7 +97,7 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, rt, make_optimizer, loss_fn,
                  precision, local_batch: int, microbatches: int, schedule: str, blocks_attr: str,
-                 tied: dict[str, str], dp_sync: bool):
+                 tied: dict[str, str], dp_sync: bool, embedding_sharding: bool = False):
         self.rt = rt
         self.pp_group = rt.axis_group("pp")
         self.pp = rt.axis_size("pp")
@@ -108,6 +112,9 @@ class PipelineStrategy(Strategy):
         self.dp_sync = dp_sync
         self.first, self.last = 0 in stage_ids, (num_stages - 1) in stage_ids
         self._setup_tied(tied)
+        # embedding tables sharded over dp (parallel.embedding_sharding, DeepFM's first stage): not all-reduced
+        self._embedding_sharding = rt.axis_size("dp") > 1 and embedding_sharding
+        self._dp_sharded = frozenset(id(p) for part in parts for p in dp_sharded_parameters(part))
         self.events: list[tuple] = []
         self.step_events: list[list[tuple]] = []  # per step: this rank's slots (stage, "F"/"B", mb, start, end)
         self.peak_inflight: list[int] = []  # per step: the most micro-batches whose activations this rank held
@@ -160,8 +167,9 @@ class PipelineStrategy(Strategy):
         self._record_step(t0, span)
         align_grads(self.module.parameters())
         self._sync_tied()
-        if self.dp_sync:
-            allreduce_grads(self.module.parameters(), self.rt.axis_group("dp"), self.rt.axis_size("dp"))
+        if self.dp_sync:  # a sharded table's gradient is whole on its owner already (plait.parallel.embedding)
+            allreduce_grads([p for p in self.module.parameters() if id(p) not in self._dp_sharded],
+                            self.rt.axis_group("dp"), self.rt.axis_size("dp"))
         loss = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
         loss = loss.to(self.rt.device)
         injected = [t for m in self.moe for t in [m.take_injected()] if t is not None]
@@ -176,9 +184,21 @@ class PipelineStrategy(Strategy):
         if max_norm <= 0 and not need_norm:
             return None
         params = list(self.module.parameters())
-        counted = [p for p in params if id(p) not in self._alias_ids]
+        counted = [p for p in params if id(p) not in self._alias_ids and id(p) not in self._dp_sharded]
         copies = [p for p in params if id(p) in self._alias_ids]
-        return clip_grad_norm([], max_norm, partial=counted, group=self.pp_group, clip_also=copies)
+        if not self._embedding_sharding:
+            return clip_grad_norm([], max_norm, partial=counted, group=self.pp_group, clip_also=copies)
+        # sharded tables: their rows' squares summed over dp first, then every stage's over the pipeline
+        sharded = [g.to_local() if hasattr(g, "to_local") else g
+                   for p in params if id(p) in self._dp_sharded and (g := p.grad) is not None]
+        device = self.rt.device
+        tables = norm_sq(sharded, device)
+        dist.all_reduce(tables, group=self.rt.axis_group("dp"))
+        sq = norm_sq([p.grad for p in counted if p.grad is not None], device) + tables
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt().float()
+        clip_to([p.grad for p in params if p.grad is not None], norm, max_norm)
+        return norm
 
     @property
     def tied_copies(self) -> frozenset[int]:
@@ -245,6 +265,8 @@ class PipelineStrategy(Strategy):
     def full_model_state_dict(self) -> dict:
         sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
+        if self._embedding_sharding:  # whole tables live on their owner only
+            sd = gather_over_dp(sd, self.rt.axis_group("dp"), self.rt.axis_size("dp"))
         parts: list = [None] * self.pp
         dist.all_gather_object(parts, sd, group=self.pp_group)
         out: dict = {}
@@ -256,23 +278,24 @@ class PipelineStrategy(Strategy):
     @torch.no_grad()
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor):
         me = dist.get_rank(self.pp_group)
-        h = x
+        h: torch.Tensor | tuple = x
         for s in range(self.num_stages):
             owner = s % self.pp
             if owner != me:
                 continue
             prev = (s - 1) % self.pp
             if s > 0 and prev != me:
-                h = recv_tensor(dist.get_global_rank(self.pp_group, prev), h.device, dtype=torch.float32)
+                h = recv_activations(dist.get_global_rank(self.pp_group, prev), x.device)
             with self.precision.autocast():
-                h = self.parts[self.stage_ids.index(s)](h)
+                h = self.parts[self.stage_ids.index(s)](*(h if isinstance(h, tuple) else (h,)))
             nxt = (s + 1) % self.pp
             if s < self.num_stages - 1 and nxt != me:
-                send_tensor(h, dist.get_global_rank(self.pp_group, nxt))
+                send_activations(h, dist.get_global_rank(self.pp_group, nxt))
         out = torch.zeros(2, dtype=torch.float64, device=x.device)
         if self.last:
+            assert isinstance(h, torch.Tensor), "the last stage returns the model's output"
             out[0] = self.loss_fn(h, y).double()
-            out[1] = (h.argmax(-1) == y).sum().double() if h.dim() == 2 else 0.0
+            out[1] = correct_predictions(h, y)
         dist.all_reduce(out, group=self.pp_group)
         return out[0], out[1]
 
@@ -332,6 +355,21 @@ class PipelineStrategy(Strategy):
             "peak_inflight": max(self.peak_inflight[1:] or self.peak_inflight, default=0),
             "timeline": self.last_timeline,
         }
+
+
+def send_activations(h: torch.Tensor | tuple, dst: int) -> None:
+    """A stage's output, one tensor or several (DeepFM's activations and FM logit), to the next stage's rank."""
+    hs = h if isinstance(h, tuple) else (h,)
+    for t in hs:
+        send_tensor(t, dst, tags=(len(hs),))
+
+
+def recv_activations(src: int, device) -> torch.Tensor | tuple:
+    """What send_activations sent, floating tensors in float32."""
+    tags, t = recv_message(src, device)
+    hs = [t] + [recv_message(src, device)[1] for _ in range(tags[0] - 1)]
+    out = [a.float() if a.is_floating_point() else a for a in hs if a is not None]
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def step_bubble(events: list[list[tuple]]) -> tuple[float, float]:
@@ -509,7 +547,8 @@ def build(b: Build, cls: type | None = None) -> PipelineStrategy:
     strategy = (cls or PipelineStrategy)(parts, mine, b.layout.stages, rt, b.make_optimizer, b.loss_fn, b.precision,
                                          b.local_batch, b.layout.pipeline_microbatches, b.layout.schedule,
                                          pipeline_parts(module)["blocks"], tied,
-                                         dp_sync=rt.axis_size("dp") > 1 and not b.layout.shards_gradients)
+                                         dp_sync=rt.axis_size("dp") > 1 and not b.layout.shards_gradients,
+                                         embedding_sharding=b.layout.embedding_sharding != "none")
     strategy.bounds = bounds
     strategy.distiller = getattr(b.module, "plait_distiller", None)
     if strategy.distiller is not None:  # a stage's forward is not the student's: the last stage hands its pieces

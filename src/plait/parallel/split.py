@@ -92,8 +92,8 @@ def stage_bounds(model: nn.Module, stages: int, split: list[int] | None = None) 
         return total
 
     sizes = [size([b]) for b in blocks.values()]
-    sizes[0] += size(model.get_submodule(n) for n in parts["first"])
-    sizes[-1] += size(model.get_submodule(n) for n in parts["last"])
+    sizes[0] += size(_part(model, n) for n in parts["first"])
+    sizes[-1] += size(_part(model, n) for n in parts["last"])
     return balanced_bounds(sizes, stages)
 
 
@@ -119,6 +119,17 @@ def pipeline_stage(model: nn.Module, bounds: list[tuple[int, int]], stage: int) 
     if embeds:
         as_hf_stage(part)
     return part
+
+
+def _part(model: nn.Module, name: str) -> nn.Module | None:
+    """A first/last part by name: a module, or a parameter of the model's own (DeepFM's bias) held in a module."""
+    path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(path) if path else model
+    if leaf in owner._parameters:
+        holder = nn.Module()
+        holder.register_parameter("p", owner._parameters[leaf])
+        return holder
+    return getattr(owner, leaf)
 
 
 def _replace(model: nn.Module, name: str, value: nn.Module | None) -> None:
