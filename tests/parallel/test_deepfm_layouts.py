@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import PLAIN_SGD, params_after, step_losses
+from helpers import PLAIN_SGD, forked_ranks, params_after, step_losses
 from plait.config import load_config
 
 STEPS = 4
@@ -93,8 +93,57 @@ def test_four_rank_layouts(pool4, one, tmp_path, name):
 @pytest.mark.slow
 def test_dp2_pp2_tp2_with_row_sharded_tables_on_8_processes(one, tmp_path):
     """Exercise 6, all at once: tables row-sharded over dp on the first stage, the MLP and FM split over tp."""
-    from plait.testing import run_distributed
-
     cfg = load_config(None, [*DEEPFM, "parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
                              "parallel.embedding_sharding='row'"])
-    check(one, run_distributed(run, 8, cfg, tmp_path, timeout_s=240)[0])
+    check(one, fresh(8, cfg, tmp_path)[0])
+
+
+def fresh(world: int, cfg, run_dir) -> list:
+    """run() on ranks of their own, forked from a server that imported the trainer once (torch's RPC starts once in
+    a process: an RPC pipeline cannot run in the pool's ranks after another)."""
+    from plait.testing import run_distributed
+
+    with forked_ranks("plait.train.trainer", "helpers", "test_deepfm_layouts"):
+        return run_distributed(run, world, cfg, run_dir, timeout_s=240)
+
+
+def test_rpc_pipeline_exercise_4(one, tmp_path):
+    """Exercise 4: the stages as RemoteModules, activations and gradients by RPC, backward through distributed
+    autograd; the same trajectory, each stage's parameters on its own rank."""
+    cfg = load_config(None, [*DEEPFM, "parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='gpipe'",
+                             "parallel.pp_transport='rpc'"])
+    got, held1 = fresh(2, cfg, tmp_path)
+    check(one, got)
+    assert got[2]["pipeline"]["transport"] == "rpc" and got[2]["pipeline"]["stage_blocks"] == [[0, 1], [1, 7]]
+    assert sorted(held1) == ["mlp.3.bias", "mlp.3.weight", "mlp.6.bias", "mlp.6.weight"]
+
+
+def test_a_dead_rpc_stage_is_an_error_naming_it(tmp_path, monkeypatch):
+    """Stage 1's process is killed as step 2 begins: the driver's RPC fails at once and its error names the stage,
+    instead of waiting for it."""
+    from plait.testing import DistributedError
+
+    cfg = load_config(None, [*DEEPFM, "parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='gpipe'",
+                             "parallel.pp_transport='rpc'", "train.steps=50"])
+    monkeypatch.setenv("PLAIT_FAULTS", "kill:rank=1:step=2")
+    with pytest.raises(DistributedError) as err:
+        fresh(2, cfg, tmp_path)
+    assert "StageLost: pipeline stage 1 (pipeline rank 1, global rank 1) stopped answering" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule='gpipe'"],
+     "parallel.pp_transport = 'rpc' runs one plain stage per process (pp only, fp32 or bf16); it does not combine "
+     "with parallel.dp = 2: drop them or set pp_transport = 'collective'"),
+    (["parallel.dp=1", "parallel.pp=2"],
+     "parallel.pp_transport = 'rpc' runs GPipe's schedule (every micro-batch forward, then one backward through "
+     "distributed autograd); set parallel.pp_schedule='gpipe' (it is '1f1b')"),
+    (["parallel.dp=1"], "parallel.pp_transport = 'rpc' runs pipeline stages over RPC: set parallel.pp >= 2"),
+])
+def test_bad_rpc_pipeline_configs(overrides, message):
+    from plait.errors import ConfigError
+    from plait.train.job import load_job
+
+    with pytest.raises(ConfigError) as err:
+        load_job(None, [*DEEPFM, "parallel.pp_transport='rpc'", *overrides])
+    assert str(err.value) == message

@@ -240,6 +240,16 @@ def test_3d_dp2_pp2_tp2_on_8_processes(reference, base, tmp_path):
     assert_same_trajectory(reference("gpt"), got)
 
 
+def test_rpc_pipeline(reference, base, tmp_path):
+    """The stages' activations and gradients by RPC (RemoteModule, distributed autograd); the tied embedding's two
+    copies summed as in the collective pipeline. Fresh ranks: torch's RPC starts once in a process."""
+    cfg = load_config(None, [*base["gpt"], *SGD, "parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='gpipe'",
+                             "parallel.pp_transport='rpc'"])
+    with forked_ranks("plait.train.trainer", "helpers", "test_equivalence"):
+        got = run_distributed(trajectory, 2, cfg, tmp_path, timeout_s=120)[0]
+    assert_same_trajectory(reference("gpt"), got)
+
+
 def test_parameter_server_sync(reference, base, tmp_path):
     """dp = 2 workers and one server in sync mode. A PS job joins no process group (its ranks talk by RPC), so it cannot
     run in a RankPool: each rank is started as `python -m plait.worker RUN`, as tests/ps/test_ps.py does."""

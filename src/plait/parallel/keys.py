@@ -45,6 +45,9 @@ class PipelineKeys:
     microbatches: int = opt(0, "pipeline micro-batches per step (0: global_batch_size / (micro_batch_size * dp))",
                             minimum=0, why="0: derived", fix="0")
     virtual_stages: int = opt(1, "interleaved-1f1b: model chunks per pipeline rank", minimum=1, fix="1")
+    pp_transport: str = opt("collective", "how stages exchange activations and gradients: collective "
+                            "(torch.distributed.pipelining's schedules over send/recv) or rpc (each stage a RemoteModule, "
+                            "backward through distributed autograd; pp only, gpipe)", ("collective", "rpc"))
     pp_split: list | str = opt([], "block indices where pipeline stages begin, e.g. [2] (empty: balance by parameters; "
                                    "\"auto\": by each block's time measured on each pipeline rank, HetPipe-style)")
 

@@ -29,6 +29,7 @@ from plait.parallel import (
     pipedream,
     pipeline,
     ps,
+    rpc_pipeline,
     single,
     tp,
     zero,
@@ -39,6 +40,7 @@ from plait.parallel.scheme import Build, Scheme
 
 SCHEMES: list[Scheme] = [
     pipedream.SCHEME,
+    rpc_pipeline.SCHEME,
     pipeline.SCHEME,
     ps.SCHEME,
     gossip_async.SCHEME,
