@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.nn import RemoteModule
 from torch.distributed.rendezvous import register_rendezvous_handler
 
+from plait.comm import accounting
 from plait.errors import ConfigError
 from plait.parallel import pipeline
 from plait.parallel.keys import PipelineKeys
@@ -65,7 +66,14 @@ def run_stage(module_rref, prev, dtype: torch.dtype):
     module = module_rref.local_value()
     device = next(module.parameters()).device
     with _LOCK, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        return module(*(h if isinstance(h, tuple) else (h,)))
+        out = module(*(h if isinstance(h, tuple) else (h,)))
+    # what this stage sends: its output on (forward), its input's gradient back (backward, the same size)
+    accounting.record("rpc_pipeline", nbytes(out) + nbytes(h))
+    return out
+
+
+def nbytes(h) -> int:
+    return sum(t.numel() * t.element_size() for t in (h if isinstance(h, tuple) else (h,)))
 
 
 def alive() -> bool:
@@ -155,12 +163,13 @@ class RPCPipelineStrategy(PipelineStrategy):
         handed to each stage's parameters."""
         dtype = self.precision.dtype
         with dist_autograd.context() as ctx:
-            futures, targets = [], []
+            futures, targets, sent = [], [], 0
             for mb, (x, y) in enumerate(micro_batches):
                 t = time.time()
                 with self.precision.autocast():
                     h = self.part(x)
                 self.events.append((0, "F", mb, t, time.time()))
+                sent += nbytes(h)
                 prev = h
                 for rm in self.remote[:-1]:
                     prev = rpc.remote(rm.module_rref.owner(), run_stage, args=(rm.module_rref, prev, dtype))
@@ -168,6 +177,8 @@ class RPCPipelineStrategy(PipelineStrategy):
                 futures.append(rpc.rpc_async(last.owner(), run_stage, args=(last, prev, dtype)))
                 targets.append(y)
             outputs = torch.futures.wait_all(futures)
+            # what the driver sends: stage 0's outputs on, the loss's gradient of each output back to the last stage
+            accounting.record("rpc_pipeline", sum(nbytes(o) for o in outputs) + sent)
             losses = [self.loss_fn(out, y) for out, y in zip(outputs, targets)]
             loss = torch.stack(losses).mean()
             dist_autograd.backward(ctx, [loss])
