@@ -31,6 +31,7 @@ class Runtime:
     degrees: dict = field(default_factory=dict)  # each axis's size in the layout
     expert_mesh: object | None = None  # DeviceMesh ("ep_replica", "ep") of expert parallelism (ep > 1), from the layout
     context_mesh: object | None = None  # DeviceMesh ("cp",) of context parallelism (cp > 1), from the layout
+    ensemble_mesh: object | None = None  # DeviceMesh ("member", "batch") of a spread ensemble (plait.parallel.ensemble)
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -49,6 +50,11 @@ class Runtime:
         if axis not in self._groups:  # slicing a DeviceMesh builds a sub-mesh: hundreds of microseconds, once
             self._groups[axis] = self.mesh[axis].get_group()
         return self._groups[axis]
+
+    def replica_mesh(self):
+        """The dp ranks that hold the same weights and average their gradients: the dp axis, or a spread ensemble
+        member's own ranks."""
+        return self.ensemble_mesh["batch"] if self.ensemble_mesh is not None else self.mesh["dp"]
 
     def axis_rank(self, axis: str) -> int:
         """This rank's coordinate on `axis` in the layout."""

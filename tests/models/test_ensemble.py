@@ -42,9 +42,40 @@ def members(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.dp=2", "parallel.zero=3"]], ids=["dp2", "zero3"])
-def test_each_member_follows_its_own_run(pool2, tmp_path, members, layout):
-    got = pool2.run(rank0_params, _job(*layout, "model.ensemble=2", "train.micro_batch_size=4"), tmp_path / "ens")[0]
+def spread_run(cfg, run_dir):
+    """Pool task: rank 0's full parameters and val loss, and the member parameters every rank holds itself."""
+    import torch.distributed as dist
+
+    from plait.train.trainer import train
+
+    r = train(cfg, run_dir)
+    full = r.strategy.full_model_state_dict()
+    held = sorted({n.split(".")[1] for n, _ in r.strategy.module.named_parameters()})
+    return (full, r.summary["val_loss"], held) if dist.get_rank() == 0 else held
+
+
+@pytest.fixture(scope="module")
+def replicated_val_loss(tmp_path_factory):
+    """The ensemble's validation loss when one process runs both members."""
+    from plait.train.trainer import train
+
+    return train(_job("parallel.dp=1", "model.ensemble=2"), tmp_path_factory.mktemp("one")).summary["val_loss"]
+
+
+# dp2: one rank per member (spread); dp4: two ranks per member, each pair averaging its own member's gradients
+# (spread); zero3: both members on both ranks, sharded (ZeRO does not spread them)
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.dp=4"], ["parallel.dp=2", "parallel.zero=3"]],
+                         ids=["dp2", "dp4", "zero3"])
+def test_each_member_follows_its_own_run(pool2, pool4, tmp_path, members, replicated_val_loss, layout):
+    pool = pool4 if "parallel.dp=4" in layout else pool2
+    (got, val_loss, held0), *held = pool.run(spread_run, _job(*layout, "model.ensemble=2", "train.micro_batch_size=4"),
+                                             tmp_path / "ens")
+    if "parallel.zero=3" in layout:
+        assert [held0, *held] == [["0", "1"]] * 2
+    else:  # consecutive groups of dp / 2 ranks, one member each
+        half = (len(held) + 1) // 2
+        assert [held0, *held] == [["0"]] * half + [["1"]] * half
+    assert val_loss == pytest.approx(replicated_val_loss, rel=1e-5)  # the members' mean probability, gathered
     for k, (weights, _, _) in enumerate(members):
         assert set(weights) == {n.removeprefix(f"members.{k}.") for n in got if n.startswith(f"members.{k}.")}
         assert max((got[f"members.{k}.{n}"] - w).abs().max().item() for n, w in weights.items()) < 1e-5
@@ -97,3 +128,12 @@ def test_an_ensemble_of_a_regression_is_refused():
         build_model(cfg.model, DataSpec(name="table", task="regression", input_shape=[4], num_classes=1))
     assert str(e.value) == ("model.ensemble = 3 averages the members' class probabilities; this data's task is "
                             "'regression': set model.ensemble=1")
+
+
+def test_a_spread_checkpoint_resumes_with_both_members_on_one_process(pool2, tmp_path, members):
+    """Each member's rank saves its own member; one process resumes them both and ends on their own runs' weights."""
+    pool2.run(rank0_params, _job("parallel.dp=2", "model.ensemble=2", "train.micro_batch_size=4",
+                                 "train.stop_after=3", "checkpoint.every=3"), tmp_path)
+    got = params_after(_job("parallel.dp=1", "model.ensemble=2"), tmp_path, resume=True)
+    for k, (weights, _, _) in enumerate(members):
+        assert max((got[f"members.{k}.{n}"] - w).abs().max().item() for n, w in weights.items()) < 1e-5

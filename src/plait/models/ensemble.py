@@ -23,17 +23,25 @@ class Ensemble(nn.Module):
         super().__init__()
         self.members = nn.ModuleList(members)
 
+    def held(self) -> list[nn.Module]:
+        """The members this process holds (all of them, but for a spread ensemble's rank)."""
+        return list(self.members.values()) if isinstance(self.members, nn.ModuleDict) else list(self.members)
+
+    def keep(self, member: int) -> None:
+        """Hold member `member` alone, under its own name (members.<member>.*): a spread ensemble's rank trains one."""
+        self.members = nn.ModuleDict({str(member): self.members[member]})  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack([m(x) for m in self.members])
+        logits = torch.stack([m(x) for m in self.held()])
         if self.training:
             return logits
-        return _mean_log_prob(torch.log_softmax(logits.float(), -1))
+        return mean_log_prob(torch.log_softmax(logits.float(), -1))
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the eval forward's log-probabilities, the spread) from one pass of the members: what serving answers."""
-        log_probs = torch.stack([torch.log_softmax(m(x).float(), -1) for m in self.members])  # (K, batch, classes)
-        return _mean_log_prob(log_probs), _spread(log_probs.exp())
+        log_probs = torch.stack([torch.log_softmax(m(x).float(), -1) for m in self.held()])  # (K, batch, classes)
+        return mean_log_prob(log_probs), _spread(log_probs.exp())
 
     @torch.no_grad()
     def spread(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +49,7 @@ class Ensemble(nn.Module):
         return self.predict(x)[1]
 
 
-def _mean_log_prob(log_probs: torch.Tensor) -> torch.Tensor:
+def mean_log_prob(log_probs: torch.Tensor) -> torch.Tensor:
     """log(mean_k p_k) from the members' log-probabilities (K, ...)."""
     return torch.logsumexp(log_probs, 0) - torch.log(torch.tensor(float(len(log_probs))))
 

@@ -155,15 +155,17 @@ def transform(model: nn.Module, b: Build) -> nn.Module:
     if b.rt.axis_size("tp") > 1:
         return model  # DTensors: averaged by hand in DDPStrategy.after_backward
     keys = b.keys(DDPKeys)
-    return apply_ddp(model, b.rt.mesh["dp"], b.rt.device, Compression.from_keys(keys), allreduce=keys.allreduce,
+    return apply_ddp(model, b.rt.replica_mesh(), b.rt.device, Compression.from_keys(keys), allreduce=keys.allreduce,
                      local_size=keys.allreduce_local_size)
 
 
-def build(b: Build) -> Strategy:
+def build(b: Build, cls: type | None = None) -> Strategy:
+    """The DDP strategy (cls: DDPStrategy or a subclass, such as a spread ensemble's)."""
     model = b.parallelize(b.module)
     compression = b.keys(DDPKeys).compression
-    strategy = DDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
-                           dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"), compress=HALF.get(compression))
+    strategy = (cls or DDPStrategy)(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
+                                    b.local_batch, dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"),
+                                    compress=HALF.get(compression))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
     strategy.rewrap = lambda module: transform(module, b)
     if compression != "none":

@@ -62,6 +62,7 @@ class Layout:
     nodes: tuple[int, int] = (1, 1)  # (min, max) machines: an elastic range when they differ
     nproc_per_node: int = 0  # launch.nproc_per_node (0: the layout spread evenly over the machines)
     cp: int = 1  # context parallel: each sequence's tokens split over cp ranks (ring attention)
+    members: int = 1  # model.ensemble spread over the dp ranks: groups of dp ranks, one member each (dp: per group)
 
     @classmethod
     def from_config(cls, cfg) -> Layout:
@@ -69,11 +70,12 @@ class Layout:
         p, t = cfg.parallel, cfg.train
         colocated = p.sync == "ps" and p.ps_placement == "colocated"
         nproc = cfg.launch.nproc_per_node
-        layout = cls(p.dp, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
+        members = spread_members(cfg)
+        layout = cls(p.dp // members, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
                      t.activation_checkpointing, p.sequence_parallel, p.ep, p.sync,
                      p.ps_servers if p.sync == "ps" and not colocated else 0, colocated, p.embedding_sharding,
                      p.offload, cfg.precision.dtype == "fp16", t.global_batch_size, p.microbatches, cfg.node_range,
-                     nproc if isinstance(nproc, int) else 0, p.cp)
+                     nproc if isinstance(nproc, int) else 0, p.cp, members)
         layout.check()
         return layout
 
@@ -84,22 +86,25 @@ class Layout:
                 raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1; set --set parallel.{axis}=1")
         if self.global_batch and self.micro_batch:
             per_step = self.micro_batch * self.dp
+            dp = f"parallel.dp / model.ensemble ({self.dp}: each member's ranks)" if self.members > 1 else \
+                f"parallel.dp ({self.dp})"
             if self.global_batch % per_step:
                 raise ConfigError(
                     f"train.global_batch_size ({self.global_batch}) must be divisible by train.micro_batch_size "
-                    f"({self.micro_batch}) * parallel.dp ({self.dp}) = {per_step}; "
+                    f"({self.micro_batch}) * {dp} = {per_step}; "
                     f"change train.global_batch_size to a multiple of {per_step} or lower train.micro_batch_size")
 
     @property
     def trainers(self) -> int:
-        """Processes on the (pp, dp, tp) mesh: dp * cp * tp * pp."""
-        return self.dp * self.cp * self.tp * self.pp
+        """Processes on the (pp, dp, tp) mesh: dp * cp * members * tp * pp."""
+        return self.replicas * self.tp * self.pp
 
     @property
     def replicas(self) -> int:
-        """Ranks on the mesh's dp axis, which average gradients and losses: dp * cp (a cp group's ranks see the same
-        samples, each its own tokens)."""
-        return self.dp * self.cp
+        """Ranks on the mesh's dp axis, which average losses (and, but for a spread ensemble's members, gradients):
+        dp * cp * members (a cp group's ranks see the same samples, each its own tokens; an ensemble member's group
+        of dp ranks trains that member alone)."""
+        return self.dp * self.cp * self.members
 
     devices = trainers  # the planner's word for it
 
@@ -196,11 +201,11 @@ class Layout:
 
     def describe(self) -> str:
         """The degrees for an error message: "dp = 2, tp = 1, pp = 1, ep = 1, zero = 0, sync = 'allreduce'"."""
-        return (f"dp = {self.dp}, tp = {self.tp}, pp = {self.pp}, ep = {self.ep}, zero = {self.zero}, "
+        return (f"dp = {self.dp * self.members}, tp = {self.tp}, pp = {self.pp}, ep = {self.ep}, zero = {self.zero}, "
                 f"sync = {self.sync!r}" + (f", cp = {self.cp}" if self.cp > 1 else ""))
 
     def formula(self) -> str:
-        text = f"dp({self.dp}) * " + (f"cp({self.cp}) * " if self.cp > 1 else "") + f"tp({self.tp}) * pp({self.pp})"
+        text = f"dp({self.dp * self.members}) * " + (f"cp({self.cp}) * " if self.cp > 1 else "") + f"tp({self.tp}) * pp({self.pp})"
         return text + (f" + ps_servers({self.ps_servers})" if self.ps_servers else "")
 
     # ---- the launch
@@ -248,8 +253,10 @@ class Layout:
             return {"pp": 0, "dp": rank, "tp": 0, "cp": 0, "batch": rank}
         pp, rest = divmod(rank, self.replicas * self.tp)
         dp, tp = divmod(rest, self.tp)
-        batch, cp = divmod(dp, self.cp)
-        return {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "batch": batch}
+        member, within = divmod(dp, self.dp * self.cp)
+        batch, cp = divmod(within, self.cp)
+        coords = {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "batch": batch}
+        return coords | {"member": member} if self.members > 1 else coords
 
     # ---- the planner's view
     def sets(self) -> str:
@@ -286,7 +293,7 @@ class Layout:
             return self._init_ps(launch_cfg)
         rank, world, local_rank, device, backend = init_process_group(launch_cfg)
         self.check_world(world)
-        mesh = experts = context = None
+        mesh = experts = context = ensemble = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh  # lazily: as the runtime above
 
@@ -295,9 +302,12 @@ class Layout:
                 experts = mesh._unflatten("dp", (self.dp // self.ep, self.ep), EXPERT_AXES[1:3])["ep_replica", "ep"]
             if self.cp > 1:  # the dp axis cut into (batch, cp): the cp groups, cp consecutive dp ranks each
                 context = mesh._unflatten("dp", (self.dp, self.cp), ("batch", "cp"))["cp"]
+            if self.members > 1:  # the dp axis cut into (member, batch): a member's replicas, and one rank per member
+                ensemble = mesh._unflatten("dp", (self.members, self.dp), ("member", "batch"))["member", "batch"]
         return Runtime(rank, world, local_rank, device, backend, mesh, "trainer", self.coords(rank),
                        {"pp": self.pp, "dp": self.replicas, "tp": self.tp, "ep": self.ep, "cp": self.cp,
-                        "batch": self.dp}, expert_mesh=experts, context_mesh=context)
+                        "batch": self.dp, "member": self.members}, expert_mesh=experts, context_mesh=context,
+                       ensemble_mesh=ensemble)
 
     def _init_ps(self, launch_cfg):
         import torch  # lazily: as in init_runtime
@@ -314,3 +324,12 @@ class Layout:
         coords = self.coords(rank) if role != "server" else {"pp": 0, "dp": 0, "tp": 0, "cp": 0, "batch": 0}
         return Runtime(rank, world, local_rank, device, "rpc", None, role, coords,
                        {"pp": 1, "dp": self.dp, "tp": 1, "batch": self.dp})
+
+
+def spread_members(cfg) -> int:
+    """model.ensemble = K spread over the dp ranks (K groups of dp / K ranks, each training one member on the whole
+    global batch, as its own run would): when dp is a multiple of K and the replicas are plain DDP ones (zero = 0,
+    tp = pp = cp = ep = 1, all-reduce); 1 otherwise (every rank runs every member)."""
+    k, p = cfg.model.ensemble, cfg.parallel
+    plain = p.zero == 0 and p.tp == p.pp == p.cp == p.ep == 1 and p.sync == "allreduce" and p.embedding_sharding == "none"
+    return k if k > 1 and p.dp >= k and p.dp % k == 0 and plain else 1

@@ -4,12 +4,12 @@
     strategy = build_strategy(b)  # b: a plait.parallel.scheme.Build; the Strategy that owns the step
 
 SCHEMES fixes the order once (see plait.parallel.scheme): module transforms run in this order
-(tensor parallel -> context parallel -> sharded embeddings -> activation checkpointing -> compile -> FSDP ->
-DDP), and
-the step belongs to the first scheme in it that applies and builds a strategy (PipeDream, then the
-pipeline, then the parameter server and (asynchronous) gossip, which replace the all-reduce, then
-sharded embeddings, expert parallel, ZeRO-1, FSDP, DDP, and a single replica last). Offload wraps
-the optimizer of whichever owns the step. Adding a scheme is its file and one line here.
+(tensor parallel -> context parallel -> sharded embeddings -> a spread ensemble's member -> activation
+checkpointing -> compile -> FSDP -> DDP), and the step belongs to the first scheme in it that applies and builds a
+strategy (PipeDream, then the pipeline over RPC or collectives, then the parameter server and (asynchronous)
+gossip, which replace the all-reduce, then sharded embeddings, expert parallel, a spread ensemble, ZeRO-1, FSDP,
+DDP, and a single replica last). Offload wraps the optimizer of whichever owns the step. Adding a scheme is its
+file and one line here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from plait.parallel import (
     context,
     ddp,
     embedding,
+    ensemble,
     expert,
     fsdp,
     gossip,
@@ -49,6 +50,7 @@ SCHEMES: list[Scheme] = [
     context.SCHEME,
     embedding.SCHEME,
     expert.SCHEME,
+    ensemble.SCHEME,
     zero.SCHEME,
     checkpointing.SCHEME,
     compiling.SCHEME,

@@ -28,8 +28,11 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     correct = torch.zeros(len(batches), dtype=torch.float64)
     names = list(strategy.eval_metrics or {})  # train.eval_metrics: batch means, combined as the loss
     extra = torch.zeros(len(names), len(batches), dtype=torch.float64)
-    dp = rt.group_size("dp")
-    r = rt.axis_rank("dp") if dp > 1 else 0
+    # the ranks that share out the batches (a spread ensemble's: one rank of each member takes the same batch)
+    axis = getattr(strategy, "eval_axis", "dp")
+    dp = rt.group_size(axis)
+    r = rt.axis_rank(axis) if dp > 1 else 0
+    copies = rt.group_size("dp") // dp  # ranks that evaluate each batch, all alike: the sum below counts it so often
     model = strategy.model
     was_training = model.training
     model.eval()
@@ -47,9 +50,10 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
             if names:
                 extra[:, i] = strategy.last_metrics.cpu()
     model.train(was_training)
-    if dp > 1:
+    if rt.group_size("dp") > 1:
         both = torch.cat([torch.stack([losses, correct]), extra]).to(rt.device)
         dist.all_reduce(both, group=rt.axis_group("dp"))
+        both /= copies
         losses, correct, extra = both[0].cpu(), both[1].cpu(), both[2:].cpu()
     sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
     out = {"val_loss": float((losses * sizes).sum() / sizes.sum())}
