@@ -1,6 +1,9 @@
 """A deep ensemble against its own members: validation accuracy and loss of each member and of the ensemble.
 
-    python benchmarks/ensemble.py [--members 5] [--steps 300] [--model mlp] [--data digits] [--width 32]
+    python benchmarks/ensemble.py [--members 5] [--steps 300] [--model mlp] [--data digits] [--width 32] [--dp 1]
+
+With --dp a multiple of --members the members are spread over the ranks (dp / K ranks each); the accuracies do not
+depend on it (each member follows its own run), the training time does.
 
 One `plait train --set model.ensemble=K` run (each member from its own init seed, the same batches), exported; the
 members and the ensemble (the members' mean probability) are then evaluated on the whole validation split.
@@ -9,6 +12,7 @@ members and the ensemble (the members' mean probability) are then evaluated on t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -27,13 +31,14 @@ def main() -> None:
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--data", default="digits")
     ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--dp", type=int, default=1)
     a = ap.parse_args()
     from plait.config import load_config
     from plait.data import build_data
     from plait.export import load_exported
 
     sets = [f"model.name={a.model}", f"data.name={a.data}", f"model.width={a.width}", f"model.ensemble={a.members}",
-            "parallel.dp=1", f"train.steps={a.steps}", "train.global_batch_size=32", "train.micro_batch_size=32",
+            f"parallel.dp={a.dp}", f"train.steps={a.steps}", "train.global_batch_size=32", "train.micro_batch_size=32",
             "log.progress=false", "log.report=false"]
     with tempfile.TemporaryDirectory() as d:
         run = Path(d) / "run"
@@ -42,6 +47,7 @@ def main() -> None:
         subprocess.run([str(BIN / "plait"), "export", str(run), "-o", str(Path(d) / "m.safetensors")], check=True,
                        capture_output=True)
         ens, _ = load_exported(Path(d) / "m.safetensors")
+        summary = json.loads((run / "summary.json").read_text())
     cfg = load_config(None, sets)
     val = build_data(cfg.data, cfg.model).val
     x, y = val.fetch(torch.arange(len(val)))
@@ -56,7 +62,8 @@ def main() -> None:
         rows.append(("ensemble", (logp.argmax(-1) == y).double().mean().item(),
                      torch.nn.functional.nll_loss(logp, y).item()))
     print(f"load average {os.getloadavg()[0]:.2f}; {a.model} width {a.width} on {a.data}, {a.steps} steps, "
-          f"{len(y)} validation samples")
+          f"{len(y)} validation samples; dp {a.dp} ({summary['parallel']['strategy']}): training "
+          f"{summary['train_time_s']:.1f} s")
     print("\n| model | val accuracy | val loss |\n|---|---:|---:|")
     for name, acc, loss in rows:
         print(f"| {name} | {acc:.3f} | {loss:.4f} |")
