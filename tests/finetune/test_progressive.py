@@ -25,8 +25,6 @@ def test_the_schedule_is_floor_of_t0_plus_i_times_the_rest_over_the_blocks():
 
 
 def test_layouts_that_cannot_change_what_trains_are_refused(tiny_text):
-    with pytest.raises(ConfigError, match=r"finetune.progressive_freeze with parallel.pp = 2 is not available yet"):
-        check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE, "parallel.dp=1", "parallel.pp=2")))
     with pytest.raises(ConfigError, match=r"progressive_freeze_start = 1.0 must be in \[0, 1\)"):
         check_job(load_config(None, gpt(tiny_text, *PROGRESSIVE[:2], "finetune.progressive_freeze_start=1.0")))
     with pytest.raises(ConfigError, match=r"model 'deepfm' has no `blocks`"):
@@ -131,3 +129,19 @@ def test_a_resumed_run_freezes_what_its_checkpoint_had_frozen_and_continues_exac
     rows = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["froze"]) for r in rows if "froze" in r] == [(1, "blocks.0"), (2, "blocks.1")]
     assert [r["frozen_blocks"] for r in rows if "loss" in r] == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp=1", "parallel.pp=2"),
+                                    ("parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.microbatches=2"),
+                                    ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2", "model.vocab_multiple=64")],
+                         ids=["pp2", "dp2xpp2-zero3", "pp2xtp2"])
+def test_pipeline_stages_freeze_the_blocks_they_hold_on_the_whole_models_schedule(pool2, pool4, runs, tiny_text,
+                                                                                 tmp_path, layout):
+    """Stage 0 holds block 0 (frozen after step 1, with pos_emb), stage 1 block 1 (after step 2): each rank freezes
+    what it holds when the whole model's schedule says, and the run is the one process's."""
+    pool = pool4 if "parallel.dp=2" in layout or "parallel.tp=2" in layout else pool2
+    got = pool.run(_run, load_config(None, gpt(tiny_text, *layout, *PROGRESSIVE)), tmp_path)[0]
+    ref = runs[4] if "parallel.tp=2" not in layout else \
+        _run(load_config(None, gpt(tiny_text, "parallel.dp=1", *PROGRESSIVE, layout[-1])), tmp_path / "one")
+    assert_same(ref[:4], got[:4])
+    assert [(r["step"], r["froze"]) for r in got[4] if "froze" in r] == [(1, "blocks.0"), (2, "blocks.1")]

@@ -7,9 +7,6 @@ from __future__ import annotations
 import pytest
 
 from plait.config import load_config
-from plait.errors import ConfigError
-from plait.parallel import check_config
-from plait.train.job import check_job
 
 METHODS = {
     "lora": ("finetune.lora_rank=4", "finetune.lora_alpha=8"),
@@ -39,11 +36,3 @@ def test_fine_tuning_under_pipeline_parallel_keeps_the_trajectory(pool2, eq, bas
                                                       f"parallel.pp_schedule='{schedule}'", *METHODS[method]]),
                     tmp_path / "pp")[0]
     eq.assert_same_trajectory(ref, got)
-
-
-def test_progressive_freezing_under_pipeline_parallel_is_refused_with_the_fix():
-    cfg = load_config(None, ["parallel.dp=1", "parallel.pp=2", "finetune.progressive_freeze=true"])
-    with pytest.raises(ConfigError, match=r"finetune.progressive_freeze with parallel.pp = 2 is not available yet: a "
-                                          r"pipeline stage's blocks cannot stop training mid-run; use parallel.pp=1"):
-        check_job(cfg, user_data=False)
-    check_config(cfg)  # the layout itself is fine

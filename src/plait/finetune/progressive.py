@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import torch
 import torch.nn as nn
 
 from plait.errors import ConfigError
@@ -48,17 +49,27 @@ def check(cfg, model: nn.Module | None = None) -> None:
 
 
 def _detach(module: nn.Module, args, output):
-    return output.detach()
+    """Backward stops at the latest frozen block's output. It stays a tensor that takes a gradient (a leaf), so a
+    pipeline stage ending there still receives its output's gradient from the next stage, as its schedule expects."""
+    out = output.detach()
+    return out.requires_grad_() if output.requires_grad and torch.is_grad_enabled() else out
 
 
 class ProgressiveFreeze:
     """Which blocks are frozen after how many steps, and the freezing itself (requires_grad, the detach hook)."""
 
-    def __init__(self, model: nn.Module, steps: int, start: float):
+    def __init__(self, model: nn.Module, steps: int, start: float, whole: nn.Module | None = None):
+        """whole: the plain model when `model` holds part of it (a pipeline rank's stages, blocks keyed by their index
+        in the whole model): the schedule and the tied weights are the whole model's, each rank freezing what it holds."""
         self.blocks = blocks_of(model)
-        self.at = freeze_steps(len(self.blocks), steps, start)
+        self.count = len(blocks_of(whole)) if whole is not None else len(self.blocks)
+        # global block index -> (name, block) held here
+        self.held = {int(name.rsplit(".", 1)[1]) if whole is not None else i: (name, block)
+                     for i, (name, block) in enumerate(self.blocks)}
+        self.at = freeze_steps(self.count, steps, start)
         # a model's tied weights (plait.models.protocols.TiedModel; finetune sits beside models, so asked by name)
-        tied = set(model.tied_parameters().values()) if callable(getattr(model, "tied_parameters", None)) else set()
+        owner = whole if whole is not None else model
+        tied = set(owner.tied_parameters().values()) if callable(getattr(owner, "tied_parameters", None)) else set()
         self.front = [(f"{name}.{pname}", p) for name, child in model.named_children() if isinstance(child, nn.Embedding)
                       for pname, p in child.named_parameters() if f"{name}.{pname}" not in tied]
         self.frozen = 0
@@ -74,8 +85,8 @@ class ProgressiveFreeze:
         newly: list[tuple[str, nn.Parameter]] = []
         while self.frozen < want:
             i = self.frozen
-            name, block = self.blocks[i]
-            params = [(f"{name}.{n}", p) for n, p in block.named_parameters()]
+            held = self.held.get(i)  # None: block i is on another pipeline rank
+            params = [(f"{held[0]}.{n}", p) for n, p in held[1].named_parameters()] if held else []
             if i == 0:
                 params = self.front + params
             for n, p in params:
@@ -83,12 +94,14 @@ class ProgressiveFreeze:
                     p.requires_grad_(False)
                     newly.append((n, p))
             self.frozen += 1
-        if want and (self._hook is None or self._hooked != want):
+        last = max((i for i in self.held if i < want), default=None)  # the latest frozen block held here
+        if last is not None and (self._hook is None or self._hooked != last):
             if self._hook is not None:
                 self._hook.remove()
-            self._hook = self.blocks[want - 1][1].register_forward_hook(_detach)
-            self._hooked = want
+            self._hook = self.held[last][1].register_forward_hook(_detach)  # backward stops at its output
+            self._hooked = last
         return newly
 
     def names(self, count: int) -> list[str]:
-        return [name for name, _ in self.blocks[:count]]
+        prefix = self.blocks[0][0].rsplit(".", 1)[0] if self.blocks else "blocks"
+        return [self.held[i][0] if i in self.held else f"{prefix}.{i}" for i in range(count)]

@@ -49,9 +49,6 @@ def check_layout(cfg, layout) -> None:
         raise ConfigError(f"finetune.progressive_freeze with model.moe_experts and parallel.zero = {layout.zero}: a "
                           "frozen MoE block's load-balancing loss still reaches back into it, where FSDP2 has not "
                           "gathered the parameters again; use parallel.zero=0 or a fixed finetune.freeze")
-    if f.progressive_freeze and layout.pp > 1:
-        raise ConfigError(f"finetune.progressive_freeze with parallel.pp = {layout.pp} is not available yet: a pipeline "
-                          "stage's blocks cannot stop training mid-run; use parallel.pp=1 or a fixed finetune.freeze")
 
 
 def apply_finetune(model: nn.Module, ft) -> nn.Module:

@@ -31,6 +31,7 @@ from plait.models.moe import moe_layers
 from plait.models.protocols import is_transformers_model, pipeline_blocks, pipeline_parts, tied_parameters
 from plait.parallel.base import Strategy, correct_predictions
 from plait.parallel.embedding import dp_sharded_parameters, gather_over_dp
+from plait.parallel.fsdp import stop_unsharded
 from plait.parallel.gradsync import align_grads, allreduce_grads, clip_grad_norm, clip_to, norm_sq
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
@@ -200,6 +201,12 @@ class PipelineStrategy(Strategy):
         clip_to([p.grad for p in params if p.grad is not None], norm, max_norm)
         return norm
 
+    def stop_training(self, params: list) -> None:
+        """As the base, and under ZeRO inside the stages FSDP2's unsharded copies stop requiring a gradient too."""
+        super().stop_training(params)
+        for part in self.parts:
+            stop_unsharded(part, params)
+
     @property
     def tied_copies(self) -> frozenset[int]:
         """ids of this stage's parameters that copy a weight of another stage (the last stage's tied head)."""
@@ -236,6 +243,8 @@ class PipelineStrategy(Strategy):
         for param in self.tied.values():
             if not param.requires_grad:  # frozen (finetune.freeze, LoRA's base) on both stages alike: nothing to sum
                 continue
+            if param.grad is None:  # no path to it this step (a progressive freeze cut the embedding's): adds nothing
+                param.grad = torch.zeros_like(param)
             g = param.grad
             local = g.to_local() if hasattr(g, "to_local") else g
             dist.all_reduce(local, group=self._tied_group)

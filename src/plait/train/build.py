@@ -239,8 +239,8 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle) -> list:
     if cfg.model.patch_size:
         found.append(PatchSteps(strategy.module, t.seed))
     if cfg.finetune.progressive_freeze:
-        found.append(Freezer(ProgressiveFreeze(strategy.module, t.steps, cfg.finetune.progressive_freeze_start),
-                             strategy))
+        found.append(Freezer(ProgressiveFreeze(strategy.module, t.steps, cfg.finetune.progressive_freeze_start,
+                                               whole=b.module), strategy))
     found.append(SlowDevice(rt.rank))  # before the schemes' callbacks: hetero measures the slowed compute
     found += b.callbacks(strategy)
     if cfg.data.stream:  # the forgetting table, EWC
