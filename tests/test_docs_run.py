@@ -9,7 +9,8 @@ Scaled down by the harness, not the product (PLAIT_DOCS_TEST=1 is set for the pa
 `mpirun` are shell functions that pass their arguments through `scale()` below (`train.steps=N` -> N // 50, at least
 2; 2 steps when none are given; fed rounds and clients, audit folds and epochs, collective sizes capped). A page in
 docs/ starts where the README's Training block leaves a reader: `job.toml` (`plait config show > job.toml`) and
-`runs/x` (a trained run) are in its working directory. The pages run two at a time (one per core): about 290 CPU
+`runs/x` (a trained run) are in its working directory. docs/api.md is left to tests/test_api.py, which runs its
+blocks in order (RUN_ELSEWHERE). The pages run two at a time (one per core): about 290 CPU
 seconds in all, the README's Training block the largest part; blocks that repeat a command with flags another test
 covers are skipped, saying which test.
 """
@@ -183,7 +184,17 @@ def run_page(page: Path, root: Path, base: Path | None) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
+# Pages whose every block another test already runs, in order, as a reader would: that test is their docs run. (A skip
+# marker would not do: the other test reads the same page and honours the markers.)
+RUN_ELSEWHERE = {
+    "docs/api.md": "tests/test_api.py::test_docs_api_examples_run_in_order runs each of its blocks, in order, in one "
+                   "folder (mycode.py written first) and checks what they print and write",
+}
+
+
 def runnable(page: Path) -> bool:
+    if page.relative_to(ROOT).as_posix() in RUN_ELSEWHERE:
+        return False
     return any((b.lang in ("sh", "python") and not b.skip) or b.file for b in blocks(page))
 
 
@@ -204,7 +215,7 @@ def page_runs(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("page", DOC_PAGES, ids=[p.relative_to(ROOT).as_posix() for p in DOC_PAGES])
 def test_the_pages_blocks_run_in_order(page, page_runs):
     if page not in page_runs:
-        pytest.skip(f"{page.name}: no block to run")
+        pytest.skip(RUN_ELSEWHERE.get(page.relative_to(ROOT).as_posix(), f"{page.name}: no block to run"))
     rc, out = page_runs[page]
     last = re.findall(r"^### (.+)$", out, re.M)
     assert rc == 0 and last and last[-1] == "done", \
@@ -219,3 +230,11 @@ def test_markers_stand_directly_before_a_fence():
             if "docs-test:" in line:
                 assert MARKER.match(line.strip()), f"{page.name}:{i + 1}: malformed marker {line!r}"
                 assert i + 1 < len(lines) and lines[i + 1].startswith("```"), f"{page.name}:{i + 1}: no fence after it"
+
+
+def test_a_page_run_elsewhere_has_only_blocks_that_its_test_runs():
+    """docs/api.md is left to tests/test_api.py, which runs its ```python blocks and writes its file blocks: a block of
+    another kind there (a ```sh block, say) would be run by neither."""
+    for name in RUN_ELSEWHERE:
+        for b in blocks(ROOT / name):
+            assert b.skip or b.file or b.lang == "python", f"{b.page}:{b.line}: a ```{b.lang} block that no test runs"
