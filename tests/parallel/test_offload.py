@@ -110,11 +110,40 @@ def test_disk_offload_lowers_peak_rss_by_about_the_optimizer_bytes(tmp_path):
     assert saved >= 0.5 * optimizer_bytes, (saved / 1e6, optimizer_bytes / 1e6)
 
 
+SHARDED = {  # layouts whose parameters are DTensors (or pipeline stages): name -> (processes, overrides)
+    "zero3": (2, ("parallel.dp=2", "parallel.zero=3")),
+    "tp2": (2, ("parallel.dp=1", "parallel.tp=2", "model.vocab_multiple=64")),
+    "pp2": (2, ("parallel.dp=1", "parallel.pp=2")),
+    "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "model.vocab_multiple=64")),
+    "pp2-zero3": (4, ("parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.microbatches=2")),
+    "zero2": (2, ("parallel.dp=2", "parallel.zero=2")),
+    "cp2-zero3": (2, ("parallel.dp=1", "parallel.cp=2", "parallel.zero=3")),
+    "ep2": (2, ("parallel.dp=2", "parallel.ep=2", "model.moe_experts=4")),
+    "pp2xtp2": (4, ("parallel.dp=1", "parallel.pp=2", "parallel.tp=2", "model.vocab_multiple=64")),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_disk_offload_of_sharded_and_staged_parameters_is_the_same_adamw(pool2, pool4, tiny_text, tmp_path, name):
+    """Each rank's state is its own shard's (a DTensor over the file's pieces, placed as its parameter): the run with
+    the state on disk is the run without, step for step, and its checkpoint resumes onto the same weights."""
+    world, layout = SHARDED[name]
+    pool = pool4 if world == 4 else pool2
+    base = ("train.steps=4", "checkpoint.every=2", *layout)
+    ref = pool.run(rank0_params, tiny_gpt_config(tiny_text, *base), tmp_path / "none")[0]
+    run = tmp_path / "disk"
+    pool.run(rank0_params, tiny_gpt_config(tiny_text, *base, "parallel.offload='disk'", "train.stop_after=2"), run)
+    got = pool.run(rank0_params, tiny_gpt_config(tiny_text, *base, "parallel.offload='disk'"), run, True)[0]
+    assert max_diff(ref, got) <= 1e-6
+    assert losses(run) == pytest.approx(losses(tmp_path / "none"), abs=1e-6)
+    per_rank = json.loads((run / "summary.json").read_text())["memory"]["per_rank"]
+    assert all(m["optimizer_bytes"] == 0 and m["optimizer_offloaded_bytes"] > 0 for m in per_rank)
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.offload='disk'", "parallel.zero=3"],
-     "parallel.offload = 'disk' works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where parameters are "
-     "plain tensors; this layout has zero = 3, tp = 1, pp = 1, sync = 'allreduce', ep = 1, embedding_sharding = "
-     "'none': use parallel.offload='params' (FSDP2's CPU offload) with zero 2/3, or parallel.zero=1"),
+    (["parallel.offload='disk'", "parallel.sync='gossip'"],
+     "parallel.offload = 'disk' wraps the optimizer of an all-reduce layout; this one has sync = 'gossip', "
+     "embedding_sharding = 'none': set parallel.offload='none'"),
     (["parallel.offload='disk'", "optim.name='lamb'"],
      "parallel.offload = 'disk' updates the optimizer state chunk by chunk, which needs an elementwise optimizer; "
      "optim.name = 'lamb' is not one: use one of adamw, sgd or set parallel.offload='none'"),

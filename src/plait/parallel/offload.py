@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.errors import ConfigError
 from plait.parallel.layout import Layout
@@ -118,6 +119,19 @@ def _state_keys(cls: type, hyper: dict) -> tuple[list[str], bool]:
     return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape), "step" in state
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's piece on this rank (a plain tensor is its own)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """State for parameter p from this rank's piece: a DTensor placed as p is (so checkpoints reshard it), or the
+    piece itself."""
+    if not isinstance(p, DTensor):
+        return piece
+    return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 class ChunkedOffload(torch.optim.Optimizer):
     """`inner`'s update, chunk by chunk, with the state in `store` (see the module docstring)."""
 
@@ -132,14 +146,15 @@ class ChunkedOffload(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         page, offset, layout, self.offsets = mmap.PAGESIZE, 0, [], {}
         for p in params:  # each parameter's region starts on a page: releasing one chunk never drops another's
-            layout.append((offset, p.numel(), p.dtype))
+            mine = local(p)  # a DTensor's (tensor parallel, FSDP2) state is its shard's: this rank's piece
+            layout.append((offset, mine.numel(), mine.dtype))
             self.offsets[p] = offset
-            offset += -(-p.numel() * p.element_size() // page) * page
+            offset += -(-mine.numel() * mine.element_size() // page) * page
         # what memory reports as offloaded (plait.train.memory)
-        self.offloaded_bytes = sum(p.numel() * p.element_size() for p in params) * len(self.keys)
+        self.offloaded_bytes = sum(local(p).numel() * p.element_size() for p in params) * len(self.keys)
         flat = {key: self.store.allocate(key, layout, offset) for key in self.keys}
         for i, p in enumerate(params):
-            self.state[p] = {key: flat[key][i].view_as(p) for key in self.keys}
+            self.state[p] = {key: like(p, flat[key][i].view_as(local(p))) for key in self.keys}
             if counts_steps:  # a float32 CPU tensor, as torch's own optimizers keep it
                 self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
         self.chunks = self._cut(params)
@@ -150,8 +165,8 @@ class ChunkedOffload(torch.optim.Optimizer):
         chunks, current, filled = [], [], 0
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                n = p.numel()
-                if not p.is_contiguous():  # cannot be sliced flat: one piece, whatever its size
+                n = local(p).numel()
+                if not local(p).is_contiguous():  # cannot be sliced flat: one piece, whatever its size
                     chunks.append([(gi, p, 0, n)])
                     continue
                 lo = 0
@@ -186,13 +201,14 @@ class ChunkedOffload(torch.optim.Optimizer):
         for gi, p, lo, hi in chunk:
             if p.grad is None:
                 continue
-            whole = lo == 0 and hi == p.numel()
-            view = p.detach() if whole else p.detach().view(-1)[lo:hi]
-            view.grad = p.grad if whole else p.grad.view(-1)[lo:hi]
+            mine, grad = local(p).detach(), local(p.grad)
+            whole = lo == 0 and hi == mine.numel()
+            view = mine if whole else mine.view(-1)[lo:hi]
+            view.grad = grad if whole else grad.view(-1)[lo:hi]
             state = self.state[p]
             piece = {"step": state["step"].clone()} if "step" in state else {}
             for key in self.keys:
-                src = state[key] if whole else state[key].view(-1)[lo:hi]
+                src = local(state[key]) if whole else local(state[key]).view(-1)[lo:hi]
                 if src.device != p.device:
                     dst = self._device_buffer(key, len(staged), src)
                     dst.copy_(src, non_blocking=True)
@@ -266,13 +282,17 @@ def check(layout: Layout, keys) -> None:
     layout.elementwise_optimizer_only)."""
     if layout.offload not in ("disk", "optimizer"):
         return
-    if layout.shards_gradients or not layout.data_parallel_only:
+    if layout.offload == "optimizer" and (layout.shards_gradients or not layout.data_parallel_only):
         raise ConfigError(
-            f"parallel.offload = {layout.offload!r} works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where "
+            f"parallel.offload = 'optimizer' works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where "
             f"parameters are plain tensors; this layout has zero = {layout.zero}, tp = {layout.tp}, pp = {layout.pp}, "
             f"sync = {layout.sync!r}, ep = {layout.ep}, embedding_sharding = {layout.embedding_sharding!r}: "
-            + ("use parallel.offload='params' (FSDP2's CPU offload) with zero 2/3, or parallel.zero=1"
-               if layout.zero >= 2 else "set parallel.offload='none'"))
+            + ("use parallel.offload='params' (FSDP2's CPU offload) with zero 2/3, or parallel.offload='disk'"
+               if layout.zero >= 2 else "set parallel.offload='disk' (any all-reduce layout) or 'none'"))
+    if layout.sync != "allreduce" or layout.embedding_sharding != "none":
+        raise ConfigError(
+            f"parallel.offload = {layout.offload!r} wraps the optimizer of an all-reduce layout; this one has sync = "
+            f"{layout.sync!r}, embedding_sharding = {layout.embedding_sharding!r}: set parallel.offload='none'")
 
 
 def wrap(optimizer: torch.optim.Optimizer, b: Build) -> torch.optim.Optimizer:
