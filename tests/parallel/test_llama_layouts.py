@@ -17,7 +17,7 @@ from plait.config import load_config
 STEPS = 4
 SGD = ("optim.name='sgd'", "optim.lr=0.3", "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0",
        "optim.schedule='constant'", "optim.warmup_steps=0", "log.every=1", f"train.steps={STEPS}", "checkpoint.every=0")
-LLAMA = ("model.name='llama'", "data.name='text'", "model.vocab_size=0", "model.layers=4", "model.heads=4",
+LLAMA = ("model.name='llama'", "data.name='text'", "model.vocab_size=0", "model.layers=2", "model.heads=4",
          "model.kv_heads=2", "model.hidden=48", "model.tie_embeddings=false", "model.rope_theta=500.0",
          "train.global_batch_size=8", "train.micro_batch_size=2")
 MIXTRAL = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_aux_weight=0.01", "model.layers=2")
@@ -184,11 +184,13 @@ LORA = ("finetune.lora_rank=4", "finetune.lora_alpha=8", "finetune.lora_targets=
 def test_fine_tuning_methods_keep_the_trajectory_at_zero3(pool2, reference, base, eq, tmp_path, method):
     """LoRA by the Llama names (a pattern without a dot matches the names ending in it), QLoRA (an nf4 base each
     rank holds whole, the adapters sharded) and freezing, at dp2 + ZeRO-3, on one process's trajectory."""
-    ft = method if method and method[0].startswith("finetune.freeze") else (*LORA, *method)
+    lora = not (method and method[0].startswith("finetune.freeze"))
+    # 4 blocks here (2 elsewhere in this file): over 2, the adapters' 4 steps do not lower the loss
+    ft = ("model.layers=4", *((*LORA, *method) if lora else method))
     ref = reference(*ft)
     assert ref.loss[-1] < ref.loss[0], ref.loss
     got = pool2.run(eq.trajectory, load_config(None, [*base, *TWO["dp2-zero3-ckpt"], *ft]), tmp_path)[0]
     eq.assert_same_trajectory(ref, got)
-    if ft is not method:  # the adapters sit on the Llama-named layers (3 per block, 4 blocks)
+    if lora:  # the adapters sit on the Llama-named layers (3 per block, 4 blocks)
         assert len({k.rsplit(".", 1)[0] for k in got.params if ".lora_" in k}) == 3 * 4, sorted(got.params)
 
