@@ -30,11 +30,11 @@ def test_compression_on_a_sync_without_all_reduce():
 
 
 def test_compression_needs_ddp():
-    assert message("parallel.compression='int8'", "parallel.dp=2", "parallel.zero=1") == (
-        "parallel.compression = 'int8' runs as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = ep = "
-        "1, zero = 0 and no embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 1, sync = 'allreduce'); set "
-        "parallel.compression='none' or "
-        "change the layout")
+    assert message("parallel.compression='int8'", "parallel.dp=2", "parallel.zero=2") == (
+        "parallel.compression = 'int8' runs on DDP's buckets, ZeRO-1's flat buffer or tensor-parallel shards averaged "
+        "over dp: it needs parallel.dp >= 2 with pp = ep = 1, zero = 0 or 1 (tp with zero = 0) and no "
+        "embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 2, sync = 'allreduce'); set "
+        "parallel.compression='none' or change the layout")
     assert message("parallel.compression='topk'", "parallel.topk_ratio=0.0") == (
         "parallel.topk_ratio = 0.0 must be in (0, 1] (the share of gradient entries sent, e.g. 0.01); "
         "set --set parallel.topk_ratio=0.01")

@@ -97,3 +97,54 @@ def test_fp16_compression_of_the_dense_part_under_expert_parallel(pool2, tiny_te
     assert 0 < moved < 2e-3, moved
     for (a, g), (b, h) in zip(l0, l1):
         assert b == pytest.approx(a, rel=2e-3) and h == pytest.approx(g, rel=2e-3)
+
+
+def sparse_run(cfg, run_dir):
+    """Pool task: rank 0's weights, the gradient elements it averages (its flat buffer or tp shards), the bytes it
+    sent per step and its logged compression ratios."""
+    import torch.distributed as dist
+
+    from plait.train.trainer import train
+
+    result = train(cfg, run_dir)
+    s = result.strategy
+    n = s.flat_grads.numel() if hasattr(s, "flat_grads") else \
+        sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in s.module.parameters())
+    weights = s.full_model_state_dict()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return (weights, n, [r["comm_bytes"] for r in rows if "loss" in r], [r.get("compression_ratio") for r in rows
+                                                                        if "loss" in r]) if dist.get_rank() == 0 else None
+
+
+SPARSE = {"zero1": (2, ("parallel.dp=2", "parallel.zero=1", "train.micro_batch_size=4")),
+          "dp2xtp2": (4, ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2", "model.vocab_multiple=64"))}
+
+
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_topk_of_zero1s_flat_buffer_and_of_tp_shards_along_dp(pool2, pool4, tiny_text, tmp_path, name):
+    """Top-k where no DDP bucket carries the gradient: over ZeRO-1's flat buffer (each rank keeps its segment of the
+    average) and over a tensor-parallel rank's shards along dp. With every entry kept (topk_ratio = 1) it is the exact
+    average: one process's trajectory under plain SGD. With 5 % kept each step's all-gather sends (dp - 1) x 2k x 4
+    bytes, k = ceil(0.05 n), what the logged compression ratio says against the plain all-reduce."""
+    import math
+
+    from helpers import PLAIN_SGD, max_diff, params_after, tiny_gpt_config
+
+    world, layout = SPARSE[name]
+    pool = pool4 if world == 4 else pool2
+    base = [*PLAIN_SGD, "train.steps=4", "log.every=1", "model.vocab_multiple=64"]
+    one = params_after(tiny_gpt_config(tiny_text, "parallel.dp=1", *base), tmp_path / "one")
+    every = pool.run(sparse_run, tiny_gpt_config(tiny_text, *layout, *base, "parallel.compression='topk'",
+                                                 "parallel.topk_ratio=1.0"), tmp_path / "all")[0]
+    assert max_diff(one, every[0]) < 1e-5
+    for (a, g), (b, h) in zip(step_losses(tmp_path / "one"), step_losses(tmp_path / "all"), strict=True):
+        assert b == pytest.approx(a, rel=1e-5) and h == pytest.approx(g, rel=1e-5)
+    _, n, sent, ratio = pool.run(sparse_run, tiny_gpt_config(tiny_text, *layout, *base, "parallel.compression='topk'",
+                                                             "parallel.topk_ratio=0.05"), tmp_path / "sparse")[0]
+    k = math.ceil(0.05 * n)
+    gather = (2 - 1) * 2 * k * 4  # every rank's k (value, index) pairs
+    # what the plain exchange would send: ZeRO-1's reduce-scatter, dp x tp's all-reduce of the shards
+    plain = (1 if name == "zero1" else 2) * (2 - 1) / 2 * 4 * n
+    params = (2 - 1) / 2 * 4 * n if name == "zero1" else 0  # ZeRO-1's all-gather of the updated parameters
+    assert [r * b for r, b in zip(ratio[1:], sent[1:])] == pytest.approx([plain] * 3, rel=1e-6)
+    assert all(0 <= b - gather - params < 100 for b in sent[1:])  # the rest: the logged loss and norm's collectives

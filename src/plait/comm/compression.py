@@ -166,6 +166,31 @@ def compression_hook(state: CompressionState, bucket):  # no return annotation: 
     return HOOKS[state.spec.kind](state, bucket)
 
 
+FLAT = {"topk": topk_allreduce, "int8": int8_allreduce}  # schemes that take any flat gradient, not only a bucket
+
+
+def compressed_average(state: CompressionState, flat: torch.Tensor, key: tuple = ("flat",),
+                       reduce_scatter: bool = False) -> torch.Tensor:
+    """The mean over the group of a flat gradient by the configured scheme (topk or int8) where no DDP bucket carries
+    it (ZeRO-1's flat buffer, tensor-parallel shards averaged over dp by hand); tallies the uncompressed volume: a
+    ring all-reduce's, or a reduce-scatter's (half) where that is what it replaces."""
+    n = state.world
+    state.raw_bytes += (1 if reduce_scatter else 2) * (n - 1) / n * flat.numel() * flat.element_size()
+    state.steps += 1
+    return FLAT[state.spec.kind](state, flat, (state.spec.kind, *key))
+
+
+def ratio_metrics(state: CompressionState | None, record: dict) -> dict:
+    """For a metrics record: the uncompressed all-reduce bytes per step since the last record, and their ratio to the
+    bytes the rank sent (record["comm_bytes"])."""
+    if state is None:
+        return {}
+    raw, steps = state.take()
+    raw /= max(1, steps)
+    sent = record.get("comm_bytes") or 0.0
+    return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
+
+
 def register_compression(ddp_model, group, spec: Compression) -> CompressionState:
     """Register the scheme's hook on a DDP model; returns its state (for the compression ratio)."""
     if spec.kind not in HOOKS:

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.comm.accounting import AlgorithmHookState, algorithm_hook, ddp_allreduce_hook
-from plait.comm.compression import Compression, register_compression
+from plait.comm.compression import FLAT, Compression, CompressionState, compressed_average, ratio_metrics, register_compression
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import allreduce_grads
@@ -75,6 +76,7 @@ class DDPStrategy(Strategy):
         self.by_hand = not isinstance(self.model, DDP)  # a tensor-parallel model: averaged after backward
         self.dp_group, self.dp = dp_group, dp
         self.compress = compress  # by hand: fp16/bf16 compression of the dp all-reduce
+        self.sparse: CompressionState | None = None  # by hand: top-k / int8 of the dp average (set by build)
         self.rewrap: Callable[[nn.Module], nn.Module] | None = None  # module -> a new DDP wrapper like this one
         self.sharded = self.by_hand
         if self.by_hand:
@@ -85,7 +87,13 @@ class DDPStrategy(Strategy):
 
     def after_backward(self) -> None:
         super().after_backward()
-        if self.by_hand:
+        if self.by_hand and self.sparse is not None:  # top-k / int8 of this rank's shards, along dp only
+            grads = [g.to_local() if hasattr(g, "to_local") else g for p in self.module.parameters()
+                     if (g := p.grad) is not None]
+            flat = _flatten_dense_tensors(grads)
+            for g, mean in zip(grads, _unflatten_dense_tensors(compressed_average(self.sparse, flat), grads)):
+                g.copy_(mean)
+        elif self.by_hand:
             allreduce_grads(self.module.parameters(), self.dp_group, self.dp, self.compress)
 
     def stop_training(self, params: list) -> None:
@@ -97,13 +105,7 @@ class DDPStrategy(Strategy):
 
     def step_metrics(self, record: dict) -> dict:
         """With compression: the uncompressed all-reduce bytes per step and their ratio to the bytes sent."""
-        state = getattr(self.model, "plait_compression", None)
-        if state is None:
-            return {}
-        raw, steps = state.take()
-        raw /= max(1, steps)
-        sent = record.get("comm_bytes") or 0.0
-        return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
+        return ratio_metrics(self.sparse or getattr(self.model, "plait_compression", None), record)
 
 
 def applies(layout: Layout, keys: DDPKeys) -> bool:
@@ -138,17 +140,20 @@ def check(layout: Layout, keys: DDPKeys) -> None:
     if keys.compression in ("fp16", "bf16") and layout.shards_gradients and layout.ep == 1 \
             and layout.embedding_sharding == "none":
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
-    if keys.compression in HALF and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
-        return  # tp x dp: the by-hand all-reduce over dp casts (DDPStrategy.after_backward)
-    if keys.compression in HALF and layout.zero == 1 and layout.data_parallel_only and layout.ep == 1:
-        return  # ZeRO-1: its flat reduce-scatter in that dtype (plait.parallel.zero)
+    by_hand = (*HALF, *FLAT)
+    if keys.compression in by_hand and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
+        return  # tp x dp: the by-hand average over dp casts, or runs the scheme on the flat shards (after_backward)
+    if keys.compression in by_hand and layout.zero == 1 and layout.data_parallel_only and layout.ep == 1:
+        return  # ZeRO-1: its flat reduce-scatter in that dtype, or the scheme on the flat buffer (plait.parallel.zero)
     if keys.compression in HALF and applies(layout, keys) and layout.ep > 1 and layout.tp == 1:
         return  # ep: DDP's hook compresses the dense part (the experts' replicas average by hand, uncompressed)
     if not (layout.plain_data_parallel and layout.replicas >= 2):
+        where = ("on DDP's buckets, ZeRO-1's flat buffer or tensor-parallel shards averaged over dp: it needs "
+                 "parallel.dp >= 2 with pp = ep = 1, zero = 0 or 1 (tp with zero = 0)" if keys.compression in FLAT else
+                 "as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0")
         raise ConfigError(
-            f"parallel.compression = {keys.compression!r} runs as a DDP communication hook: it needs parallel.dp >= 2 "
-            f"with tp = pp = ep = 1, zero = 0 and no embedding_sharding (here {layout.describe()}); set "
-            "parallel.compression='none' or change the layout")
+            f"parallel.compression = {keys.compression!r} runs {where} and no embedding_sharding (here "
+            f"{layout.describe()}); set parallel.compression='none' or change the layout")
 
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
@@ -167,6 +172,8 @@ def build(b: Build, cls: type | None = None) -> Strategy:
                                     b.local_batch, dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"),
                                     compress=HALF.get(compression))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
+    if strategy.by_hand and compression in FLAT:
+        strategy.sparse = CompressionState(b.rt.axis_group("dp"), Compression.from_keys(b.keys(DDPKeys)))
     strategy.rewrap = lambda module: transform(module, b)
     if compression != "none":
         strategy.labels.append(f"{compression} compression")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from plait.comm.compression import FLAT, Compression, CompressionState, compressed_average, ratio_metrics
 from plait.comm.placement import balanced_owners
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
@@ -62,6 +63,7 @@ class ZeroOneStrategy(Strategy):
                 p.grad = self.flat_grads[fill[o]:fill[o] + n].view_as(p)
                 fill[o] += n
         self.compress: torch.dtype | None = None  # parallel.compression = fp16 | bf16: the reduce-scatter's dtype
+        self.sparse: CompressionState | None = None  # parallel.compression = topk | int8 (with its error feedback)
         self.owned = [p for p, o in zip(params, owner) if o == self.rank]
         self.owned_numel = loads[self.rank]
         optimizer = make_optimizer(module, only=set(map(id, self.owned)))
@@ -70,6 +72,10 @@ class ZeroOneStrategy(Strategy):
     def forward_backward(self, micro_batches) -> torch.Tensor:
         loss = super().forward_backward(micro_batches)
         lo = self.rank * self.segment
+        if self.sparse is not None:  # top-k / int8: the whole flat buffer averaged by the scheme, this rank's segment kept
+            mean = compressed_average(self.sparse, self.flat_grads, reduce_scatter=True)
+            self.flat_grads[lo:lo + self.segment].copy_(mean[lo:lo + self.segment])
+            return loss
         if self.compress is not None:  # fp16/bf16 compression: cast, divide, reduce-scatter in that dtype, cast back
             half = self.flat_grads.to(self.compress).div_(self.ranks)
             mine = torch.empty(self.segment, dtype=self.compress, device=half.device)
@@ -80,6 +86,10 @@ class ZeroOneStrategy(Strategy):
         dist.reduce_scatter_single(self.flat_grads[lo:lo + self.segment], self.flat_grads, group=self.group)
         self.flat_grads[lo:lo + self.segment].div_(self.ranks)
         return loss
+
+    def step_metrics(self, record: dict) -> dict:
+        """With top-k / int8 compression: the uncompressed bytes per step and the ratio to the bytes sent."""
+        return ratio_metrics(self.sparse, record)
 
     def clip_grad_norm(self, max_norm: float, need_norm: bool = True) -> torch.Tensor | None:
         """Global gradient norm from the owned (already averaged) segments; clips owned gradients."""
@@ -137,7 +147,10 @@ def check(layout: Layout, keys) -> None:
 
 def build(b: Build) -> Strategy:
     strategy = ZeroOneStrategy(b.module, b.make_optimizer, b.loss_fn, b.precision, b.local_batch, b.rt.axis_group("dp"))
-    strategy.compress = HALF.get(b.keys(DDPKeys).compression)
+    keys = b.keys(DDPKeys)
+    strategy.compress = HALF.get(keys.compression)
+    if keys.compression in FLAT:
+        strategy.sparse = CompressionState(b.rt.axis_group("dp"), Compression.from_keys(keys))
     strategy.model = b.parallelize(b.module)  # activation checkpointing / compile, after the flat buffers exist
     return strategy
 
