@@ -18,12 +18,17 @@ def cfg(corpus, *more):
     return tiny_gpt_config(corpus, *BASE, *more)
 
 
+@pytest.fixture(scope="module")
+def straight(tiny_text):
+    """The 10 steps in one process, uninterrupted: its final weights (computed once for both resumes below)."""
+    return params_after(cfg(tiny_text, "parallel.dp=1", "train.steps=10"), None)
+
+
 @pytest.mark.parametrize("first, then", [
     (("parallel.dp=1", "parallel.pp=2"), "dp2"),
     (("parallel.dp=1", "parallel.tp=2"), "dp1"),
 ])
-def test_resume_across_layouts(pool2, tiny_text, tmp_path, first, then):
-    straight = params_after(cfg(tiny_text, "parallel.dp=1", "train.steps=10"), None)
+def test_resume_across_layouts(pool2, tiny_text, tmp_path, straight, first, then):
     pool2.run(rank0_params, cfg(tiny_text, "train.steps=10", "train.stop_after=5", *first), tmp_path)
     if then == "dp2":
         got = pool2.run(rank0_params, cfg(tiny_text, "parallel.dp=2", "train.steps=10"), tmp_path, True)[0]
