@@ -148,3 +148,31 @@ def test_topk_of_zero1s_flat_buffer_and_of_tp_shards_along_dp(pool2, pool4, tiny
     params = (2 - 1) / 2 * 4 * n if name == "zero1" else 0  # ZeRO-1's all-gather of the updated parameters
     assert [r * b for r, b in zip(ratio[1:], sent[1:])] == pytest.approx([plain] * 3, rel=1e-6)
     assert all(0 <= b - gather - params < 100 for b in sent[1:])  # the rest: the logged loss and norm's collectives
+
+
+@pytest.mark.parametrize("scheme", ["topk", "powersgd"])
+def test_topk_and_powersgd_of_the_dense_part_under_expert_parallel(pool2, tiny_text, tmp_path, scheme):
+    """dp2 x ep2: DDP's hook runs any scheme on the dense part. Top-k keeping every entry is the exact average: the
+    uncompressed ep2 run's trajectory; PowerSGD (rank 1, from its third step) saves more than half of the dense
+    all-reduce's bytes (the experts' token all-to-alls move alike in both runs), on losses within 10 % of the plain run's."""
+    from helpers import PLAIN_SGD, max_diff, tiny_gpt_config
+
+    base = ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "train.steps=4", "log.every=1", *PLAIN_SGD]
+    more = ["parallel.topk_ratio=1.0"] if scheme == "topk" else ["parallel.powersgd_rank=1"]
+    got = pool2.run(sparse_run, tiny_gpt_config(tiny_text, *base, f"parallel.compression='{scheme}'", *more),
+                    tmp_path / scheme)[0]
+    ref = pool2.run(sparse_run, tiny_gpt_config(tiny_text, *base), tmp_path / "none")[0]
+    losses = step_losses(tmp_path / scheme)
+    if scheme == "topk":
+        assert max_diff(ref[0], got[0]) < 1e-5
+        for (a, g), (b, h) in zip(step_losses(tmp_path / "none"), losses, strict=True):
+            assert b == pytest.approx(a, rel=1e-5) and h == pytest.approx(g, rel=1e-5)
+    else:
+        dense = [r * b for r, b in zip(got[3], got[2])]  # the uncompressed all-reduce bytes it logs per step
+        # PowerSGD's first two steps are plain all-reduces (torch's start_powerSGD_iter); then it compresses
+        assert got[2][:2] == ref[2][:2]
+        saved = [plain - sent for plain, sent in zip(ref[2][2:], got[2][2:])]
+        assert all(x > 0 for x in saved) and sum(saved) > 0.5 * sum(dense[2:]), (saved, dense)
+        plain_losses = step_losses(tmp_path / "none")
+        assert losses[:2] == plain_losses[:2]  # the same steps until it compresses
+        assert all(b == pytest.approx(a, rel=0.1) for (a, _), (b, _) in zip(plain_losses[2:], losses[2:]))

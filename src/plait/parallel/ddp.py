@@ -145,8 +145,8 @@ def check(layout: Layout, keys: DDPKeys) -> None:
         return  # tp x dp: the by-hand average over dp casts, or runs the scheme on the flat shards (after_backward)
     if keys.compression in by_hand and layout.zero == 1 and layout.data_parallel_only and layout.ep == 1:
         return  # ZeRO-1: its flat reduce-scatter in that dtype, or the scheme on the flat buffer (plait.parallel.zero)
-    if keys.compression in HALF and applies(layout, keys) and layout.ep > 1 and layout.tp == 1:
-        return  # ep: DDP's hook compresses the dense part (the experts' replicas average by hand, uncompressed)
+    if applies(layout, keys) and layout.ep > 1 and layout.tp == 1:
+        return  # ep: DDP's hook compresses the dense part, any scheme (the experts' replicas average by hand, uncompressed)
     if not (layout.plain_data_parallel and layout.replicas >= 2):
         where = ("on DDP's buckets, ZeRO-1's flat buffer or tensor-parallel shards averaged over dp: it needs "
                  "parallel.dp >= 2 with pp = ep = 1, zero = 0 or 1 (tp with zero = 0)" if keys.compression in FLAT else

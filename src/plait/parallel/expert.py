@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from plait.comm.compression import ratio_metrics
 from plait.errors import ConfigError
 from plait.models import expert_counts
 from plait.models.moe import MoE, moe_layers
@@ -85,6 +86,10 @@ class ExpertParallelStrategy(Strategy):
         if isinstance(self.model, DDP):
             return self.model.no_sync()
         return _fsdp_no_sync(self.model)
+
+    def step_metrics(self, record: dict) -> dict:
+        """With compression of the dense part's DDP all-reduce: its uncompressed bytes per step and the ratio."""
+        return ratio_metrics(getattr(self.model, "plait_compression", None), record)
 
     def stop_training(self, params: list) -> None:
         """Progressive freezing: as the base; the dense part's DDP rebuilt over what still trains (it lays its buckets
