@@ -105,16 +105,18 @@ def no_process_group():
     assert not dist.is_initialized(), "a test left the default process group initialised"
 
 
-# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them.
+# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them, and so does
+# every 25th task: each task's process groups stay in the ranks with their gloo threads (RankPool's recycle_after;
+# a pool that ran all its tasks once carried 1000 threads a rank, ~30 of them running).
 @pytest.fixture(scope="session")
 def pool2():
-    with RankPool(2, timeout_s=90) as pool:
+    with RankPool(2, timeout_s=90, recycle_after=25) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4():
-    with RankPool(4, timeout_s=120) as pool:
+    with RankPool(4, timeout_s=120, recycle_after=25) as pool:
         yield pool
 
 

@@ -98,3 +98,9 @@ def test_ranks_exit_when_their_pool_process_dies():
         assert [p for p in pids if alive(p)] == []
     finally:
         owner.kill()
+
+
+def test_a_pool_starts_fresh_ranks_after_recycle_after_tasks():
+    with RankPool(2, recycle_after=2) as pool:
+        first, second, third = (pool.run(pid) for _ in range(3))
+    assert first == second and set(third).isdisjoint(first)

@@ -79,11 +79,18 @@ def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, ta
 class RankPool:
     """`world_size` live ranks that run functions on request (see the module docstring)."""
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0):
+    def __init__(self, world_size: int, timeout_s: float = 120.0, recycle_after: int = 0):
+        """recycle_after: start fresh ranks after this many tasks (0: never). Every process group a task makes (a
+        device mesh's axes, a pipeline's pairs) stays registered with torch for the process's life, each with gloo
+        threads of its own, some of them polling: ranks that run hundreds of tasks carry a thousand such threads and
+        slow the whole machine. Destroying the groups after each task is not enough, as DTensor's caches keep meshes
+        (equal to the next task's) that name them."""
         if not 1 <= world_size <= 8:
             raise ValueError(f"world_size = {world_size}: the harness runs 1 to 8 ranks")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.recycle_after = recycle_after
+        self._runs = 0
         self._procs: list = []
 
     def _start(self) -> None:
@@ -131,6 +138,9 @@ class RankPool:
         if failed:
             self.close(graceful=False)
             raise DistributedError(_format(fn, failed))
+        self._runs += 1
+        if self.recycle_after and self._runs >= self.recycle_after:  # the next task starts fresh ranks
+            self.close()
         return [got[r][1] for r in range(self.world_size)]
 
     def close(self, graceful: bool = True) -> None:
@@ -144,6 +154,7 @@ class RankPool:
                 p.kill()
                 p.join()
         self._procs = []
+        self._runs = 0
         if getattr(self, "_dir", None):
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
