@@ -105,19 +105,31 @@ def no_process_group():
     assert not dist.is_initialized(), "a test left the default process group initialised"
 
 
-# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them, and so does
-# every 25th task: each task's process groups stay in the ranks with their gloo threads (RankPool's recycle_after;
-# a pool that ran all its tasks once carried 1000 threads a rank, ~30 of them running).
+# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them, and so do
+# the tests after 25 tasks: each task's process groups stay in the ranks with their gloo threads (RankPool's
+# recycle_after; a pool that ran all its tasks once carried 1000 threads a rank, ~30 of them running). Between tests
+# only: a test may register a module in the ranks for its later tasks.
+POOLS: list[RankPool] = []
+
+
 @pytest.fixture(scope="session")
 def pool2():
     with RankPool(2, timeout_s=90, recycle_after=25) as pool:
+        POOLS.append(pool)
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4():
     with RankPool(4, timeout_s=120, recycle_after=25) as pool:
+        POOLS.append(pool)
         yield pool
+
+
+@pytest.fixture(autouse=True)
+def recycle_pools():
+    for pool in POOLS:
+        pool.recycle_if_due()
 
 
 @pytest.fixture(scope="session")

@@ -100,7 +100,11 @@ def test_ranks_exit_when_their_pool_process_dies():
         owner.kill()
 
 
-def test_a_pool_starts_fresh_ranks_after_recycle_after_tasks():
+def test_a_pool_starts_fresh_ranks_when_recycled_after_recycle_after_tasks():
     with RankPool(2, recycle_after=2) as pool:
-        first, second, third = (pool.run(pid) for _ in range(3))
-    assert first == second and set(third).isdisjoint(first)
+        first = pool.run(pid)
+        pool.recycle_if_due()  # one task: not yet
+        second, third = pool.run(pid), pool.run(pid)  # never in the middle of a caller's tasks
+        pool.recycle_if_due()
+        fourth = pool.run(pid)
+    assert first == second == third and set(fourth).isdisjoint(first)

@@ -80,7 +80,7 @@ class RankPool:
     """`world_size` live ranks that run functions on request (see the module docstring)."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, recycle_after: int = 0):
-        """recycle_after: start fresh ranks after this many tasks (0: never). Every process group a task makes (a
+        """recycle_after: recycle_if_due starts fresh ranks after this many tasks (0: never). Every process group a task makes (a
         device mesh's axes, a pipeline's pairs) stays registered with torch for the process's life, each with gloo
         threads of its own, some of them polling: ranks that run hundreds of tasks carry a thousand such threads and
         slow the whole machine. Destroying the groups after each task is not enough, as DTensor's caches keep meshes
@@ -139,9 +139,13 @@ class RankPool:
             self.close(graceful=False)
             raise DistributedError(_format(fn, failed))
         self._runs += 1
-        if self.recycle_after and self._runs >= self.recycle_after:  # the next task starts fresh ranks
-            self.close()
         return [got[r][1] for r in range(self.world_size)]
+
+    def recycle_if_due(self) -> None:
+        """Fresh ranks from the next task on, once recycle_after tasks have run; call it where no task depends on
+        what an earlier one left in the ranks (between tests: a test may register a module in them first)."""
+        if self.recycle_after and self._runs >= self.recycle_after:
+            self.close()
 
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks: politely when idle, at once after a failure (they may be stuck)."""
