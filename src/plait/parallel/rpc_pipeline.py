@@ -30,7 +30,6 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 from torch.distributed.nn import RemoteModule
-from torch.distributed.rendezvous import register_rendezvous_handler
 
 from plait.comm import accounting
 from plait.errors import ConfigError
@@ -39,6 +38,7 @@ from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
 from plait.parallel.pipeline import PipelineStrategy
 from plait.parallel.scheme import Build, Scheme
+from plait.ps.rpc import start_agent
 
 # this process's stages by (job token, stage index): what a RemoteModule made on this rank wraps
 _STAGES: dict[tuple[str, int], nn.Module] = {}
@@ -96,17 +96,7 @@ def start_rpc(rank: int, world: int, timeout_s: float, token: str) -> None:
     _STARTED.append(token)
     # the default group's store: however it was made (torchrun's agent, env://, a test's file), the ranks share it
     store = dist.PrefixStore(f"plait/rpc-pipeline/{token}", dist.distributed_c10d._get_default_store())
-
-    def handler(url: str, **kwargs):
-        yield store, rank, world
-
-    scheme = f"plaitrpcpp{id(store)}"
-    register_rendezvous_handler(scheme, handler)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{scheme}://", rpc_timeout=timeout_s,
-                                           num_worker_threads=max(16, 4 * world), _transports=["uv"], _channels=["basic"])
-    with warnings.catch_warnings():  # RPC's own gloo group (its device-map exchange) warns of its use
-        warnings.simplefilter("ignore")
-        rpc.init_rpc(stage_name(rank), rank=rank, world_size=world, rpc_backend_options=opts)
+    start_agent(stage_name(rank), rank, world, store, timeout_s)
 
 
 class RPCPipelineStrategy(PipelineStrategy):

@@ -49,21 +49,26 @@ def join(rank: int, world: int, dp: int, timeout_s: float) -> None:
         raise ConfigError("parallel.sync = 'ps' starts its own processes (dp workers + ps_servers servers) and does not "
                           "run inside an existing process group; launch it with `plait train` or torchrun")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("plait/ps", _store(rank, world, timeout))
+    start_agent(rank_name(rank, dp), rank, world, dist.PrefixStore("plait/ps", _store(rank, world, timeout)), timeout_s)
+    # At exit, if nothing stopped it before: at once, without waiting for the others (some may be gone).
+    atexit.register(leave, False)
+
+
+def start_agent(name: str, rank: int, world: int, store, timeout_s: float) -> None:
+    """This rank's TensorPipe RPC agent, meeting the others through `store` (the parameter server's, the RPC
+    pipeline's)."""
 
     def handler(url: str, **kwargs):
         yield store, rank, world
 
     # RPC meets through a URL scheme: one of its own for this store, so no module state holds it.
-    scheme = f"plaitps{id(store)}"
+    scheme = f"plaitrpc{id(store)}"
     register_rendezvous_handler(scheme, handler)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{scheme}://", rpc_timeout=timeout_s,
                                            num_worker_threads=max(16, 4 * world), _transports=["uv"], _channels=["basic"])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # RPC's internal gloo group triggers a deprecation warning
-        rpc.init_rpc(rank_name(rank, dp), rank=rank, world_size=world, rpc_backend_options=opts)
-    # At exit, if nothing stopped it before: at once, without waiting for the others (some may be gone).
-    atexit.register(leave, False)
+        warnings.simplefilter("ignore")  # RPC's internal gloo group (its device-map exchange) warns of its use
+        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
 
 
 def leave(orderly: bool, timeout_s: float = 0.0) -> None:
