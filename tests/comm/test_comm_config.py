@@ -30,11 +30,13 @@ def test_compression_on_a_sync_without_all_reduce():
 
 
 def test_compression_needs_ddp():
-    assert message("parallel.compression='int8'", "parallel.dp=2", "parallel.zero=2") == (
-        "parallel.compression = 'int8' runs on DDP's buckets, ZeRO-1's flat buffer or tensor-parallel shards averaged "
-        "over dp: it needs parallel.dp >= 2 with pp = ep = 1, zero = 0 or 1 (tp with zero = 0) and no "
-        "embedding_sharding (here dp = 2, tp = 1, pp = 1, ep = 1, zero = 2, sync = 'allreduce'); set "
-        "parallel.compression='none' or change the layout")
+    with pytest.raises(ConfigError) as e:  # the default GPT: tensor parallel under ZeRO-3
+        load_job(None, ["parallel.compression='int8'", "parallel.dp=2", "parallel.tp=2", "parallel.zero=3"])
+    assert str(e.value) == (
+        "parallel.compression = 'int8' runs on DDP's buckets, ZeRO's reduce-scatter or tensor-parallel shards averaged "
+        "over dp: it needs parallel.dp >= 2 and plain DDP, ZeRO-1, tp x dp with zero = 0, or zero = 2 or 3 with "
+        "tp = ep = cp = 1 (pp too) and no embedding_sharding (here dp = 2, tp = 2, pp = 1, ep = 1, zero = 3, sync = "
+        "'allreduce'); set parallel.compression='none' or change the layout")
     assert message("parallel.compression='topk'", "parallel.topk_ratio=0.0") == (
         "parallel.topk_ratio = 0.0 must be in (0, 1] (the share of gradient entries sent, e.g. 0.01); "
         "set --set parallel.topk_ratio=0.01")

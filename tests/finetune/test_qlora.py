@@ -64,3 +64,26 @@ def test_qlora_trains_and_exports_a_plain_model(pretrained, tiny_text, tmp_path)
     assert abs(val_loss(merged, cfg) - q[3]["val_loss"]) < 1e-5
     with pytest.raises(ConfigError, match="set finetune.lora_rank"):
         check_job(load_config(None, gpt(tiny_text, "finetune.quantize_base='nf4'")))
+
+
+def test_zero3_shards_the_nf4_base_with_its_scales(pool2, pretrained, tiny_text, tmp_path):
+    """QLoRA x ZeRO-3 (FSDP-QLoRA): the nf4 codes and their fp32 scales are sharded like any parameter, so at rest a rank
+    holds (n/2 + 4 n/64) / dp bytes of the n adapted weights, against LoRA's 4 n / dp: the per-rank parameter bytes in
+    summary.json differ by exactly (4 n - n/2 - 4 n/64) / dp. The run is one process's QLoRA trajectory (plain SGD)."""
+    from ft_helpers import assert_same
+
+    more = (*QLORA, f"train.init_from='{pretrained}'")
+    one = run_trajectory(load_config(None, gpt(tiny_text, "parallel.dp=1", *more, "finetune.quantize_base='nf4'")),
+                         tmp_path / "one")
+    z3 = ("parallel.dp=2", "parallel.zero=3")
+    q = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, *z3, *more, "finetune.quantize_base='nf4'")),
+                  tmp_path / "q")[0]
+    assert_same(one, q)
+    lora = pool2.run(run_trajectory, load_config(None, gpt(tiny_text, *z3, *more)), tmp_path / "lora")[0]
+    _, _, plain = load_run_model(pretrained)
+    n = sum(plain.get_submodule(name).weight.numel() for name in lora_layers(load_run_model(tmp_path / "q", merge=False)[2]))
+    assert n == 2 * (32 * 32 * 2 + 128 * 32)  # q, v and the MLP's up projection in each of 2 blocks
+    per_rank = [(a["params_bytes"], b["params_bytes"]) for a, b in zip(lora[3]["memory"]["per_rank"],
+                                                                        q[3]["memory"]["per_rank"], strict=True)]
+    assert [a - b for a, b in per_rank] == [(4 * n - n // 2 - 4 * n // 64) // 2] * 2, per_rank
+    assert q[3]["params"] == lora[3]["params"]  # the nf4 base counts as the weights it stands for

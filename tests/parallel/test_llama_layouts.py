@@ -182,8 +182,8 @@ LORA = ("finetune.lora_rank=4", "finetune.lora_alpha=8", "finetune.lora_targets=
 @pytest.mark.parametrize("method", [(), ("finetune.quantize_base='nf4'",), ("finetune.freeze=['blocks.0.*', 'tok_emb.*']",)],
                          ids=["lora", "qlora", "freeze"])
 def test_fine_tuning_methods_keep_the_trajectory_at_zero3(pool2, reference, base, eq, tmp_path, method):
-    """LoRA by the Llama names (a pattern without a dot matches the names ending in it), QLoRA (an nf4 base each
-    rank holds whole, the adapters sharded) and freezing, at dp2 + ZeRO-3, on one process's trajectory."""
+    """LoRA by the Llama names (a pattern without a dot matches the names ending in it), QLoRA (the nf4 base and the
+    adapters sharded) and freezing, at dp2 + ZeRO-3, on one process's trajectory."""
     lora = not (method and method[0].startswith("finetune.freeze"))
     # 4 blocks here (2 elsewhere in this file): over 2, the adapters' 4 steps do not lower the loss
     ft = ("model.layers=4", *((*LORA, *method) if lora else method))

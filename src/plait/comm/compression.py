@@ -70,6 +70,13 @@ class CompressionState:
         self.raw_bytes, self.steps = 0.0, 0
         return out
 
+    def end_step(self) -> None:
+        """A step's reductions are done, where the calls cannot tell their last (FSDP2 units, in any order, once per
+        micro-batch inside pipeline stages): count it, and PowerSGD's iterations with it."""
+        self.steps += 1
+        if self.powersgd is not None:
+            self.powersgd.iter += 1
+
     def residual(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         """The error-feedback memory for one bucket (reset when DDP rebuilds its buckets)."""
         r = self.residuals.get(key)
@@ -166,27 +173,74 @@ def compression_hook(state: CompressionState, bucket):  # no return annotation: 
     return HOOKS[state.spec.kind](state, bucket)
 
 
+class _Bucket:
+    """What torch's powerSGD_hook reads of DDP's GradBucket: a flat buffer, its per-parameter views, a key for the
+    error feedback and warm start, and whether it is the step's last (PowerSGD counts its iterations on those)."""
+
+    def __init__(self, buffer: torch.Tensor, views: list[torch.Tensor], key, last: bool):
+        self._buffer, self._views, self._key, self._last = buffer, views, key, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self):
+        return self._key
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def powersgd_allreduce(state: CompressionState, flat: torch.Tensor, views: list[torch.Tensor], key: tuple,
+                       last: bool = True) -> torch.Tensor:
+    """The mean over ranks of flat by torch's PowerSGD hook, each of `views` (views of flat, one per parameter, in
+    its shape) compressed as a matrix as in a DDP bucket; flat is overwritten with the mean and returned."""
+    return powerSGD_hook.powerSGD_hook(state.powersgd, _Bucket(flat, views, key, last)).wait()
+
+
 FLAT = {"topk": topk_allreduce, "int8": int8_allreduce}  # schemes that take any flat gradient, not only a bucket
+BY_HAND = (*FLAT, "powersgd")  # schemes that run where no DDP bucket carries the gradient (PowerSGD given the views)
 
 
 def compressed_average(state: CompressionState, flat: torch.Tensor, key: tuple = ("flat",),
-                       reduce_scatter: bool = False) -> torch.Tensor:
-    """The mean over the group of a flat gradient by the configured scheme (topk or int8) where no DDP bucket carries
-    it (ZeRO-1's flat buffer, tensor-parallel shards averaged over dp by hand); tallies the uncompressed volume: a
-    ring all-reduce's, or a reduce-scatter's (half) where that is what it replaces."""
+                       reduce_scatter: bool = False, views: list[torch.Tensor] | None = None,
+                       last: bool = True) -> torch.Tensor:
+    """The mean over the group of a flat gradient by the configured scheme (topk, int8, or powersgd on `views`, the
+    parameters' gradients as views of flat) where no DDP bucket carries it (ZeRO-1's flat buffer, tensor-parallel
+    shards averaged over dp by hand, an FSDP2 unit's reduce-scatter); tallies the uncompressed volume: a ring
+    all-reduce's, or a reduce-scatter's (half) where that is what it replaces. `last`: the step's last call (False
+    where the caller's strategy calls state.end_step() instead)."""
     n = state.world
     state.raw_bytes += (1 if reduce_scatter else 2) * (n - 1) / n * flat.numel() * flat.element_size()
-    state.steps += 1
+    if last:
+        state.steps += 1
+    if state.spec.kind == "powersgd":
+        if views is None:
+            raise ValueError("powersgd compresses each parameter's gradient as a matrix: pass its views of flat")
+        return powersgd_allreduce(state, flat, views, ("powersgd", *key), last)
     return FLAT[state.spec.kind](state, flat, (state.spec.kind, *key))
 
 
-def ratio_metrics(state: CompressionState | None, record: dict) -> dict:
+def views_of(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of flat in the shapes of `like`, laid end to end."""
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def ratio_metrics(state, record: dict) -> dict:
     """For a metrics record: the uncompressed all-reduce bytes per step since the last record, and their ratio to the
-    bytes the rank sent (record["comm_bytes"])."""
-    if state is None:
+    bytes the rank sent (record["comm_bytes"]). state: a CompressionState, None, or a list of them (a rank's
+    pipeline stages, each with its own): their bytes add up."""
+    states = [s for s in (state if isinstance(state, list) else [state]) if s is not None]
+    if not states:
         return {}
-    raw, steps = state.take()
-    raw /= max(1, steps)
+    taken = [s.take() for s in states]
+    raw = sum(r / max(1, steps) for r, steps in taken)
     sent = record.get("comm_bytes") or 0.0
     return {"uncompressed_bytes": raw, "compression_ratio": raw / sent if sent else None}
 

@@ -72,7 +72,7 @@ class LoRALinear(nn.Module):
             return self.weight
         import bitsandbytes.functional as bnbf
 
-        state = bnbf.QuantState(absmax=self.weight_absmax, shape=torch.Size((self.out_features, self.in_features)),
+        state = bnbf.QuantState(absmax=self.weight_absmax.float(), shape=torch.Size((self.out_features, self.in_features)),
                                 code=self.nf4_code, blocksize=NF4_BLOCK, quant_type="nf4",
                                 dtype=torch.float32)
         return bnbf.dequantize_4bit(self.weight_nf4, quant_state=state)
@@ -127,6 +127,26 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}"
+
+
+def shard_nf4_bases(model: nn.Module) -> int:
+    """QLoRA under ZeRO-2/3: every nf4 layer's packed codes and scales become frozen parameters (same names, same
+    state-dict keys), so FSDP2 shards them with the rest: at rest a rank holds 1/dp of the base, (n/2 + 4 n/64)/dp
+    bytes for n weights, and a unit's whole codes are all-gathered only while it runs, each forward dequantizing its
+    own layers (FSDP-QLoRA's layout). Returns how many layers changed."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, LoRALinear) and m.quantize == "nf4" and "weight_nf4" in m._buffers:
+            for name in ("weight_nf4", "weight_absmax"):
+                m.register_parameter(name, nn.Parameter(m._buffers.pop(name), requires_grad=False))
+            count += 1
+    return count
+
+
+def nf4_storage(model: nn.Module) -> set[int]:
+    """ids of the nf4 layers' codes and scales, whether buffers or (under ZeRO-2/3) frozen parameters."""
+    return {id(t) for m in model.modules() if isinstance(m, LoRALinear) and m.quantize == "nf4"
+            for t in (m.weight_nf4, m.weight_absmax)}
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:

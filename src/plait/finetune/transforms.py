@@ -28,8 +28,8 @@ def active(cfg) -> bool:
 def check_layout(cfg, layout) -> None:
     """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor, pipeline (not progressive),
     context and expert parallel and ZeRO 1-3 (the keys' own rules are
-    plait.finetune.keys'). Under ZeRO a QLoRA base's 4-bit codes are buffers, held whole by every rank (an eighth of
-    fp32); what ZeRO shards is what trains: the adapters, their gradients and optimizer state."""
+    plait.finetune.keys'). Under ZeRO-2/3 a QLoRA base's 4-bit codes and scales are sharded with the rest
+    (plait.finetune.lora.shard_nf4_bases); under ZeRO-1 each rank holds them whole (an eighth of fp32)."""
     f = cfg.finetune
     # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
     # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)

@@ -19,7 +19,15 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.comm.accounting import AlgorithmHookState, algorithm_hook, ddp_allreduce_hook
-from plait.comm.compression import FLAT, Compression, CompressionState, compressed_average, ratio_metrics, register_compression
+from plait.comm.compression import (
+    BY_HAND,
+    Compression,
+    CompressionState,
+    compressed_average,
+    ratio_metrics,
+    register_compression,
+    views_of,
+)
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import allreduce_grads
@@ -91,8 +99,9 @@ class DDPStrategy(Strategy):
             grads = [g.to_local() if hasattr(g, "to_local") else g for p in self.module.parameters()
                      if (g := p.grad) is not None]
             flat = _flatten_dense_tensors(grads)
-            for g, mean in zip(grads, _unflatten_dense_tensors(compressed_average(self.sparse, flat), grads)):
-                g.copy_(mean)
+            mean = compressed_average(self.sparse, flat, views=views_of(flat, grads))  # PowerSGD: each shard a matrix
+            for g, m in zip(grads, _unflatten_dense_tensors(mean, grads)):
+                g.copy_(m)
         elif self.by_hand:
             allreduce_grads(self.module.parameters(), self.dp_group, self.dp, self.compress)
 
@@ -140,7 +149,10 @@ def check(layout: Layout, keys: DDPKeys) -> None:
     if keys.compression in ("fp16", "bf16") and layout.shards_gradients and layout.ep == 1 \
             and layout.embedding_sharding == "none":
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
-    by_hand = (*HALF, *FLAT)
+    if keys.compression in BY_HAND and layout.shards_gradients and layout.tp == layout.ep == layout.cp == 1 \
+            and layout.embedding_sharding == "none":
+        return  # ZeRO-2/3, in pipeline stages too: each FSDP2 unit's reduce-scatter compressed (plait.parallel.fsdp_compress)
+    by_hand = (*HALF, *BY_HAND)
     if keys.compression in by_hand and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
         return  # tp x dp: the by-hand average over dp casts, or runs the scheme on the flat shards (after_backward)
     if keys.compression in by_hand and layout.zero == 1 and layout.data_parallel_only and layout.ep == 1:
@@ -148,8 +160,9 @@ def check(layout: Layout, keys: DDPKeys) -> None:
     if applies(layout, keys) and layout.ep > 1 and layout.tp == 1:
         return  # ep: DDP's hook compresses the dense part, any scheme (the experts' replicas average by hand, uncompressed)
     if not (layout.plain_data_parallel and layout.replicas >= 2):
-        where = ("on DDP's buckets, ZeRO-1's flat buffer or tensor-parallel shards averaged over dp: it needs "
-                 "parallel.dp >= 2 with pp = ep = 1, zero = 0 or 1 (tp with zero = 0)" if keys.compression in FLAT else
+        where = ("on DDP's buckets, ZeRO's reduce-scatter or tensor-parallel shards averaged over dp: it needs "
+                 "parallel.dp >= 2 and plain DDP, ZeRO-1, tp x dp with zero = 0, or zero = 2 or 3 with tp = ep = cp = 1 "
+                 "(pp too)" if keys.compression in BY_HAND else
                  "as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0")
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} runs {where} and no embedding_sharding (here "
@@ -172,7 +185,7 @@ def build(b: Build, cls: type | None = None) -> Strategy:
                                     b.local_batch, dp_group=b.rt.axis_group("dp"), dp=b.rt.axis_size("dp"),
                                     compress=HALF.get(compression))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
-    if strategy.by_hand and compression in FLAT:
+    if strategy.by_hand and compression in BY_HAND:
         strategy.sparse = CompressionState(b.rt.axis_group("dp"), Compression.from_keys(b.keys(DDPKeys)))
     strategy.rewrap = lambda module: transform(module, b)
     if compression != "none":

@@ -33,8 +33,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 from torch.distributed.tensor import DTensor
 
+from plait.comm.compression import BY_HAND, Compression, ratio_metrics
 from plait.errors import ConfigError
+from plait.finetune.lora import shard_nf4_bases
 from plait.parallel.base import DTYPES, Precision, Strategy, model_blocks
+from plait.parallel.fsdp_compress import install as install_compression
 from plait.parallel.gradsync import clip_grads
 from plait.parallel.keys import DDPKeys
 from plait.parallel.layout import Layout
@@ -107,12 +110,12 @@ def overlap_without_streams(model: nn.Module, dp_mesh, stage: int) -> DeferredRe
     """On a device without streams (CPU), make stage 3's collectives asynchronous; the reduce-scatter to wait for.
 
     None where nothing changes: a device with streams (FSDP2 overlaps there already), stage 2 (one unit:
-    nothing to overlap with), a unit holding parameters of another dtype than float32 or bfloat16 (FSDP2
-    then divides after the reduction)."""
+    nothing to overlap with), a unit training parameters of another dtype than float32 or bfloat16 (FSDP2
+    then divides after the reduction; QLoRA's frozen uint8 codes have no gradient to reduce)."""
     units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
     if dp_mesh.device_type != "cpu" or stage != 3 or len(units) < 2:
         return None
-    if any(p.dtype not in (torch.float32, torch.bfloat16) for p in model.parameters()):
+    if any(p.dtype not in (torch.float32, torch.bfloat16) for p in model.parameters() if p.requires_grad):
         return None
     comm = DeferredReduceScatter()
     for unit in units:
@@ -152,6 +155,8 @@ class FSDPStrategy(Strategy):
     def after_backward(self) -> None:
         if self.reduce_scatter is not None:
             self.reduce_scatter.wait()  # the last unit's (the root's) reduce-scatter, before anything reads a gradient
+        if (compression := getattr(self.model, "plait_compression", None)) is not None:
+            compression.end_step()
         super().after_backward()
 
     def stop_training(self, params: list) -> None:
@@ -189,6 +194,10 @@ class FSDPStrategy(Strategy):
             return None
         return clip_grads([], max_norm, partial=[p.grad._local_tensor for p in params if p.grad is not None],
                           group=self.dp_group)
+
+    def step_metrics(self, record: dict) -> dict:
+        """With top-k / int8 / PowerSGD compression: the uncompressed reduce-scatter bytes per step and their ratio."""
+        return ratio_metrics(getattr(self.model, "plait_compression", None), record)
 
     def optimizer_step(self) -> None:
         params = self._dp_shards()
@@ -272,8 +281,13 @@ REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def transform(model: nn.Module, b: Build) -> nn.Module:
     offload = b.layout.offload == "params" and b.rt.device.type != "cpu"
-    return apply_fsdp(model, b.rt.mesh["dp"], b.layout.zero, param_dtype=b.cfg.precision.dtype, offload=offload,
-                      reduce_dtype=REDUCE_DTYPES.get(b.keys(DDPKeys).compression))
+    keys = b.keys(DDPKeys)
+    shard_nf4_bases(model)  # QLoRA: the nf4 base sharded with the rest (FSDP-QLoRA), not held whole on every rank
+    model = apply_fsdp(model, b.rt.mesh["dp"], b.layout.zero, param_dtype=b.cfg.precision.dtype, offload=offload,
+                       reduce_dtype=REDUCE_DTYPES.get(keys.compression))
+    if keys.compression in BY_HAND:  # top-k, int8, PowerSGD of what each unit reduce-scatters
+        install_compression(model, b.rt.axis_group("dp"), Compression.from_keys(keys))
+    return model
 
 
 def build(b: Build) -> Strategy:
@@ -287,11 +301,11 @@ def build(b: Build) -> Strategy:
     precision = Precision("fp32", b.rt.device) if b.cfg.precision.dtype == "bf16" else b.precision
     strategy = FSDPStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, precision, b.local_batch,
                             stage=b.layout.zero, dp_group=b.rt.axis_group("dp"),
-                            reduce_scatter=None if compression in REDUCE_DTYPES else
+                            reduce_scatter=None if compression in REDUCE_DTYPES or compression in BY_HAND else
                             overlap_without_streams(b.module, b.rt.mesh["dp"], b.layout.zero))
     strategy.tensor_parallel = b.rt.axis_size("tp") > 1
     strategy.init_memory = init
-    if compression in REDUCE_DTYPES:
+    if compression != "none":
         strategy.labels.append(f"{compression} compression")
     return strategy
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from plait.comm.compression import ratio_metrics
 from plait.comm.p2p import recv_message, send_tensor
 from plait.errors import ConfigError
 from plait.models import capabilities
@@ -166,6 +167,9 @@ class PipelineStrategy(Strategy):
                                losses=losses if self.last else None)
         span = time.time() - t0
         self._record_step(t0, span)
+        for part in self.parts:  # ZeRO inside the stages, compressed: the step's reduce-scatters are done
+            if (compression := getattr(part, "plait_compression", None)) is not None:
+                compression.end_step()
         align_grads(self.module.parameters())
         self._sync_tied()
         if self.dp_sync:  # a sharded table's gradient is whole on its owner already (plait.parallel.embedding)
@@ -200,6 +204,10 @@ class PipelineStrategy(Strategy):
         norm = sq.sqrt().float()
         clip_to([p.grad for p in params if p.grad is not None], norm, max_norm)
         return norm
+
+    def step_metrics(self, record: dict) -> dict:
+        """With top-k / int8 / PowerSGD of the stages' ZeRO reduce-scatters: their uncompressed bytes and the ratio."""
+        return ratio_metrics([getattr(part, "plait_compression", None) for part in self.parts], record)
 
     def stop_training(self, params: list) -> None:
         """As the base, and under ZeRO inside the stages FSDP2's unsharded copies stop requiring a gradient too."""

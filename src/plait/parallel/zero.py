@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from plait.comm.compression import FLAT, Compression, CompressionState, compressed_average, ratio_metrics
+from plait.comm.compression import BY_HAND, Compression, CompressionState, compressed_average, ratio_metrics
 from plait.comm.placement import balanced_owners
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
@@ -63,7 +63,7 @@ class ZeroOneStrategy(Strategy):
                 p.grad = self.flat_grads[fill[o]:fill[o] + n].view_as(p)
                 fill[o] += n
         self.compress: torch.dtype | None = None  # parallel.compression = fp16 | bf16: the reduce-scatter's dtype
-        self.sparse: CompressionState | None = None  # parallel.compression = topk | int8 (with its error feedback)
+        self.sparse: CompressionState | None = None  # parallel.compression = topk | int8 | powersgd
         self.owned = [p for p, o in zip(params, owner) if o == self.rank]
         self.owned_numel = loads[self.rank]
         optimizer = make_optimizer(module, only=set(map(id, self.owned)))
@@ -73,7 +73,8 @@ class ZeroOneStrategy(Strategy):
         loss = super().forward_backward(micro_batches)
         lo = self.rank * self.segment
         if self.sparse is not None:  # top-k / int8: the whole flat buffer averaged by the scheme, this rank's segment kept
-            mean = compressed_average(self.sparse, self.flat_grads, reduce_scatter=True)
+            mean = compressed_average(self.sparse, self.flat_grads, reduce_scatter=True,
+                                      views=[p.grad for p in self.params])  # PowerSGD: each gradient a matrix
             self.flat_grads[lo:lo + self.segment].copy_(mean[lo:lo + self.segment])
             return loss
         if self.compress is not None:  # fp16/bf16 compression: cast, divide, reduce-scatter in that dtype, cast back
@@ -149,9 +150,11 @@ def build(b: Build) -> Strategy:
     strategy = ZeroOneStrategy(b.module, b.make_optimizer, b.loss_fn, b.precision, b.local_batch, b.rt.axis_group("dp"))
     keys = b.keys(DDPKeys)
     strategy.compress = HALF.get(keys.compression)
-    if keys.compression in FLAT:
+    if keys.compression in BY_HAND:
         strategy.sparse = CompressionState(b.rt.axis_group("dp"), Compression.from_keys(keys))
     strategy.model = b.parallelize(b.module)  # activation checkpointing / compile, after the flat buffers exist
+    if keys.compression != "none":
+        strategy.labels.append(f"{keys.compression} compression")
     return strategy
 
 

@@ -29,6 +29,7 @@ from plait import faults
 from plait.comm.accounting import CommCounter, counting
 from plait.comm.fingerprint import Fingerprinter
 from plait.config import config_to_dict, dump_config
+from plait.finetune.lora import nf4_storage
 from plait.models.protocols import WindowMetricsModel
 from plait.train.checkpoint import step_name
 from plait.train.evaluate import evaluate, fewshot_from_scratch, generate_sample, linear_probe, multimodal_figures
@@ -45,14 +46,20 @@ def _fingerprinter(cfg, rt):
     return Fingerprinter(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
 
+def weights_held(module, params=None) -> int:
+    """The weights module holds (params: its parameters to count, default all); QLoRA's frozen base weights are nf4
+    codes (buffers, or frozen parameters under ZeRO-2/3), counted as the weights they stand for."""
+    nf4 = nf4_storage(module)
+    packed = sum(m.packed_weight_numel() for m in module.modules() if hasattr(m, "packed_weight_numel"))
+    return sum(p.numel() for p in (module.parameters() if params is None else params) if id(p) not in nf4) + packed
+
+
 def model_counts(strategy, layout, rt) -> tuple[int, int]:
     """(all, trainable) parameters of the whole model: a sharded DTensor counts its global size, and pipeline stages
     (each holding its own blocks) are summed over the pp group. Every rank calls it."""
     copies: frozenset[int] = getattr(strategy, "tied_copies", frozenset())  # a tied weight's copy on the last stage counts once
     params = [p for p in strategy.module.parameters() if id(p) not in copies]
-    # QLoRA's frozen base weights are nf4 buffers, not parameters: counted as the weights they stand for
-    packed = sum(m.packed_weight_numel() for m in strategy.module.modules() if hasattr(m, "packed_weight_numel"))
-    counts = torch.tensor([sum(p.numel() for p in params) + packed, sum(p.numel() for p in params if p.requires_grad)],
+    counts = torch.tensor([weights_held(strategy.module, params), sum(p.numel() for p in params if p.requires_grad)],
                           dtype=torch.float64)
     if rt.distributed and layout.pp > 1:
         dist.all_reduce(counts, group=rt.axis_group("pp"))
@@ -315,7 +322,7 @@ class Telemetry:
             "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "strategy": strategy.name},
             "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
             "grad_accum": layout.grad_accum, "precision": cfg.precision.dtype, "device": rt.device.type,
-            "backend": rt.backend, "params": sum(p.numel() for p in strategy.module.parameters()),
+            "backend": rt.backend, "params": weights_held(strategy.module),
             "trainable_params": sum(p.numel() for p in strategy.module.parameters() if p.requires_grad),
             "wall_time_s": time.perf_counter() - self.t_begin, "train_time_s": loop_time,
             self.rate_key: (self.loop_steps * cfg.train.global_batch_size * self.per_sample / loop_time)
