@@ -90,5 +90,5 @@ def install(model: nn.Module, group, spec: Compression) -> CompressionState:
     units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
     for i, unit in enumerate(units):
         unit.set_custom_reduce_scatter(CompressedReduceScatter(state, unit, i))
-    model.plait_compression = state
+    setattr(model, "plait_compression", state)  # noqa: B010 (an nn.Module attribute that is no tensor or module)
     return state

@@ -74,7 +74,7 @@ class ZeroOneStrategy(Strategy):
         lo = self.rank * self.segment
         if self.sparse is not None:  # top-k / int8: the whole flat buffer averaged by the scheme, this rank's segment kept
             mean = compressed_average(self.sparse, self.flat_grads, reduce_scatter=True,
-                                      views=[p.grad for p in self.params])  # PowerSGD: each gradient a matrix
+                                      views=[p.grad for p in self.params if p.grad is not None])  # PowerSGD: matrices
             self.flat_grads[lo:lo + self.segment].copy_(mean[lo:lo + self.segment])
             return loss
         if self.compress is not None:  # fp16/bf16 compression: cast, divide, reduce-scatter in that dtype, cast back
