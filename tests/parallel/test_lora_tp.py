@@ -80,3 +80,54 @@ def test_progressive_freezing_at_dp2_x_tp2_follows_one_process(pool4, tiny_text,
     got = pool4.run(adapters_split, tiny_gpt_config(tiny_text, "parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=2",
                                                     *prog), tmp_path / "run")[0][0]
     assert_follows((one, step_losses(tmp_path / "one")), got, tmp_path / "run", steps=4, rel=1e-5, atol=1e-5)
+
+
+QLORA = ["train.steps=4", *PLAIN_SGD, "finetune.lora_rank=4", "model.vocab_multiple=64", "model.width=128",
+         "finetune.quantize_base='nf4'", "finetune.lora_targets=['*attn.q', '*attn.proj', '*mlp.up', '*mlp.down']"]
+
+
+@pytest.fixture(scope="module")
+def one_qlora(tiny_text, tmp_path_factory):
+    return one_process_runs(tiny_text, tmp_path_factory.mktemp("one-qlora"), *QLORA)
+
+
+def nf4_split(cfg, run_dir):
+    """Pool task: train; rank 0's weights and the placements of its nf4 codes and scales."""
+    from plait.train.trainer import train
+
+    result = train(cfg, run_dir)
+    places = {n: str(b.placements[0]) for n, b in result.strategy.module.named_buffers() if "weight_nf4" in n
+              or "weight_absmax" in n}
+    weights = result.strategy.full_model_state_dict()
+    return (weights, places) if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_qlora_under_tp_follows_one_process(request, tiny_text, tmp_path, one_qlora, name):
+    """QLoRA: the nf4 codes and their scales are kept by row (whole 64-value blocks) and split as the weight is, each
+    rank dequantizing its own rows (column-parallel) or columns (row-parallel): exactly the one-process QLoRA's
+    values, so its trajectory."""
+    world, layout = LAYOUTS[name]
+    pool = request.getfixturevalue(f"pool{world}")
+    got, places = pool.run(nf4_split, tiny_gpt_config(tiny_text, *QLORA, *layout), tmp_path / "run")[0]
+    assert_follows(one_qlora(), got, tmp_path / "run", steps=4, rel=1e-4, atol=1e-4)
+    assert places["blocks.0.attn.q.weight_nf4"] == places["blocks.0.attn.q.weight_absmax"] == "S(0)"
+    assert places["blocks.0.mlp.down.weight_nf4"] == places["blocks.0.mlp.down.weight_absmax"] == "S(1)"
+    assert got["blocks.0.mlp.down.weight_nf4"].shape == (128, 256)  # 512 inputs, two codes a byte
+
+
+def test_an_nf4_base_splits_only_along_its_blocks():
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from plait.errors import ConfigError
+    from plait.finetune.lora import LoRALinear
+
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the qlora and dev extras")
+    model = torch.nn.Sequential(LoRALinear(torch.nn.Linear(64, 8), rank=2, alpha=4, quantize="nf4"))
+    assert model[0].weight_nf4.shape == (8, 32) and model[0].weight_absmax.shape == (8, 1)
+    with pytest.raises(ConfigError) as e:
+        tp_styles(model, {"0": RowwiseParallel()}, tp=2)
+    assert str(e.value) == (
+        "finetune.quantize_base = 'nf4' with parallel.tp = 2: 0 (8 x 64) would split its nf4 blocks of 64 values (32 "
+        "columns of each row on a rank); tensor parallel needs whole blocks on every rank: widen the layer to a "
+        "multiple of 128 inputs, leave it out of finetune.lora_targets, or set parallel.tp=1")

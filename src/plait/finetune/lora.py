@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from plait.errors import ConfigError
@@ -51,6 +51,9 @@ class LoRALinear(nn.Module):
             else:
                 q, state = bnbf.quantize_4bit(w.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
                 absmax, code = state.absmax.float(), state.code.float()
+            if self.in_features % NF4_BLOCK == 0:  # rows of whole blocks: codes and scales by row, as tp splits them
+                q = q.view(self.out_features, self.in_features // 2)
+                absmax = absmax.view(self.out_features, self.in_features // NF4_BLOCK)
             self.register_buffer("weight_nf4", q)
             self.register_buffer("weight_absmax", absmax)
             self.register_buffer("nf4_code", code.to(absmax.device), persistent=False)  # the 16 NF4 levels
@@ -70,12 +73,11 @@ class LoRALinear(nn.Module):
         """The frozen weight (dequantized from nf4 when stored so)."""
         if self.quantize != "nf4":
             return self.weight
-        import bitsandbytes.functional as bnbf
-
-        state = bnbf.QuantState(absmax=self.weight_absmax.float(), shape=torch.Size((self.out_features, self.in_features)),
-                                code=self.nf4_code, blocksize=NF4_BLOCK, quant_type="nf4",
-                                dtype=torch.float32)
-        return bnbf.dequantize_4bit(self.weight_nf4, quant_state=state)
+        codes, absmax = self.weight_nf4, self.weight_absmax
+        if isinstance(codes, DTensor):  # tensor parallel: each rank dequantizes its own rows or columns
+            local = _dequantize(codes.to_local(), absmax.to_local(), self.nf4_code)
+            return DTensor.from_local(local, codes.device_mesh, codes.placements, run_check=False)
+        return _dequantize(codes, absmax, self.nf4_code, (self.out_features, self.in_features))
 
     def packed_weight_numel(self) -> int:
         """Weights held packed in buffers rather than as parameters (the nf4 base): counted with the model's params."""
@@ -149,6 +151,17 @@ def nf4_storage(model: nn.Module) -> set[int]:
             for t in (m.weight_nf4, m.weight_absmax)}
 
 
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
+    """fp32 weights from nf4 codes (two per byte) and one absmax per 64 values; shape: the weight's (default: the codes'
+    rows, two columns per byte)."""
+    import bitsandbytes.functional as bnbf  # optional dependency (plait[qlora])
+
+    shape = shape or (codes.shape[0], 2 * codes.shape[1])
+    state = bnbf.QuantState(absmax=absmax.reshape(-1).float(), shape=torch.Size(shape), code=code, blocksize=NF4_BLOCK,
+                            quant_type="nf4", dtype=torch.float32)
+    return bnbf.dequantize_4bit(codes.reshape(-1, 1), quant_state=state)
+
+
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -192,13 +205,27 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
 
 
-def tp_styles(model: nn.Module, plan: dict) -> dict:
+def _check_nf4_split(name: str, mod: LoRALinear, by_columns: bool, tp: int) -> None:
+    """An nf4 base splits over tp only along its 64-value blocks: whole blocks in every row, and by columns (row-wise
+    parallel) whole blocks in each rank's share of a row."""
+    cols = mod.in_features // tp if by_columns else mod.in_features
+    if mod.in_features % NF4_BLOCK or cols % NF4_BLOCK or (by_columns and mod.in_features % tp):
+        raise ConfigError(
+            f"finetune.quantize_base = 'nf4' with parallel.tp = {tp}: {name} ({mod.out_features} x {mod.in_features}) "
+            f"would split its nf4 blocks of {NF4_BLOCK} values ({cols} columns of each row on a rank); tensor "
+            f"parallel needs whole blocks on every rank: widen the layer to a multiple of {NF4_BLOCK * tp} inputs, "
+            "leave it out of finetune.lora_targets, or set parallel.tp=1")
+
+
+def tp_styles(model: nn.Module, plan: dict, tp: int = 1) -> dict:
     """The plan with each style that targets a LoRA layer made to split its adapter as it splits the weight.
 
     Column-parallel (the weight split by output rows): B is split the same way and A, shared by every output, is
     whole on each rank, so each rank computes its own output columns, B_r (A x). Row-parallel (the weight split by
     input columns): A is split the same way and B is whole, so each rank's x_r A_r^T B^T is a partial sum that the
-    layer's all-reduce adds up with the base's. Frozen weights stay frozen (requires_grad kept)."""
+    layer's all-reduce adds up with the base's. Frozen weights stay frozen (requires_grad kept). An nf4 base (QLoRA)
+    splits as its weight would, its codes and scales kept by row (plait.finetune.lora.LoRALinear): a rank's rows or
+    columns are whole blocks of 64 (tp: the degree, to check that), and each rank dequantizes its own part."""
     out = dict(plan)
     for name, style in plan.items():
         try:
@@ -207,8 +234,7 @@ def tp_styles(model: nn.Module, plan: dict) -> dict:
             continue
         if isinstance(mod, LoRALinear) and type(style) in (ColwiseParallel, RowwiseParallel):
             if mod.quantize == "nf4":
-                raise ConfigError("finetune.quantize_base = 'nf4' with parallel.tp > 1: a 4-bit base is stored as packed "
-                                  "codes that tensor parallel cannot split; set parallel.tp=1 or quantize_base='none'")
+                _check_nf4_split(name, mod, isinstance(style, RowwiseParallel), tp)
             lora = copy.copy(style)  # the same layouts, applied to a LoRA layer's four tensors
             lora.__class__ = _LoRAColwise if isinstance(style, ColwiseParallel) else _LoRARowwise
             out[name] = lora
@@ -219,6 +245,10 @@ def _distribute(module: nn.Module, mesh, placements: dict, src_data_rank) -> Non
     for name, param in list(module.named_parameters(recurse=False)):
         dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+    for name in ("weight_nf4", "weight_absmax"):  # QLoRA: codes and scales by row, split as the weight is
+        if name in module._buffers:
+            module._buffers[name] = distribute_tensor(module._buffers[name], mesh, [placements["weight"]],
+                                                      src_data_rank=src_data_rank)
 
 
 class _LoRAColwise(ColwiseParallel):

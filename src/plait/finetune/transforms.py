@@ -33,7 +33,7 @@ def check_layout(cfg, layout) -> None:
     f = cfg.finetune
     # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
     # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
-    tp_ok = not (f.adapters or (f.lora_rank > 0 and f.quantize_base != "none"))
+    tp_ok = not f.adapters  # an nf4 base splits along its blocks (plait.finetune.lora.tp_styles checks them)
     sharded_ok = layout.sync == "allreduce" and layout.embedding_sharding == "none"
     if active(cfg) and not sharded_ok:
         raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, "
@@ -41,9 +41,8 @@ def check_layout(cfg, layout) -> None:
                           f"embedding_sharding); here sync = {layout.sync!r}, embedding_sharding = "
                           f"{layout.embedding_sharding!r}: change the layout or drop the [finetune] keys")
     if active(cfg) and layout.tp > 1 and not tp_ok:
-        what = "finetune.adapters" if f.adapters else f"finetune.quantize_base = {f.quantize_base!r}"
-        raise ConfigError(f"{what} with parallel.tp = {layout.tp} is not supported (tensor parallel splits frozen "
-                          "and LoRA layers, not bottleneck adapters or a quantized base); set parallel.tp=1 or use "
+        raise ConfigError(f"finetune.adapters with parallel.tp = {layout.tp} is not supported (tensor parallel splits "
+                          "frozen, LoRA and QLoRA layers, not bottleneck adapters); set parallel.tp=1 or use "
                           "finetune.lora_rank / finetune.freeze")
     if f.progressive_freeze and layout.zero >= 2 and cfg.model.moe_experts:
         raise ConfigError(f"finetune.progressive_freeze with model.moe_experts and parallel.zero = {layout.zero}: a "

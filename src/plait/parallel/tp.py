@@ -28,7 +28,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
                           "set parallel.tp=1")
     check_tensor_parallel(model, tp_mesh.size())
     tied = tied_parameters(model)
-    parallelize_module(model, tp_mesh, tp_styles(model, plan))  # LoRA layers split their adapters with their weights
+    parallelize_module(model, tp_mesh, tp_styles(model, plan, tp_mesh.size()))  # LoRA splits adapters with weights
     # parallelize_module replaces each module's parameters one module at a time: a weight shared by
     # two modules comes out as two DTensors with equal values. Share them again.
     for alias, canonical in tied.items():
