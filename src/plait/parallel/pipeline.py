@@ -39,6 +39,7 @@ from plait.parallel.layout import Layout
 from plait.parallel.saved import saved_tensors
 from plait.parallel.scheme import Build, Scheme
 from plait.parallel.split import pipeline_stage, stage_bounds
+from plait.parallel.stage_zero1 import StageOwners
 
 KEEP_STEPS = 32  # steps whose slots each rank keeps for the bubble's analysis (the latest)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -99,7 +100,7 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, rt, make_optimizer, loss_fn,
                  precision, local_batch: int, microbatches: int, schedule: str, blocks_attr: str,
-                 tied: dict[str, str], dp_sync: bool, embedding_sharding: bool = False):
+                 tied: dict[str, str], dp_sync: bool, embedding_sharding: bool = False, zero1: bool = False):
         self.rt = rt
         self.pp_group = rt.axis_group("pp")
         self.pp = rt.axis_size("pp")
@@ -107,7 +108,9 @@ class PipelineStrategy(Strategy):
         self.microbatches, self.schedule_name = microbatches, schedule
         self.virtual = len(parts)
         union = union_module(parts, blocks_attr)
-        optimizer = make_optimizer(union)
+        # ZeRO-1 in the stages: this rank's optimizer steps the parameters it owns (plait.parallel.stage_zero1)
+        self.owners = StageOwners(union, rt.axis_group("dp")) if zero1 else None
+        optimizer = make_optimizer(union, only=self.owners.mine) if self.owners else make_optimizer(union)
         super().__init__(nn.ModuleList(parts), union, optimizer, loss_fn, precision, local_batch)
         self.bounds: list[tuple[int, int]] = []  # [start, stop) of every stage's blocks (set by build)
         self.name = f"pipeline-{schedule}"
@@ -204,6 +207,13 @@ class PipelineStrategy(Strategy):
         norm = sq.sqrt().float()
         clip_to([p.grad for p in params if p.grad is not None], norm, max_norm)
         return norm
+
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        if self.owners is not None:  # ZeRO-1: the owners' updates to the other dp ranks; every gradient dropped
+            self.owners.share()
+            for p in self.module.parameters():
+                p.grad = None
 
     def step_metrics(self, record: dict) -> dict:
         """With top-k / int8 / PowerSGD of the stages' ZeRO reduce-scatters: their uncompressed bytes and the ratio."""
@@ -565,7 +575,8 @@ def build(b: Build, cls: type | None = None) -> PipelineStrategy:
                                          b.local_batch, b.layout.pipeline_microbatches, b.layout.schedule,
                                          pipeline_parts(module)["blocks"], tied,
                                          dp_sync=rt.axis_size("dp") > 1 and not b.layout.shards_gradients,
-                                         embedding_sharding=b.layout.embedding_sharding != "none")
+                                         embedding_sharding=b.layout.embedding_sharding != "none",
+                                         zero1=b.layout.zero == 1 and rt.axis_size("dp") > 1)
     strategy.bounds = bounds
     strategy.distiller = getattr(b.module, "plait_distiller", None)
     if strategy.distiller is not None:  # a stage's forward is not the student's: the last stage hands its pieces

@@ -140,10 +140,10 @@ class ZeroOneStrategy(Strategy):
 
 def check(layout: Layout, keys) -> None:
     check_zero(layout, (1,))
-    if layout.zero == 1 and layout.splits_model:
+    if layout.zero == 1 and layout.tp > 1:
         raise ConfigError(
-            f"parallel.zero = 1 does not combine with tensor or pipeline parallelism (tp = {layout.tp}, pp = {layout.pp}); "
-            "use parallel.zero=2 or 3 with tp, or zero=0")
+            f"parallel.zero = 1 does not combine with tensor parallelism (tp = {layout.tp}); use parallel.zero=2 or 3 "
+            "with tp, or zero=0")
 
 
 def build(b: Build) -> Strategy:

@@ -184,6 +184,9 @@ def predict_time(shape: Shape, layout: Layout, global_batch: int, hw: Hardware, 
     if d > 1:
         if z == 0:
             dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span)
+        elif z == 1 and p > 1:  # ZeRO-1 in pipeline stages: the all-reduce, then each owner's broadcast of its update
+            dp_comm = hw.collective("all_reduce", grad_bytes, d, dp_span) + hw.collective("all_gather", grad_bytes, d,
+                                                                                             dp_span)
         else:
             dp_comm = hw.collective("reduce_scatter", grad_bytes, d, dp_span) + hw.collective("all_gather", grad_bytes, d,
                                                                                                   dp_span)
