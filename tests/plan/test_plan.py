@@ -301,7 +301,9 @@ def test_profile_steps_write_a_chrome_trace_per_rank(pool2, tiny_text, tmp_path)
     first = min(e["ts"] for e in ops)
     assert simulate(steps[0]) == pytest.approx(ends[0] - first, abs=0.05)  # the trace's microseconds, rounded
     assert all(s.comms and any(t.waits for t in s.tasks) for s in steps)
-    assert simulate(apply(steps[1], "allreduce=2x", 2)) < simulate(steps[1]) < simulate(apply(steps[1], "checkpointing", 2))
+    # a faster all-reduce never slows the step (it may not speed it: the traced rank can be the late one, its
+    # all-reduce then waiting on nobody, as happens on a loaded machine); recomputation always costs
+    assert simulate(apply(steps[1], "allreduce=2x", 2)) <= simulate(steps[1]) < simulate(apply(steps[1], "checkpointing", 2))
     with pytest.raises(ConfigError, match=r"log.profile_steps = \[3, 2\] must be \[first, last\]"):
         load_config(None, ["log.profile_steps=[3, 2]"])
 
