@@ -35,7 +35,7 @@ def test_compression_needs_ddp():
     assert str(e.value) == (
         "parallel.compression = 'int8' runs on DDP's buckets, ZeRO's reduce-scatter or tensor-parallel shards averaged "
         "over dp: it needs parallel.dp >= 2 and plain DDP, ZeRO-1, tp x dp with zero = 0, or zero = 2 or 3 with "
-        "tp = ep = cp = 1 (pp too) and no embedding_sharding (here dp = 2, tp = 2, pp = 1, ep = 1, zero = 3, sync = "
+        "tp = ep = 1 (pp, cp too) and no embedding_sharding (here dp = 2, tp = 2, pp = 1, ep = 1, zero = 3, sync = "
         "'allreduce'); set parallel.compression='none' or change the layout")
     assert message("parallel.compression='topk'", "parallel.topk_ratio=0.0") == (
         "parallel.topk_ratio = 0.0 must be in (0, 1] (the share of gradient entries sent, e.g. 0.01); "

@@ -127,3 +127,20 @@ def test_powersgd_of_tensor_parallel_shards_along_dp(pool4, tiny_text, tmp_path)
     assert all(p > 2 * s for p, s in zip(plain[1][2:], psgd[1][2:])), (plain[1], psgd[1])
     for (a, _), (b, _) in zip(step_losses(tmp_path / "plain"), step_losses(tmp_path / "psgd"), strict=True):
         assert b == pytest.approx(a, rel=0.1)
+
+
+def test_topk_and_powersgd_of_zero3_with_context_parallel(pool2, tiny_text, tmp_path):
+    """cp2 + ZeRO-3: the cp ranks are replicas FSDP2 shards over; their reduce-scatters compressed alike (top-k at
+    ratio 1: one process's trajectory; PowerSGD of rank 1 saves bytes from its third step)."""
+    base = [*PLAIN_SGD, "train.steps=4", "log.every=1"]
+    one = params_after(tiny_gpt_config(tiny_text, *base, "parallel.dp=1"), tmp_path / "one")
+    layout = ["parallel.dp=1", "parallel.cp=2", "parallel.zero=3"]
+    every = pool2.run(compressed_run, tiny_gpt_config(tiny_text, *base, *layout, "parallel.compression='topk'",
+                                                      "parallel.topk_ratio=1.0"), tmp_path / "all")[0]
+    assert_one_process(one, every[0], tmp_path / "one", tmp_path / "all", tol=1e-4)
+    plain = pool2.run(compressed_run, tiny_gpt_config(tiny_text, *base, *layout), tmp_path / "plain")[0]
+    psgd = pool2.run(compressed_run, tiny_gpt_config(tiny_text, *base, *layout, "parallel.compression='powersgd'",
+                                                     "parallel.powersgd_rank=1"), tmp_path / "psgd")[0]
+    assert all(p > s for p, s in zip(plain[1][2:], psgd[1][2:])), (plain[1], psgd[1])
+    for (a, _), (b, _) in zip(step_losses(tmp_path / "plain"), step_losses(tmp_path / "psgd"), strict=True):
+        assert b == pytest.approx(a, rel=0.1)

@@ -149,9 +149,9 @@ def check(layout: Layout, keys: DDPKeys) -> None:
     if keys.compression in ("fp16", "bf16") and layout.shards_gradients and layout.ep == 1 \
             and layout.embedding_sharding == "none":
         return  # ZeRO-2/3: FSDP2 reduce-scatters the gradients in that dtype (plait.parallel.fsdp)
-    if keys.compression in BY_HAND and layout.shards_gradients and layout.tp == layout.ep == layout.cp == 1 \
+    if keys.compression in BY_HAND and layout.shards_gradients and layout.tp == layout.ep == 1 \
             and layout.embedding_sharding == "none":
-        return  # ZeRO-2/3, in pipeline stages too: each FSDP2 unit's reduce-scatter compressed (plait.parallel.fsdp_compress)
+        return  # ZeRO-2/3 (pp, cp too): each FSDP2 unit's reduce-scatter compressed (plait.parallel.fsdp_compress)
     by_hand = (*HALF, *BY_HAND)
     if keys.compression in by_hand and applies(layout, keys) and layout.tp > 1 and layout.ep == 1:
         return  # tp x dp: the by-hand average over dp casts, or runs the scheme on the flat shards (after_backward)
@@ -161,8 +161,8 @@ def check(layout: Layout, keys: DDPKeys) -> None:
         return  # ep: DDP's hook compresses the dense part, any scheme (the experts' replicas average by hand, uncompressed)
     if not (layout.plain_data_parallel and layout.replicas >= 2):
         where = ("on DDP's buckets, ZeRO's reduce-scatter or tensor-parallel shards averaged over dp: it needs "
-                 "parallel.dp >= 2 and plain DDP, ZeRO-1, tp x dp with zero = 0, or zero = 2 or 3 with tp = ep = cp = 1 "
-                 "(pp too)" if keys.compression in BY_HAND else
+                 "parallel.dp >= 2 and plain DDP, ZeRO-1, tp x dp with zero = 0, or zero = 2 or 3 with tp = ep = 1 "
+                 "(pp, cp too)" if keys.compression in BY_HAND else
                  "as a DDP communication hook: it needs parallel.dp >= 2 with tp = pp = ep = 1, zero = 0")
         raise ConfigError(
             f"parallel.compression = {keys.compression!r} runs {where} and no embedding_sharding (here "

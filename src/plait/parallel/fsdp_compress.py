@@ -1,4 +1,4 @@
-"""parallel.compression = topk | int8 | powersgd under ZeRO-2/3 (and ZeRO-3 inside pipeline stages): what FSDP2
+"""parallel.compression = topk | int8 | powersgd under ZeRO-2/3 (inside pipeline stages and with cp too): what FSDP2
 reduce-scatters is compressed.
 
 FSDP2 lays each unit's gradients into one flat buffer before its reduce-scatter: for every rank r in turn, every
