@@ -65,8 +65,9 @@ def test_houlsby_adapts_attention_and_mlp_outputs_pfeiffer_the_mlp_only(tiny_tex
     (["finetune.adapters={size=4}", "finetune.lora_rank=2"], "finetune.adapters with finetune.lora_rank > 0: choose "
                                                              "one kind of adapter"),
     (["finetune.adapters={size=4}", "parallel.dp=1", "parallel.tp=2"], "finetune.adapters with parallel.tp = 2 is "
-                                                                       "not supported (tensor parallel splits frozen "
-                                                                       "and LoRA layers, not bottleneck adapters"),
+                                                                       "not supported (tensor parallel splits frozen, "
+                                                                       "LoRA and QLoRA layers, not bottleneck "
+                                                                       "adapters"),
 ])
 def test_bad_settings_are_named(tiny_text, sets, message):
     with pytest.raises(ConfigError) as e:

@@ -147,6 +147,7 @@ class MoE(nn.Module):
         for p in (self.router.weight, self.w1, self.w2, *([self.w3] if glu else [])):
             nn.init.normal_(p, std=0.02)
         self.ep_group, self.ep_rank, self.ep_size = None, 0, 1
+        self.cp_group = None  # context parallel: this rank routes its share of each sequence (set by the cp transform)
         self.aux_loss: torch.Tensor | None = None
         # pipeline stages: the weight of the load-balancing loss whose gradient the output's backward injects (then
         # extra_loss adds nothing), and what was injected since `take_injected`, for the logged loss
@@ -184,7 +185,10 @@ class MoE(nn.Module):
         """Switch's E * sum_e f_e P_e per group of `group` tokens, averaged over the groups."""
         e = self.experts
         f = F.one_hot(top_i, e).view(-1, group * self.top_k, e).float().mean(1)  # (groups, E), each row sums to 1
-        p = probs.view(-1, group, e).mean(1)
+        if self.cp_group is not None:  # a group is a share of a sequence: the whole sequence's f (equal shares)
+            dist.all_reduce(f, group=self.cp_group)
+            f /= dist.get_world_size(self.cp_group)
+        p = probs.view(-1, group, e).mean(1)  # its mean over the cp ranks, as their gradients are averaged, is P_e
         return (e * (f * p).sum(-1)).mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from plait.comm.ring_attention import ring_attention
 from plait.data.chat import IGNORE
 from plait.errors import ConfigError
+from plait.models.moe import moe_layers
 from plait.parallel.keys import ContextParallelKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
@@ -122,6 +123,8 @@ def apply_cp(model: nn.Module, group, stats: dict | None = None, hidden: tuple[i
     state = _Forward()
     for m in attention_modules(model):
         setattr(m, "sdpa", RingCore(state, group, getattr(m, "window", 0), stats))  # noqa: B010 (a plain attribute)
+    for m in moe_layers(model):  # the load-balancing loss's expert shares are the whole sequence's
+        m.cp_group = group
     index = None if hidden is None else zigzag(*hidden)
     takes_pos = "pos" in inspect.signature(model.forward).parameters
 
@@ -168,6 +171,10 @@ def check_model(layout: Layout, keys: ContextParallelKeys, m, model: nn.Module |
                           f"'llama'), not model.name = {m.name!r}; set parallel.cp=1")
     if getattr(m, "dropout", 0.0):
         raise ConfigError(f"parallel.cp = {cp}: ring attention has no attention dropout; set model.dropout=0")
+    if getattr(m, "moe_experts", 0) and getattr(m, "moe_capacity_factor", 0.0):
+        raise ConfigError(f"parallel.cp = {cp} with model.moe_capacity_factor = {m.moe_capacity_factor}: an expert's "
+                          "capacity is counted per sequence, which cp cuts between ranks; set moe_capacity_factor=0 "
+                          "(dropless) or parallel.cp=1")
     if (m.rope_scaling or {}).get("rope_type") == "dynamic":
         raise ConfigError(f"parallel.cp = {cp}: dynamic rope scaling depends on the longest position a rank sees; "
                           "use another model.rope_scaling or parallel.cp=1")

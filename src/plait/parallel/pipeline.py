@@ -491,6 +491,10 @@ def check(layout: Layout, keys: PipelineKeys) -> None:
             f"{layout.stages}; give {layout.stages - 1} block indices")
     if p == 1:
         return
+    if layout.loss_scaling:
+        raise ConfigError(f"precision.dtype = 'fp16' (dynamic loss scaling) with parallel.pp = {p} is not supported: "
+                          "the stages' schedules back-propagate an unscaled loss; use precision.dtype='bf16' (no "
+                          "scaling needed) or parallel.pp=1")
     if keys.microbatches and layout.global_batch % (layout.dp * keys.microbatches):
         raise ConfigError(
             f"train.global_batch_size ({layout.global_batch}) must be divisible by parallel.dp ({layout.dp}) * "

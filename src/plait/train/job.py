@@ -104,6 +104,10 @@ def check_composition(cfg: Config, layout: Layout) -> None:
     # tp: the teacher reads the student's input on every tp rank, and the student's logits come out whole there (the
     # head's all-gather), so each tp rank computes the same soft loss; pp: the last stage runs the teacher on the
     # local batch it loads too, one piece per micro-batch loss
+    if cfg.distill.teacher and layout.cp > 1:
+        raise ConfigError(f"distill.teacher with parallel.cp = {layout.cp}: the teacher would read each rank's share of "
+                          "a sequence without the rest of it (context parallel splits every sequence, and the teacher "
+                          "has no ring attention); set parallel.cp=1 or distill.teacher=''")
     if cfg.distill.teacher and (layout.sync != "allreduce" or cfg.train.objective != "supervised"):
         raise ConfigError(f"distill.teacher runs the whole teacher on the student's input next to the student's logits "
                           f"on each rank: it needs sync = 'allreduce' and train.objective = 'supervised' (here sync = "
