@@ -34,6 +34,7 @@ LONGEST_FIRST = [  # seconds: the sum of the file's phases among the 150 slowest
     "tests/ps/test_ps.py",                         # 103
     "tests/test_cli.py",                           # 83
     "tests/serve/test_serve_autoscale.py",         # 73
+    "tests/plan/test_compat_cells.py",             # 70 (alone, quiet)
     "tests/parallel/test_lora_tp.py",              # 64
     "tests/launch/test_slurm.py",                  # 61
     "tests/test_gpu_check.py",                     # 59
@@ -60,6 +61,7 @@ LONGEST_FIRST = [  # seconds: the sum of the file's phases among the 150 slowest
     "tests/parallel/test_expert.py",               # 27
     "tests/serve/test_serve_pipeline.py",          # 26
     "tests/parallel/test_context.py",              # 25
+    "tests/parallel/test_compression_layouts.py",  # 25 (alone, quiet)
     "tests/audit/test_audit.py",                   # 25
     "tests/parallel/test_zero_lamb.py",            # 24
     "tests/launch/test_own_loop.py",               # 23
