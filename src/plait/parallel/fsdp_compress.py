@@ -40,25 +40,24 @@ class CompressedReduceScatter(ReduceScatter):
         if n != self.state.world:
             raise RuntimeError(f"compressed reduce-scatter over {n} ranks, its state over {self.state.world}")
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
-            raise RuntimeError(f"compressed reduce-scatter: FSDP2 asked for {op}, which it only asks of fp16 "
-                               "gradients; compress with parallel.compression = 'fp16' there")
+            raise RuntimeError(f"compressed reduce-scatter: FSDP2 asked for {op}; top-k, int8 and PowerSGD average "
+                               "float32 gradients (AVG or SUM)")
         views = None
         if self.state.spec.kind == "powersgd":
-            flat, views, shapes = self._by_parameter(input_tensor, n)
+            flat, views = self._by_parameter(input_tensor, n)
         else:
             flat = input_tensor
         # FSDP2 runs the units in no fixed order, once per micro-batch in pipeline stages: the strategy ends the step
         mean = compressed_average(self.state, flat, (self.key,), reduce_scatter=True, views=views, last=False)
         if views is not None:
-            mean = _by_rank(views, shapes, n)
+            mean = _by_rank(views, n)
         c = output_tensor.numel()
         mine = mean[dist.get_rank(group) * c:(dist.get_rank(group) + 1) * c]
         output_tensor.copy_(mine * n if op == dist.ReduceOp.SUM else mine)
         return None
 
     def _by_parameter(self, flat: torch.Tensor, n: int):
-        """The buffer laid out parameter by parameter: (that buffer, each padded gradient as a view of it, each
-        parameter's chunk shape)."""
+        """The buffer laid out parameter by parameter: (that buffer, each padded gradient as a view of it)."""
         state = _get_module_fsdp_state(self.unit)
         group = state._fsdp_param_group
         shapes = [tuple(fp.padded_sharded_param_size) for fp in group.fsdp_params
@@ -74,10 +73,10 @@ class CompressedReduceScatter(ReduceScatter):
             whole.view(n, size).copy_(rows[:, at:at + size])  # rank r's rows follow rank r - 1's
             views.append(whole.view(n * shape[0], *shape[1:]))
             at += size
-        return out, views, shapes
+        return out, views
 
 
-def _by_rank(views: list[torch.Tensor], shapes: list[tuple], n: int) -> torch.Tensor:
+def _by_rank(views: list[torch.Tensor], n: int) -> torch.Tensor:
     """The parameter-by-parameter buffer back in FSDP2's layout: every parameter's rank-0 rows, then rank 1's, ..."""
     chunks = [v.reshape(n, -1) for v in views]
     return torch.cat(chunks, dim=1).reshape(-1)
