@@ -271,9 +271,6 @@ def test_accepted_cell_follows_one_process(request, tiny_text, tmp_path, teacher
 
 
 @pytest.mark.parametrize("keys, message", [
-    (("parallel.dp=1", "parallel.pp=2", "precision.dtype='fp16'"),
-     "precision.dtype = 'fp16' (dynamic loss scaling) with parallel.pp = 2 is not supported: the stages' schedules "
-     "back-propagate an unscaled loss; use precision.dtype='bf16' (no scaling needed) or parallel.pp=1"),
     (("parallel.dp=1", "parallel.cp=2", "distill.teacher='{teacher}'"),
      "distill.teacher with parallel.cp = 2: the teacher would read each rank's share of a sequence without the rest "
      "of it (context parallel splits every sequence, and the teacher has no ring attention); set parallel.cp=1 or "
@@ -281,7 +278,7 @@ def test_accepted_cell_follows_one_process(request, tiny_text, tmp_path, teacher
     (("parallel.dp=1", "parallel.cp=2", "model.moe_experts=4", "model.moe_capacity_factor=1.25"),
      "parallel.cp = 2 with model.moe_capacity_factor = 1.25: an expert's capacity is counted per sequence, which cp "
      "cuts between ranks; set moe_capacity_factor=0 (dropless) or parallel.cp=1"),
-], ids=["fp16-pp", "distill-cp", "moe-capacity-cp"])
+], ids=["distill-cp", "moe-capacity-cp"])
 def test_the_cells_that_do_not_run_say_why(tiny_text, teacher, keys, message):
     from plait.errors import ConfigError
     from plait.train.job import check_job
@@ -289,3 +286,12 @@ def test_the_cells_that_do_not_run_say_why(tiny_text, teacher, keys, message):
     with pytest.raises(ConfigError) as e:
         check_job(tiny_gpt_config(tiny_text, *BASE, *(k.format(teacher=teacher) for k in keys)))
     assert str(e.value) == message
+
+
+def test_fp16_loss_scaling_of_moe_blocks_in_pipeline_stages(pool2, tiny_text, tmp_path, one):
+    """The MoE layers' injected load-balancing gradient is scaled as the loss is (the loss over the micro-batches times
+    the loss scale), so a pipeline's fp16 MoE run follows one process's."""
+    keys = ("precision.dtype='fp16'", "model.moe_experts=4", "model.moe_aux_weight=0.1")
+    got = pool2.run(rank0_params, tiny_gpt_config(tiny_text, *BASE, "parallel.dp=1", "parallel.pp=2", *keys),
+                    tmp_path / "run")[0]
+    assert_follows(one(*keys), got, tmp_path / "run", steps=3, rel=1e-2, atol=1e-2)

@@ -45,6 +45,14 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
+    def split_scale(self, parts: int) -> float:
+        """1, or with fp16 the loss scale over `parts` micro-batches back-propagated one by one (a pipeline's schedule),
+        made on every rank: a pipeline's first stages compute no loss, yet unscale their gradients."""
+        if not self.scaler:
+            return 1.0
+        self.scaler.scale(torch.zeros((), device=self.device))  # makes the scale where no loss was scaled yet
+        return self.scaler.get_scale() / parts
+
     def unscale(self, optimizer, group=None) -> None:
         """Unscale gradients; with sharded gradients (`group` given) every rank must agree on an overflow."""
         if not self.scaler:

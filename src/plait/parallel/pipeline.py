@@ -133,6 +133,7 @@ class PipelineStrategy(Strategy):
         for p in parts:
             for m in moe_layers(p):
                 m.aux_grad = float(getattr(p, "moe_aux_weight", 0.0) or 0.0)
+        self._aux_weights = [m.aux_grad for m in self.moe]
         self._make_schedule()
 
     def _make_schedule(self) -> None:
@@ -143,8 +144,10 @@ class PipelineStrategy(Strategy):
         self.stages = [pipelining.PipelineStage(p, s, self.num_stages, self.rt.device, group=self.pp_group)
                        for p, s in zip(self.parts, self.stage_ids)]
         cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        # fp16: each micro-batch's loss is divided by their count before backward (scaled as one process scales it),
+        # not the gradients after it, so that the scaled backward's values stay within fp16's range as one process's do
         self.schedule = cls(self.stages if self.schedule_name == "interleaved-1f1b" else self.stages[0],
-                            self.microbatches, loss_fn=self._loss)
+                            self.microbatches, loss_fn=self._loss, scale_grads=self.precision.scaler is None)
         for st in self.stages:
             self._instrument(st)
 
@@ -154,13 +157,17 @@ class PipelineStrategy(Strategy):
             self.distiller.hand(self._teacher[self._last_forward[1]])  # the piece of the micro-batch just run
         # the loss's saved tensors belong to the micro-batch just run
         with saved_tensors(self.activation_meter, self.saved_codec, self.module, self._last_forward):
-            return self.loss_fn(output, target)
+            loss = self.loss_fn(output, target)
+        return loss if self.precision.scaler is None else self.precision.scaler.scale(loss) / self.microbatches
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         x = torch.cat([m[0] for m in micro_batches])
         y = torch.cat([m[1] for m in micro_batches])
         losses: list = []
         self.events = []
+        factor = self.precision.split_scale(self.microbatches)  # what a loss is multiplied by before backward
+        for m, weight in zip(self.moe, self._aux_weights):  # their injected gradients likewise
+            m.aux_grad = weight * factor
         t0 = time.time()  # wall clock: the timeline lines up ranks of different processes (and machines)
         with self.precision.autocast():
             if self.distiller is not None and self.last:  # distill.teacher: the last stage reads x too
@@ -179,10 +186,10 @@ class PipelineStrategy(Strategy):
             allreduce_grads([p for p in self.module.parameters() if id(p) not in self._dp_sharded],
                             self.rt.axis_group("dp"), self.rt.axis_size("dp"))
         loss = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
-        loss = loss.to(self.rt.device)
+        loss = loss.to(self.rt.device) / factor
         injected = [t for m in self.moe for t in [m.take_injected()] if t is not None]
         if injected:  # every stage's MoE layers' weighted load-balancing losses, a mean over the micro-batches
-            loss = loss + torch.stack(injected).sum().float().to(loss.device) / self.microbatches
+            loss = loss + torch.stack(injected).sum().float().to(loss.device) / factor / self.microbatches
         dist.all_reduce(loss, group=self.pp_group)  # the last stage's loss, plus each stage's injected terms
         return loss
 
@@ -491,10 +498,6 @@ def check(layout: Layout, keys: PipelineKeys) -> None:
             f"{layout.stages}; give {layout.stages - 1} block indices")
     if p == 1:
         return
-    if layout.loss_scaling:
-        raise ConfigError(f"precision.dtype = 'fp16' (dynamic loss scaling) with parallel.pp = {p} is not supported: "
-                          "the stages' schedules back-propagate an unscaled loss; use precision.dtype='bf16' (no "
-                          "scaling needed) or parallel.pp=1")
     if keys.microbatches and layout.global_batch % (layout.dp * keys.microbatches):
         raise ConfigError(
             f"train.global_batch_size ({layout.global_batch}) must be divisible by parallel.dp ({layout.dp}) * "
