@@ -223,15 +223,6 @@ def compressed_average(state: CompressionState, flat: torch.Tensor, key: tuple =
     return FLAT[state.spec.kind](state, flat, (state.spec.kind, *key))
 
 
-def views_of(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of flat in the shapes of `like`, laid end to end."""
-    out, at = [], 0
-    for t in like:
-        out.append(flat[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
-
-
 def ratio_metrics(state, record: dict) -> dict:
     """For a metrics record: the uncompressed all-reduce bytes per step since the last record, and their ratio to the
     bytes the rank sent (record["comm_bytes"]). state: a CompressionState, None, or a list of them (a rank's

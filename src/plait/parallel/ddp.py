@@ -26,7 +26,6 @@ from plait.comm.compression import (
     compressed_average,
     ratio_metrics,
     register_compression,
-    views_of,
 )
 from plait.errors import ConfigError
 from plait.parallel.base import Strategy
@@ -99,7 +98,8 @@ class DDPStrategy(Strategy):
             grads = [g.to_local() if hasattr(g, "to_local") else g for p in self.module.parameters()
                      if (g := p.grad) is not None]
             flat = _flatten_dense_tensors(grads)
-            mean = compressed_average(self.sparse, flat, views=views_of(flat, grads))  # PowerSGD: each shard a matrix
+            views = _unflatten_dense_tensors(flat, grads)  # views of flat: PowerSGD takes each shard as a matrix
+            mean = compressed_average(self.sparse, flat, views=views)
             for g, m in zip(grads, _unflatten_dense_tensors(mean, grads)):
                 g.copy_(m)
         elif self.by_hand:
