@@ -50,8 +50,16 @@ test: $(DEVSTAMP)
 	$(BIN)/lint-imports --no-cache
 	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
-bench: $(DEVSTAMP)
-	$(BIN)/python benchmarks/overhead.py
+# Every peer comparison in turn, each with its A/A control (the baseline against itself) as the noise floor, one
+# table in runs/bench/all.md (benchmarks/all.py; BENCH="--only serve --repeats 5" passes options).
+BENCHSTAMP := $(VENV)/.plait-bench-installed
+$(BENCHSTAMP): $(DEVSTAMP)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[dev,bench]'
+	$(BIN)/python -c "import torchvision" >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y torchvision
+	@touch $(BENCHSTAMP)
+
+bench: $(BENCHSTAMP)
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/python benchmarks/all.py $(BENCH)
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check src tests benchmarks
