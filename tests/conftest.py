@@ -9,6 +9,10 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 # every one of them compiles those modules from source again (~0.15 s of CPU each). The test processes' children may
 # cache them (__pycache__/ is gitignored; a source edited meanwhile is recompiled, its mtime is checked).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# The ranks of plait.testing (the session's pools, run_distributed, a test's own RankPool) are forked from a warm
+# server of each pytest worker that imported torch, the trainer and these once: a spawned rank spent ~2-4 s of CPU on
+# its imports, and the pools restart their ranks every 25 tasks. A test may set its own (RankPool(warm=...)).
+os.environ.setdefault("PLAIT_WARM_RANKS", "plait.train.trainer,helpers,transformers")
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
 # what an earlier session left, and the processes of this one share one copy.
 if "PLAIT_CACHE" not in os.environ:

@@ -18,11 +18,18 @@ Ranks are spawned processes that meet through a FileStore in a temporary directo
 on every collective. An exception on any rank is raised in the caller with every
 failing rank's traceback tagged by its rank; after a failure the pool restarts its
 ranks, since a half-finished collective leaves the process group unusable.
+
+Spawned ranks each import torch (and whatever the tasks use) afresh: a few seconds of CPU a rank. With
+`warm=("plait.train.trainer", ...)` (or PLAIT_WARM_RANKS="mod,mod" in the environment) the ranks are forked instead
+from a fork server of the pool's own process that imported torch, torch.distributed and those modules once; they
+then run exactly as spawned ones do. The server is plait.testing's own, not the stdlib's one per process (which
+plait's launcher and warm tune trials start and stop): a forked rank's exit status is read through its server.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import shutil
@@ -31,9 +38,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, util
+from multiprocessing import spawn as mp_spawn
 from typing import Any
 
-from plait.procs import CONTEXT, spawn
+from plait.procs import CONTEXT, child_env, spawn
 
 FAILURE_GRACE_S = 5.0  # how long the other ranks may take to finish once one has failed
 RANK_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MKL_NUM_THREADS": "1"}
@@ -50,7 +60,16 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, tasks, results) -> None:
+def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, tasks, results,
+               env: dict[str, str] | None = None) -> None:
+    if env is not None:  # forked from the warm server, with the pool's environment
+        # a forkserver child keeps the server's "clients alive" pipe open (for forking children of its own): a rank
+        # that did would keep the server, its parent, alive after the pool's process died, and so itself
+        server: Any = forkserver._forkserver  # type: ignore[attr-defined]  # the stdlib's instance, in the child
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_alive_fd = None
+        os.environ.update(env)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.update(RANK_ENV)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -76,10 +95,62 @@ def _rank_main(rank: int, world_size: int, store_path: str, timeout_s: float, ta
         dist.destroy_process_group()
 
 
+_WARM_SERVERS: dict[tuple[str, ...], Any] = {}
+
+
+def _warm_server(preload: tuple[str, ...]):
+    """A fork server of this process's own (multiprocessing.forkserver.ForkServer, a second instance beside the stdlib's
+    one) that imported torch, torch.distributed and `preload`; started with the first rank."""
+    if preload not in _WARM_SERVERS:
+        from multiprocessing import forkserver
+
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(["torch", "torch.distributed", "plait.testing", *preload])
+        _WARM_SERVERS[preload] = server
+    return _WARM_SERVERS[preload]
+
+
+class _WarmPopen(popen_forkserver.Popen):
+    """popen_forkserver.Popen through the rank's warm server: its queues, exit code and kill work alike."""
+
+    def _launch(self, process_obj) -> None:
+        prep, buf = mp_spawn.get_preparation_data(process_obj._name), io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        with child_env(RANK_ENV):  # the server, started by the first rank, imports torch with them
+            self.sentinel, w = _warm_server(process_obj.warm).connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        parent_w = os.dup(w)
+        close_fds = util.close_fds  # type: ignore[attr-defined]
+        self.finalizer = util.Finalize(self, close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WarmProcess(mp_context.ForkServerProcess):
+    def __init__(self, warm: tuple[str, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.warm = warm
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _WarmPopen(process_obj)
+
+
+def _warm_default() -> tuple[str, ...] | None:
+    got = os.environ.get("PLAIT_WARM_RANKS")
+    return None if got is None else tuple(m for m in got.split(",") if m)
+
+
 class RankPool:
     """`world_size` live ranks that run functions on request (see the module docstring)."""
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, recycle_after: int = 0):
+    def __init__(self, world_size: int, timeout_s: float = 120.0, recycle_after: int = 0,
+                 warm: tuple[str, ...] | None = None):
         """recycle_after: recycle_if_due starts fresh ranks after this many tasks (0: never). Every process group a task makes (a
         device mesh's axes, a pipeline's pairs) stays registered with torch for the process's life, each with gloo
         threads of its own, some of them polling: ranks that run hundreds of tasks carry a thousand such threads and
@@ -89,9 +160,11 @@ class RankPool:
             raise ValueError(f"world_size = {world_size}: the harness runs 1 to 8 ranks")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.warm = _warm_default() if warm is None else tuple(warm)  # None: spawned ranks
         self.recycle_after = recycle_after
         self._runs = 0
         self._procs: list = []
+        self._dir: str | None = None
 
     def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="plait-ranks-")
@@ -100,8 +173,13 @@ class RankPool:
         self._procs = []
         try:
             for r in range(self.world_size):
-                self._procs.append(spawn(_rank_main, (r, self.world_size, os.path.join(self._dir, "store"), self.timeout_s,
-                                                      self._tasks[r], self._results), env=RANK_ENV))
+                args = (r, self.world_size, os.path.join(self._dir, "store"), self.timeout_s, self._tasks[r], self._results)
+                if self.warm is None:
+                    self._procs.append(spawn(_rank_main, args, env=RANK_ENV))
+                else:
+                    proc = _WarmProcess(self.warm, target=_rank_main, args=(*args, dict(os.environ)), daemon=True)
+                    proc.start()
+                    self._procs.append(proc)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -159,7 +237,7 @@ class RankPool:
                 p.join()
         self._procs = []
         self._runs = 0
-        if getattr(self, "_dir", None):
+        if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
