@@ -114,6 +114,9 @@ class _WarmPopen(popen_forkserver.Popen):
     """popen_forkserver.Popen through the rank's warm server: its queues, exit code and kill work alike."""
 
     def _launch(self, process_obj) -> None:
+        # the pool's stdout and stderr as they are now (a spawned rank's would be; pytest's capfd swaps fd 1 and 2),
+        # not the server's, passed to the child with the queues' fds
+        process_obj.std_fds = (self.duplicate_for_child(1), self.duplicate_for_child(2))
         prep, buf = mp_spawn.get_preparation_data(process_obj._name), io.BytesIO()
         mp_context.set_spawning_popen(self)
         try:
@@ -135,10 +138,18 @@ class _WarmProcess(mp_context.ForkServerProcess):
     def __init__(self, warm: tuple[str, ...], **kwargs):
         super().__init__(**kwargs)
         self.warm = warm
+        self.std_fds: tuple[int, int] | None = None  # set by _WarmPopen: where fds 1 and 2 are among those passed
 
     @staticmethod
     def _Popen(process_obj):
         return _WarmPopen(process_obj)
+
+    def run(self) -> None:  # in the child: the pool's stdout and stderr first
+        fds = forkserver.get_inherited_fds()
+        if fds is not None and self.std_fds is not None:
+            for i, fd in zip(self.std_fds, (1, 2)):
+                os.dup2(fds[i], fd)
+        super().run()
 
 
 def _warm_default() -> tuple[str, ...] | None:
