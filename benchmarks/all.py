@@ -140,11 +140,13 @@ def _own_loop() -> Group:
     import own_loop
 
     peers = [s for s, mod in own_loop.NEEDS.items() if importlib.util.find_spec(mod) is not None]
-    rows = [Row("own loop: plait.parallelize / torchrun + DDP", "plait", "torchrun", "s", "lower", 1.02)]
+    rows = [Row("own loop: plait.parallelize / torchrun + DDP", "plait", "torchrun", "s", "lower", 1.02),
+            Row("own loop, CPU time per step: plait / torchrun", "plait", "torchrun", "cpu", "lower", None)]
     rows += [Row(f"own loop: {p} / torchrun + DDP", p, "torchrun", "s", "lower", None) for p in peers]
 
     def measure(side: str, ctx) -> dict[str, float]:
-        return {"s": own_loop.run_side(side, ctx["work"], ctx["warmup"], ctx["steps"])}
+        wall, cpu = own_loop.run_side(side, ctx["work"], ctx["warmup"], ctx["steps"], cpu=True)
+        return {"s": wall, "cpu": cpu}
 
     def setup(a, tmp: Path):
         return {"work": tmp, "warmup": 30, "steps": 150 if a.quick else 300}

@@ -28,14 +28,18 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(64, 600), torch.nn.ReLU(), torch.nn.Linear(600, 600), torch.nn.ReLU(),
                                torch.nn.Linear(600, 10))
 WARMUP, STEPS = int(sys.argv[1]), int(sys.argv[2])
+CPU = []  # process CPU seconds (every thread: gloo's too) at the first timed step and after the last
 def report(times, rank):
     if rank == 0:
         print(f"median_ms {statistics.median(times[WARMUP:]) * 1000:.4f}", flush=True)
+        print(f"cpu_ms {(CPU[1] - CPU[0]) / STEPS * 1000:.4f}", flush=True)
 def loop(model, opt, backward, rank):
     # the hand-written loop every peer runs, with its own backward (loss.backward, acc.backward, ...)
     g = torch.Generator().manual_seed(rank)
     times = []
     for step in range(WARMUP + STEPS):
+        if step == WARMUP:
+            CPU.append(time.process_time())
         t0 = time.perf_counter()
         idx = torch.randint(0, len(X), (32,), generator=g)
         loss = F.cross_entropy(model(X[idx]), Y[idx])
@@ -45,6 +49,7 @@ def loop(model, opt, backward, rank):
         if step % 10 == 0:
             float(loss)
         times.append(time.perf_counter() - t0)
+    CPU.append(time.process_time())
     report(times, rank)
 """
 
@@ -63,11 +68,14 @@ p = plait.parallelize(mlp(), loss=F.cross_entropy, optimizer=lambda ps: torch.op
 times = []
 it = p.batches(data)
 for step in range(WARMUP + STEPS):
+    if step == WARMUP:
+        CPU.append(time.process_time())
     t0 = time.perf_counter()
     out = p.step(next(it))
     if step % 10 == 0:
         out.loss
     times.append(time.perf_counter() - t0)
+CPU.append(time.process_time())
 report(times, 0 if p.is_main else 1)
 p.close()
 """,
@@ -99,7 +107,8 @@ def command(side: str, script: Path, warmup: int, steps: int, work: Path) -> lis
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
 
 
-def run_side(side: str, work: Path, warmup: int, steps: int) -> float:
+def run_side(side: str, work: Path, warmup: int, steps: int, cpu: bool = False) -> float | tuple[float, float]:
+    """Rank 0's median step time (s); with cpu, also its process CPU seconds per timed step."""
     script = work / f"loop_{side}.py"  # not plait.py: the script's folder comes first on sys.path
     script.write_text(COMMON + SIDES[side])
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -107,10 +116,11 @@ def run_side(side: str, work: Path, warmup: int, steps: int) -> float:
         leftover.unlink() if leftover.is_file() else None
     r = subprocess.run(command(side, script, warmup, steps, work), capture_output=True, text=True, env=env,
                        timeout=900)
-    got = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("median_ms ")]
-    if r.returncode != 0 or not got:
+    got = {line.split()[0]: float(line.split()[1]) / 1000 for line in r.stdout.splitlines()
+           if line.startswith(("median_ms ", "cpu_ms "))}
+    if r.returncode != 0 or len(got) < 2:
         raise SystemExit(f"{side} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
-    return float(got[0]) / 1000
+    return (got["median_ms"], got["cpu_ms"]) if cpu else got["median_ms"]
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # The ranks of plait.testing (the session's pools, run_distributed, a test's own RankPool) are forked from a warm
 # server of each pytest worker that imported torch, the trainer and these once: a spawned rank spent ~2-4 s of CPU on
 # its imports, and the pools restart their ranks every 25 tasks. A test may set its own (RankPool(warm=...)).
-os.environ.setdefault("PLAIT_WARM_RANKS", "plait.train.trainer,helpers,transformers")
+os.environ.setdefault("PLAIT_WARM_RANKS", "plait.train.trainer,helpers,transformers,torch._dynamo,torchao,bitsandbytes")
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
 # what an earlier session left, and the processes of this one share one copy.
 if "PLAIT_CACHE" not in os.environ:
@@ -31,58 +31,53 @@ from plait.testing import RankPool  # noqa: E402
 # session fixtures are built once, on one worker). The modules that take longest (the seconds
 # beside each) are handed out first, so that the two workers finish together instead of one ending on a long file.
 # A file missing here keeps its place after them; the order is a schedule only, never a test's precondition.
-LONGEST_FIRST = [  # seconds: the sum of the file's phases among the 150 slowest of a loaded 2-worker run
-    "tests/test_docs_run.py",                      # 139
-    "tests/train/test_faults.py",                  # 137
-    "tests/parallel/test_llama_layouts.py",        # 133
-    "tests/ps/test_ps.py",                         # 103
-    "tests/test_cli.py",                           # 83
-    "tests/serve/test_serve_autoscale.py",         # 73
-    "tests/plan/test_compat_cells.py",             # 70 (alone, quiet)
-    "tests/parallel/test_lora_tp.py",              # 64
-    "tests/launch/test_slurm.py",                  # 61
-    "tests/test_gpu_check.py",                     # 59
-    "tests/parallel/test_equivalence.py",          # 58
-    "tests/launch/test_ray.py",                    # 57
-    "tests/parallel/test_model_parallel.py",       # 52
-    "tests/test_testing.py",                       # 47
-    "tests/tune/test_tune_warm.py",                # 47
-    "tests/plan/test_plan.py",                     # 46
-    "tests/parallel/test_offload.py",              # 46
-    "tests/serve/test_serve_replicas.py",          # 45
-    "tests/tune/test_pareto.py",                   # 43
-    "tests/train/test_trainer.py",                 # 41
-    "tests/tune/test_tune.py",                     # 40
-    "tests/serve/test_serve_ops.py",               # 39
-    "tests/launch/test_k8s.py",                    # 38
-    "tests/serve/test_serve_tp.py",                # 37
-    "tests/launch/test_netns.py",                  # 35
-    "tests/federated/test_fed_network.py",         # 34
-    "tests/parallel/test_pipedream.py",            # 33
-    "tests/finetune/test_adamw8bit.py",            # 33
-    "tests/comm/test_comm_algorithms.py",          # 28
-    "tests/test_examples.py",                      # 27
-    "tests/parallel/test_expert.py",               # 27
-    "tests/serve/test_serve_pipeline.py",          # 26
-    "tests/parallel/test_context.py",              # 25
-    "tests/parallel/test_compression_layouts.py",  # 25 (alone, quiet)
-    "tests/audit/test_audit.py",                   # 25
-    "tests/parallel/test_zero_lamb.py",            # 24
-    "tests/launch/test_own_loop.py",               # 23
-    "tests/parallel/test_zero.py",                 # 23
-    "tests/comm/test_comm_compression.py",         # 22
-    "tests/cluster/test_cluster_run.py",           # 20
-    "tests/serve/test_serve_device.py",            # 20
-    "tests/test_api.py",                           # 19
-    "tests/train/test_memory_tricks.py",           # 19
-    "tests/data/test_larger_than_memory.py",       # 18
-    "tests/plan/test_auto_layout.py",              # 18
-    "tests/serve/test_serve_slow_clients.py",      # 18
-    "tests/report/test_report_chromium.py",        # 16
-    "tests/train/test_target.py",                  # 16
-    "tests/finetune/test_benchmark.py",            # 15
-    "tests/ps/test_ps_elastic.py",                 # < 15
-    "tests/parallel/test_shard_load.py",           # < 15
+LONGEST_FIRST = [  # seconds: each file's test time (setup + call + teardown) in a whole 2-worker run (warm ranks)
+    "tests/train/test_faults.py",                 # 137
+    "tests/launch/test_ray.py",                   # 114
+    "tests/test_docs_run.py",                     # 106
+    "tests/launch/test_slurm.py",                 # 104
+    "tests/plan/test_compat_cells.py",            # 91
+    "tests/parallel/test_equivalence.py",         # 75
+    "tests/plan/test_plan.py",                    # 72
+    "tests/parallel/test_offload.py",             # 66
+    "tests/test_gpu_check.py",                    # 53
+    "tests/parallel/test_context.py",             # 42
+    "tests/launch/test_own_loop.py",              # 42
+    "tests/parallel/test_deepfm_layouts.py",      # 42
+    "tests/launch/test_k8s.py",                   # 40
+    "tests/launch/test_netns.py",                 # 39
+    "tests/test_cli.py",                          # 39
+    "tests/ps/test_ps.py",                        # 39
+    "tests/parallel/test_lora_tp.py",             # 38
+    "tests/cluster/test_cluster_run.py",          # 36
+    "tests/federated/test_fed_network.py",        # 31
+    "tests/parallel/test_expert.py",              # 28
+    "tests/tune/test_tune_warm.py",               # 27
+    "tests/serve/test_serve_device.py",           # 26
+    "tests/parallel/test_llama_layouts.py",       # 26
+    "tests/audit/test_audit.py",                  # 24
+    "tests/tune/test_tune.py",                    # 23
+    "tests/plan/test_auto_layout.py",             # 22
+    "tests/parallel/test_shard_load.py",          # 21
+    "tests/parallel/test_zero_compression.py",    # 20
+    "tests/test_examples.py",                     # 20
+    "tests/parallel/test_zero.py",                # 20
+    "tests/serve/test_serve_replicas.py",         # 20
+    "tests/launch/test_resume.py",                # 19
+    "tests/serve/test_serve_tp.py",               # 18
+    "tests/serve/test_serve_autoscale.py",        # 18
+    "tests/test_api.py",                          # 18
+    "tests/export/test_edge_export.py",           # 17
+    "tests/parallel/test_compression_layouts.py", # 17
+    "tests/finetune/test_adamw8bit.py",           # 16
+    "tests/finetune/test_progressive.py",         # 16
+    "tests/report/test_report_chromium.py",       # 15
+    "tests/parallel/test_finetune_pipeline.py",   # 15
+    "tests/federated/test_fed_poisoning.py",      # 15
+    "tests/train/test_trainer.py",                # 15
+    "tests/parallel/test_pipeline_zero.py",       # 14
+    "tests/ps/test_ps_elastic.py",                # 13
+    "tests/test_testing.py",                      # 13
 ]
 
 
@@ -111,23 +106,23 @@ def no_process_group():
     assert not dist.is_initialized(), "a test left the default process group initialised"
 
 
-# Ranks are shared by the whole session (starting a pool costs seconds); a task that fails restarts them, and so do
-# the tests after 25 tasks: each task's process groups stay in the ranks with their gloo threads (RankPool's
-# recycle_after; a pool that ran all its tasks once carried 1000 threads a rank, ~30 of them running). Between tests
-# only: a test may register a module in the ranks for its later tasks.
+# Ranks are shared by the whole session; a task that fails restarts them, and so do the tests after 10 tasks: each
+# task's process groups stay in the ranks with their gloo threads (RankPool's recycle_after; a pool that ran all its
+# tasks once carried 1000 threads a rank, ~30 of them running). Forked warm, fresh ranks cost a fraction of a second.
+# Between tests only: a test may register a module in the ranks for its later tasks.
 POOLS: list[RankPool] = []
 
 
 @pytest.fixture(scope="session")
 def pool2():
-    with RankPool(2, timeout_s=90, recycle_after=25) as pool:
+    with RankPool(2, timeout_s=90, recycle_after=10) as pool:
         POOLS.append(pool)
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4():
-    with RankPool(4, timeout_s=120, recycle_after=25) as pool:
+    with RankPool(4, timeout_s=120, recycle_after=10) as pool:
         POOLS.append(pool)
         yield pool
 
