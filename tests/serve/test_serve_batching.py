@@ -222,18 +222,12 @@ def test_strict_blas_lets_a_lone_request_run_as_one_row(mlp_run):  # noqa: F811
     import subprocess
     import sys
 
-    from plait.serve.runner import intel_cpu, strict_blas
+    from plait.serve.runner import intel_cpu
 
     if not torch.backends.mkl.is_available():
         pytest.skip("this torch has no MKL: MKL_CBWR has no effect, the probe decides the sizes alone")
     if not intel_cpu():
-        env = dict(__import__("os").environ)
-        env.pop("MKL_CBWR", None)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("os.environ", env)
-            assert strict_blas() is False and "MKL_CBWR" not in env  # left to MKL's default mode and the probe
-        pytest.skip("not an Intel CPU: strict_blas() leaves MKL in its default mode (strict made only the full batch "
-                    "exact on an AMD EPYC); the probe decides the sizes")
+        pytest.skip("not an Intel CPU: MKL's strict mode is not asked for (test_blas_mode_by_processor)")
     probe = ("import sys; from plait.serve.runner import strict_blas, Runner; from plait.serve.model import ModelRef, "
              "load_model; strict_blas() if sys.argv[1] == 'strict' else None; "
              "r = Runner(load_model(ModelRef(sys.argv[2])), pad_to=16); r.prepare(); print(r.padded(1), r.sizes)")
@@ -241,3 +235,33 @@ def test_strict_blas_lets_a_lone_request_run_as_one_row(mlp_run):  # noqa: F811
     rows, sizes = subprocess.run([sys.executable, "-c", probe, "strict", str(mlp_run)], env=env, capture_output=True,
                                  text=True, check=True).stdout.split(" ", 1)
     assert rows == "1" and sizes.strip() == str(list(range(1, 17)))
+
+
+@pytest.mark.parametrize("vendor, flags, exact, want", [
+    ("GenuineIntel", {"avx2"}, True, "AUTO,STRICT"),  # strict: every batch size exact, a lone request one row
+    ("GenuineIntel", {"avx2"}, False, None),  # --no-exact-batching on Intel: MKL's own choice
+    ("AuthenticAMD", {"avx2", "fma"}, True, "AVX2"),  # MKL's automatic path is ~2x slower for a few rows there
+    ("AuthenticAMD", {"avx2"}, False, "AVX2"),  # a speed choice, in either mode
+    ("AuthenticAMD", {"sse4_2"}, True, None),  # no AVX2: left alone
+    ("", set(), True, None),  # unknown (no /proc/cpuinfo)
+])
+def test_blas_mode_by_processor(monkeypatch, vendor, flags, exact, want):
+    from plait.serve import runner
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setattr(runner, "_cpuinfo", lambda: (vendor, flags))
+    assert runner.strict_blas(exact=exact) is (want is not None)
+    assert __import__("os").environ.get("MKL_CBWR") == want
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")  # the user's choice stands
+    assert runner.strict_blas(exact=exact) is False and __import__("os").environ["MKL_CBWR"] == "COMPATIBLE"
+
+
+def test_the_cpuinfo_reader_names_this_processor():
+    from plait.serve.runner import _cpuinfo
+
+    if not __import__("os").path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo here")
+    vendor, flags = _cpuinfo()
+    lines = open("/proc/cpuinfo").read().splitlines()
+    assert vendor == next(x.split(":", 1)[1].strip() for x in lines if x.startswith("vendor_id"))
+    assert flags == set(next(x.split(":", 1)[1] for x in lines if x.startswith("flags")).split())

@@ -53,10 +53,9 @@ def exposure_warning(host: str, token: str | None) -> str | None:
 
 
 def cmd_serve(a) -> int:
-    if not a.no_exact_batching:
-        from plait.serve.runner import strict_blas  # lazily: plait --help must not import torch
+    from plait.serve.runner import strict_blas  # lazily: plait --help must not import torch
 
-        strict_blas()  # before the first matrix product: a lone request then needs no padding rows to be exact
+    strict_blas(exact=not a.no_exact_batching)  # before the first matrix product: MKL's path (runner.strict_blas)
     from plait.serve.server import run  # lazily: plait --help must not import torch or FastAPI
     from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
 
@@ -184,7 +183,7 @@ def add_parsers(sub, bench) -> None:
                                                           "cores / N for N replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",
                    help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
-                        "(MKL_CBWR), no padding rows (plait.serve.runner)")
+                        "(MKL_CBWR=AUTO,STRICT on Intel), no padding rows (plait.serve.runner)")
     s.set_defaults(fn=cmd_serve)
     _add_bench(bench)
 
