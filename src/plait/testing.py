@@ -230,6 +230,11 @@ class RankPool:
         self._runs += 1
         return [got[r][1] for r in range(self.world_size)]
 
+    @property
+    def started(self) -> bool:
+        """Whether ranks are running (a pool starts them at its first task, and again after a close)."""
+        return bool(self._procs)
+
     def recycle_if_due(self) -> None:
         """Fresh ranks from the next task on, once recycle_after tasks have run; call it where no task depends on
         what an earlier one left in the ranks (between tests: a test may register a module in them first)."""
