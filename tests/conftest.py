@@ -106,7 +106,7 @@ def no_process_group():
     assert not dist.is_initialized(), "a test left the default process group initialised"
 
 
-# Ranks are shared by the whole session; a task that fails restarts them, and so do the tests after 8 tasks: each
+# Ranks are shared by the whole session; a task that fails restarts them, and so do the tests after 10 tasks: each
 # task's process groups stay in the ranks with their gloo threads (RankPool's recycle_after; a pool that ran all its
 # tasks once carried 1000 threads a rank, ~30 of them running). Forked warm, fresh ranks cost a fraction of a second.
 # Between tests only: a test may register a module in the ranks for its later tasks.
@@ -115,29 +115,34 @@ POOLS: list[RankPool] = []
 
 @pytest.fixture(scope="session")
 def pool2():
-    with RankPool(2, timeout_s=90, recycle_after=8) as pool:
+    with RankPool(2, timeout_s=90, recycle_after=10) as pool:
         POOLS.append(pool)
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4():
-    with RankPool(4, timeout_s=120, recycle_after=8) as pool:
+    with RankPool(4, timeout_s=120, recycle_after=10) as pool:
         POOLS.append(pool)
         yield pool
 
 
+SEEN: dict[int, int] = {}  # each pool's tasks_run when the test before began
+
+
 @pytest.fixture(autouse=True)
-def recycle_pools(request):
-    """Before a test that uses no pool, the pools stop their ranks: an idle rank holding earlier tasks' gloo groups
-    keeps using CPU (a 4-rank pool after 10 tasks: 0.14 cores, after 20: 0.27), through the long end-to-end tests
-    too. The next test that needs them starts them again, warm."""
-    uses = {"pool2", "pool4"} & set(request.fixturenames)
+def recycle_pools():
+    """Before each test, a pool whose ranks ran no task during the test before stops them: an idle rank holding earlier
+    tasks' gloo groups keeps using CPU (a 4-rank pool after 10 tasks: 0.14 cores, after 20: 0.27), through the long
+    end-to-end tests too. The next test that needs them starts them again, warm. (Idle for a whole test, not "this
+    test names no pool": tests that pick their pool with request.getfixturevalue name none.)"""
     for pool in POOLS:
-        if not uses and pool.started:
+        idle = SEEN.get(id(pool)) == pool.tasks_run
+        if pool.started and idle:
             pool.close()
         else:
             pool.recycle_if_due()
+        SEEN[id(pool)] = pool.tasks_run
 
 
 @pytest.fixture(scope="session")

@@ -174,6 +174,7 @@ class RankPool:
         self.warm = _warm_default() if warm is None else tuple(warm)  # None: spawned ranks
         self.recycle_after = recycle_after
         self._runs = 0
+        self.tasks_run = 0  # every task this pool ran, across restarts
         self._procs: list = []
         self._dir: str | None = None
 
@@ -228,6 +229,7 @@ class RankPool:
             self.close(graceful=False)
             raise DistributedError(_format(fn, failed))
         self._runs += 1
+        self.tasks_run += 1
         return [got[r][1] for r in range(self.world_size)]
 
     @property
