@@ -8,8 +8,8 @@ LitServe `LitAPI` that decodes the same KServe v2 JSON body, batches with LitSer
 the same max batch size and timeout, runs the same weights and answers the logits as JSON. Each
 side keeps its own default thread count: LitServe's model runs on torch's (every core), plait
 serve's model thread on cores - 1 (its `--threads 0`: a core left to the HTTP loop). All bind
-127.0.0.1 and are driven by plait's load generator (raw HTTP/1.1 keep-alive, closed loop). Prints each run, then per concurrency the median req/s and p50 of each
-server and the ratios over the repeats (min / median / max):
+127.0.0.1 and are driven by plait's load generator (raw HTTP/1.1 keep-alive, closed loop).
+Prints each run, then per concurrency the median req/s and p50 of each server and the ratios over the repeats (min / median / max):
 
 - plait / LitServe req/s, which issue 39 wants >= 1 at every concurrency;
 - exact / no-exact p50 latency at concurrency 1, which it wants within 5 % (exactness must not
