@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from plait import testing as harness
 from plait.config import load_config
-from plait.launch import forkserver
-from plait.procs import child_env
 
 # optim.eps = 1e-6: with AdamW's default 1e-8, gradient entries that are zero up to rounding (~1e-10)
 # get updates of lr * g / (|g| + eps) ~ 1e-2 * lr whose sign is the rounding's; a larger eps keeps
@@ -54,35 +48,6 @@ def rank0_params(cfg, run_dir, resume: bool = False):
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-@contextmanager
-def forked_ranks(*preload: str) -> Iterator[None]:
-    """Within the block, plait.testing's ranks (run_distributed, a RankPool started here) are forked from a fork server
-    that imported torch, torch.distributed and `preload` once, instead of each spawned rank importing them (~2 s of CPU
-    a rank: 8 spawned ranks on 2 cores spend ~15 s starting). The ranks then run as spawned ones do (_rank_main: their
-    own FileStore process group, one thread each). The stdlib's one fork server per process, which plait's launcher
-    and warm trials use too: it is ended before and after the block (and its preload list restored), so that neither
-    sees the other's."""
-    forkserver.stop()
-    ctx = multiprocessing.get_context("forkserver")
-    before = list(getattr(forkserver.forkserver._forkserver, "_preload_modules", ["__main__"]))
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait.testing", *preload])
-
-    def fork(target, args: tuple = (), *, name: str | None = None, env=None, daemon: bool = True):
-        proc = ctx.Process(target=target, args=args, name=name, daemon=daemon)
-        with child_env(env):  # the server, started by the first rank, keeps the ranks' environment
-            proc.start()
-        return proc
-
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(harness, "spawn", fork)
-            patch.setattr(harness, "CONTEXT", ctx)
-            yield
-    finally:
-        forkserver.stop()
-        ctx.set_forkserver_preload(before)
 
 
 # ---- end-to-end runs through the command line (fault-tolerance and netns tests)

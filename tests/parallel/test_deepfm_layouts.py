@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import PLAIN_SGD, forked_ranks, params_after, step_losses
+from helpers import PLAIN_SGD, params_after, step_losses
 from plait.config import load_config
 
 STEPS = 4
@@ -103,8 +103,7 @@ def fresh(world: int, cfg, run_dir) -> list:
     a process: an RPC pipeline cannot run in the pool's ranks after another)."""
     from plait.testing import run_distributed
 
-    with forked_ranks("plait.train.trainer", "helpers", "test_deepfm_layouts"):
-        return run_distributed(run, world, cfg, run_dir, timeout_s=240)
+    return run_distributed(run, world, cfg, run_dir, timeout_s=240)
 
 
 def test_rpc_pipeline_exercise_4(one, tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_GPT, finish_ranks, forked_ranks, params_after, start_ranks
+from helpers import TINY_GPT, finish_ranks, params_after, start_ranks
 from plait.config import dump_config, load_config
 from plait.testing import run_distributed
 
@@ -232,11 +232,9 @@ def test_other_models_under_data_parallel(pool2, reference, base, tmp_path, layo
 @pytest.mark.slow
 def test_3d_dp2_pp2_tp2_on_8_processes(reference, base, tmp_path):
     """dp x pp x tp all at once: the mesh's three axes, the tied weight across stages and tp groups, dp sync.
-    The 8 ranks are forked from a server that imported torch and the trainer once (spawned, they spent ~15 s of the
-    test's ~23 importing them on 2 cores)."""
+    The 8 ranks are forked warm, as every rank of the suite is (tests/conftest.py: PLAIT_WARM_RANKS)."""
     cfg = load_config(None, [*base["gpt"], *SGD, "parallel.dp=2", "parallel.pp=2", "parallel.tp=2"])
-    with forked_ranks("plait.train.trainer", "helpers", "test_equivalence"):
-        got = run_distributed(trajectory, 8, cfg, tmp_path, timeout_s=120)[0]
+    got = run_distributed(trajectory, 8, cfg, tmp_path, timeout_s=120)[0]
     assert_same_trajectory(reference("gpt"), got)
 
 
@@ -245,8 +243,7 @@ def test_rpc_pipeline(reference, base, tmp_path):
     copies summed as in the collective pipeline. Fresh ranks: torch's RPC starts once in a process."""
     cfg = load_config(None, [*base["gpt"], *SGD, "parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule='gpipe'",
                              "parallel.pp_transport='rpc'"])
-    with forked_ranks("plait.train.trainer", "helpers", "test_equivalence"):
-        got = run_distributed(trajectory, 2, cfg, tmp_path, timeout_s=120)[0]
+    got = run_distributed(trajectory, 2, cfg, tmp_path, timeout_s=120)[0]
     assert_same_trajectory(reference("gpt"), got)
 
 
