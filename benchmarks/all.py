@@ -194,8 +194,8 @@ def _serve() -> Group:
     def setup(a, tmp: Path):
         import subprocess
 
-        from plait.serve.bench import request_body
-        from plait.serve.model import ModelRef, load_model
+        from plait.bench.serve import request_body
+        from plait.serve.model.load import ModelRef, load_model
 
         run = tmp / "mlp17"  # the 17 M-parameter MLP; its weights need not be trained to time them
         subprocess.run([str(Path(sys.executable).parent / "plait"), "train", "--set", "model.name=mlp", "--set",

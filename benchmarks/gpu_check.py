@@ -10,7 +10,7 @@ in `make test`).
 
 Every part goes through plait's own entry points: a Config from plait.train.job.load_job, then
 plait.train.trainer.train in this process (world size 1: NCCL on the GPU, gloo on CPU), `plait export`
-(plait.cli.main) and `plait serve` (a child process, loaded by plait.serve.bench's load generator).
+(plait.cli.main) and `plait serve` (a child process, loaded by plait.bench.serve's load generator).
 
 Parts (--parts; default all, run in this order, each in a child process of its own):
 
@@ -884,8 +884,8 @@ def part_serve(ctx: Ctx) -> None:
     import urllib.request
 
     from plait import cli
-    from plait.serve.bench import Point, ServerProcess, closed_loop, request_body
-    from plait.serve.model import ModelRef, load_model
+    from plait.bench.serve import Point, ServerProcess, closed_loop, request_body
+    from plait.serve.model.load import ModelRef, load_model
 
     device_args = _serve_device_args(ctx)
     s = SERVE[ctx.scale]
@@ -988,7 +988,7 @@ def part_serve(ctx: Ctx) -> None:
 
 
 def _pcts(lat: list[float]) -> tuple[float, float, float]:
-    from plait.serve.bench import _percentiles
+    from plait.bench.serve import _percentiles
 
     return _percentiles(lat)
 

@@ -2,7 +2,7 @@
 every row the bits it gets in a full batch (plait serve's exact sizes) or alone (one row).
 
 `plait serve` answers each request bitwise as it would alone, whatever else shares its batch: it pads a batch to the
-smallest row count whose rows equal the full batch's (plait.serve.runner.exact_sizes). A lone request runs as that
+smallest row count whose rows equal the full batch's (plait.serve.executor.runner.exact_sizes). A lone request runs as that
 many rows. Where one row is itself such a size (Intel CPUs under MKL's strict mode), exactness costs a lone request
 nothing; where the one-row product takes a kernel of its own (MKL's matrix-vector path) whose sums differ in the
 last bits, the lone request pays for the padded rows. This prints both, on the issue's 17 M-parameter MLP (digits,
@@ -27,7 +27,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from plait.serve.runner import exact_sizes, intel_cpu
+    from plait.serve.executor.runner import exact_sizes, intel_cpu
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ import argparse
 import asyncio
 import os
 
-from plait.serve.bench import ServerProcess, closed_loop, request_body
-from plait.serve.model import ModelRef, load_model
+from plait.bench.serve import ServerProcess, closed_loop, request_body
+from plait.serve.model.load import ModelRef, load_model
 
 
 def cpu_s(pid: int) -> float:

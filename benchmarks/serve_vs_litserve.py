@@ -49,7 +49,7 @@ if ls is not None:
         def setup(self, device):
             import torch
 
-            from plait.serve.model import ModelRef, load_model
+            from plait.serve.model.load import ModelRef, load_model
 
             torch.set_num_threads(self.threads)
             self.model = load_model(ModelRef(self.model_path)).module
@@ -130,7 +130,7 @@ class LitServeProcess:
 
 def run_side(side: str, model: str, body: bytes, args) -> dict[int, tuple[float, float]]:
     """{concurrency: (req/s, p50 ms)} for one fresh server."""
-    from plait.serve.bench import ServerProcess, _percentiles, closed_loop
+    from plait.bench.serve import ServerProcess, _percentiles, closed_loop
 
     common = ["--max-batch-size", str(args.max_batch_size), "--max-delay-ms", str(args.max_delay_ms), "--max-queue", "4096"]
     if side == "litserve":
@@ -177,8 +177,8 @@ def main() -> int:
         print("LitServe is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    from plait.serve.bench import request_body
-    from plait.serve.model import ModelRef, load_model
+    from plait.bench.serve import request_body
+    from plait.serve.model.load import ModelRef, load_model
 
     body = request_body(load_model(ModelRef(args.model)), binary_outputs=False)  # every side answers JSON
     print(f"load average before: {os.getloadavg()[0]:.2f}; batching {args.max_batch_size} rows / {args.max_delay_ms:g} ms")

@@ -32,7 +32,7 @@ def ray_server(model: str, port: int, max_batch_size: int, max_delay_ms: float, 
     from ray import serve
     from starlette.requests import Request
 
-    from plait.serve.model import ModelRef, load_model
+    from plait.serve.model.load import ModelRef, load_model
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -80,7 +80,7 @@ def free_port() -> int:
 
 
 def measure(host: str, port: int, name: str, body: bytes, args) -> list[tuple]:
-    from plait.serve.bench import _percentiles, closed_loop
+    from plait.bench.serve import _percentiles, closed_loop
 
     rows = []
     for c in args.concurrency:
@@ -110,8 +110,8 @@ def main() -> int:
         print(f"{BENCH_PY} is missing; create it: python3 -m venv .venv-bench && .venv-bench/bin/pip install "
               "'torch==2.13.0' && .venv-bench/bin/pip install -e . 'ray[serve]'", file=sys.stderr)
         return 2
-    from plait.serve.bench import ServerProcess, request_body
-    from plait.serve.model import ModelRef, load_model
+    from plait.bench.serve import ServerProcess, request_body
+    from plait.serve.model.load import ModelRef, load_model
 
     body = request_body(load_model(ModelRef(args.model)), binary_outputs=False)  # both answer JSON
     common = ["--max-batch-size", str(args.max_batch_size), "--max-delay-ms", str(args.max_delay_ms)]

@@ -353,7 +353,7 @@ def serve(path: str | Path, *, host: str = "127.0.0.1", port: int = 0, **options
 
     options: plait.serve.service.ServeOptions' fields, the flags of `plait serve` (max_batch_size, replicas, ...).
     """
-    from plait.serve.server import ServerThread, bind  # lazily: FastAPI and uvicorn
+    from plait.serve.entrypoints.server import ServerThread, bind  # lazily: FastAPI and uvicorn
     from plait.serve.service import ServeOptions  # lazily: `import plait` and plait.Config must not import torch
 
     try:

@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
 # top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
-VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
+VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.bench.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
                                   "plait.launch.cli", "plait.audit.cli", "plait.compress.cli",
                                   "plait.report.cli", "plait.cluster.cli", "plait.tune.cli")
 

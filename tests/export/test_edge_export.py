@@ -12,7 +12,7 @@ from plait.data import build_data
 from plait.data.spec import DataSpec
 from plait.edge import export_edge, load_edge
 from plait.edge.parity import HeldOut, Parity, compare
-from plait.serve.model import ModelRef, load_model
+from plait.serve.model.load import ModelRef, load_model
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
 
 onnx = pytest.importorskip("onnx", reason="the edge extra is not installed: pip install 'plait[edge]'")

@@ -154,7 +154,7 @@ def test_a_federated_run_exports_serves_and_reports_like_a_training_run(tmp_path
     assert load_file(tmp_path / "m.safetensors").keys() == load_file(out / "model.safetensors").keys()
     assert main(["report", str(out)]) == 0
     assert (out / "report.html").read_text() == page  # the federated report, not "no steps were logged"
-    from plait.serve.model import ModelRef, load_model
+    from plait.serve.model.load import ModelRef, load_model
 
     served = load_model(ModelRef(str(out)))  # plait serve RUN: the final global model, not "train it first"
     assert torch.equal(next(iter(served.module.state_dict().values())), next(iter(model.state_dict().values())))

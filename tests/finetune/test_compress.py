@@ -68,7 +68,7 @@ def test_int8_through_torchao_quarters_the_linear_weights_and_keeps_the_loss(pre
     cfg = load_config(pretrained / "config.toml", validate=False)
     assert val_loss(loaded, cfg, _bundle(cfg)) == pytest.approx(a["val_loss"], abs=1e-4)
     # plait serve takes the file as it is, and `plait serve RUN --quantize int8` goes the same torchao path
-    from plait.serve.model import ModelRef, load_model
+    from plait.serve.model.load import ModelRef, load_model
     from plait.serve.service import ServeOptions, Service
 
     service = Service(str(tmp_path / "q.safetensors"), ServeOptions())

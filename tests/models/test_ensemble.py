@@ -89,8 +89,8 @@ def test_each_member_follows_its_own_run(pool2, pool4, tmp_path, members, replic
 def test_an_exported_ensemble_predicts_the_members_mean_probability_and_serves_their_spread(tmp_path, members):
     from plait.api import export
     from plait.export import load_exported
-    from plait.serve.model import ModelRef, load_model
-    from plait.serve.runner import Runner
+    from plait.serve.executor.runner import Runner
+    from plait.serve.model.load import ModelRef, load_model
 
     params_after(_job("parallel.dp=1", "model.ensemble=2"), tmp_path / "ens")
     ens, _ = load_exported(export(tmp_path / "ens", tmp_path / "ens.safetensors"))

@@ -119,7 +119,7 @@ def test_unsupported_architecture_is_one_line_and_exit_2(hf, tmp_path, monkeypat
 
 
 def test_serve_gives_transformers_logits_and_generates_with_the_tokenizer(hf):
-    from plait.serve.server import ServerThread
+    from plait.serve.entrypoints.server import ServerThread
 
     ids = hf["ids"]
     body = {"inputs": [{"name": "input_ids", "shape": list(ids.shape), "datatype": "INT64", "data": ids.reshape(-1).tolist()}]}
@@ -161,7 +161,7 @@ def test_text_data_is_encoded_with_the_checkpoints_tokenizer(hf, tmp_path):
 def test_a_run_from_the_checkpoint_keeps_its_weights_and_tokenizer(hf, tmp_path):
     """init_from inside train() (a step too small to move a weight): the run's model is transformers' model and
     its tokenizer.json, which serving and exports read, is the checkpoint's."""
-    from plait.serve.model import ModelRef, load_model
+    from plait.serve.model.load import ModelRef, load_model
     from plait.train.trainer import train
     from plait.train.weights import load_run_model
 

@@ -9,8 +9,8 @@ import torch
 from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.models.sampling import sample
-from plait.serve.engine import Engine, EngineConfig, SamplingParams
-from plait.serve.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
+from plait.serve.engine.core import Engine, EngineConfig, SamplingParams
+from plait.serve.engine.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
 
 
 class Clock:
@@ -268,7 +268,7 @@ def test_the_acceptance_rule_gives_the_targets_distribution():
     """Leviathan et al.: P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y q(y) min(1, p(y)/q(y))) norm(max(0, p - q))(x) = p(x),
     on fixed logits, from the rule's own pieces; then the rule run 20000 times draws each token at p's frequency."""
     from plait.models.sampling import distribution
-    from plait.serve.speculative import accept_probability, residual, verify
+    from plait.serve.engine.speculative import accept_probability, residual, verify
 
     target = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
     draft = torch.tensor([0.0, 2.0, 1.0, 0.5, -2.0])
@@ -312,7 +312,7 @@ def test_speculative_greedy_tokens_equal_generate(draft):
 
 
 def roomy_bytes(model, draft):
-    from plait.serve.paged import bytes_per_block
+    from plait.serve.engine.paged import bytes_per_block
 
     return bytes_per_block(model, 16) + bytes_per_block(draft, 16)
 
@@ -363,7 +363,7 @@ def merged_copy(model, tensors, scale):
 def test_requests_for_different_adapters_share_a_batch_and_each_gets_its_merged_model(name, tmp_path):
     import copy
 
-    from plait.serve.adapters import install_adapters, load_adapter
+    from plait.serve.engine.adapters import install_adapters, load_adapter
 
     base = copy.deepcopy(MODELS[name])
     targets = {"llama": (["blocks.0.attn.q_proj", "blocks.0.attn.v_proj", "blocks.1.mlp.up_proj"],
@@ -389,7 +389,7 @@ def test_requests_for_different_adapters_share_a_batch_and_each_gets_its_merged_
     with pytest.raises(ValueError, match="no LoRA adapter 3 is installed"):
         engine.submit(ps[0], SamplingParams(), adapter=3)
     if name == "gpt":  # gpt ties its head to the embedding: an adapter there would change both
-        from plait.serve.protocol import ServeError
+        from plait.serve.errors import ServeError
 
         adapter_file(MODELS[name], tmp_path / "tied.safetensors", ["head"], 2, 2.0, 9)
         with pytest.raises(ServeError) as e:

@@ -10,9 +10,9 @@ import httpx
 import numpy as np
 import pytest
 
-from plait.serve.autoscale import AutoscaleConfig, AutoscalePolicy
-from plait.serve.protocol import ServeError
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import ServeError
+from plait.serve.fleet.autoscale import AutoscaleConfig, AutoscalePolicy
 from plait.serve.service import ServeOptions
 from serve_helpers import gather_posts, infer_json, mlp_run, poll  # noqa: F401
 
@@ -160,8 +160,8 @@ def test_idle_goes_back_to_min(server):
 
 
 def test_burst_idle_burst_loses_nothing_and_is_plotted(server, tmp_path):
-    from plait.serve.bench import request_body
-    from plait.serve.bench_burst import burst_load, plot_burst
+    from plait.bench.serve import request_body
+    from plait.bench.serve_burst import burst_load, plot_burst
 
     pool = server.service.executor
     poll(lambda: pool.process_count == 0, 30, "scale to zero before the bursts")

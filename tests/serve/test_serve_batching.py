@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from plait.serve.batcher import Batcher, BatchPolicy, Decision, QueueFull
-from plait.serve.model import ModelRef, load_model
-from plait.serve.runner import Runner
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.executor.batcher import Batcher, BatchPolicy, Decision, QueueFull
+from plait.serve.executor.runner import Runner
+from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import cnn_run, gather_posts, infer_json, mlp_run  # noqa: F401
 
@@ -222,14 +222,14 @@ def test_strict_blas_lets_a_lone_request_run_as_one_row(mlp_run):  # noqa: F811
     import subprocess
     import sys
 
-    from plait.serve.runner import intel_cpu
+    from plait.serve.executor.runner import intel_cpu
 
     if not torch.backends.mkl.is_available():
         pytest.skip("this torch has no MKL: MKL_CBWR has no effect, the probe decides the sizes alone")
     if not intel_cpu():
         pytest.skip("not an Intel CPU: MKL's strict mode is not asked for (test_blas_mode_by_processor)")
-    probe = ("import sys; from plait.serve.runner import strict_blas, Runner; from plait.serve.model import ModelRef, "
-             "load_model; strict_blas() if sys.argv[1] == 'strict' else None; "
+    probe = ("import sys; from plait.serve.executor.runner import strict_blas, Runner; "
+             "from plait.serve.model.load import ModelRef, load_model; strict_blas() if sys.argv[1] == 'strict' else None; "
              "r = Runner(load_model(ModelRef(sys.argv[2])), pad_to=16); r.prepare(); print(r.padded(1), r.sizes)")
     env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_CBWR"}
     rows, sizes = subprocess.run([sys.executable, "-c", probe, "strict", str(mlp_run)], env=env, capture_output=True,
@@ -246,7 +246,7 @@ def test_strict_blas_lets_a_lone_request_run_as_one_row(mlp_run):  # noqa: F811
     ("", set(), True, None),  # unknown (no /proc/cpuinfo)
 ])
 def test_blas_mode_by_processor(monkeypatch, vendor, flags, exact, want):
-    from plait.serve import runner
+    from plait.serve.executor import runner
 
     monkeypatch.delenv("MKL_CBWR", raising=False)
     monkeypatch.setattr(runner, "_cpuinfo", lambda: (vendor, flags))
@@ -257,7 +257,7 @@ def test_blas_mode_by_processor(monkeypatch, vendor, flags, exact, want):
 
 
 def test_the_cpuinfo_reader_names_this_processor():
-    from plait.serve.runner import _cpuinfo
+    from plait.serve.executor.runner import _cpuinfo
 
     if not __import__("os").path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo here")

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from plait.serve.bench import BenchOptions, Point, closed_loop, format_table, open_loop, plot, request_body, target_checks
-from plait.serve.model import ModelRef, load_model
-from plait.serve.server import ServerThread
+from plait.bench.serve import BenchOptions, Point, closed_loop, format_table, open_loop, plot, request_body, target_checks
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions
 from serve_helpers import mlp_run  # noqa: F401
 
@@ -45,7 +45,7 @@ def test_target_checks_table_and_plot(tmp_path):
 def test_bench_prints_its_table_once_and_says_what_a_missed_target_means(monkeypatch, tmp_path, capsys):
     from types import SimpleNamespace
 
-    import plait.serve.bench as bench
+    import plait.bench.serve as bench
 
     class FakeServer:  # no processes: the printing is what is tested
         def __init__(self, model, args):

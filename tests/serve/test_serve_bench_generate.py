@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-import plait.serve.bench_generate as bg
+import plait.bench.serve_generate as bg
 from plait.errors import ConfigError
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
 from plait.serve.service import ServeOptions
 
 pytest.importorskip("transformers")

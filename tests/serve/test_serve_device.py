@@ -19,12 +19,12 @@ import plait.serve.service as service_module
 from plait.cli import main
 from plait.data.tokenizer import CharTokenizer
 from plait.export import load_exported
-from plait.serve.device import serve_device, torch_device
-from plait.serve.kvcache import GenRow, generate
-from plait.serve.model import ModelRef, load_model
-from plait.serve.protocol import ServeError
-from plait.serve.runner import Runner
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import ServeError
+from plait.serve.executor.generate import GenRow, generate
+from plait.serve.executor.runner import Runner
+from plait.serve.model.device import serve_device, torch_device
+from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, kill_tree, mlp_run  # noqa: F401
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from plait.serve.model import ModelRef, load_model
-from plait.serve.protocol import ServeError
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import ServeError
+from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gather_posts, infer_json, mlp_run  # noqa: F401
 
@@ -56,7 +56,7 @@ def test_generate_on_an_exported_language_model_says_why_and_what_to_serve():
     """issue 38 item 11: an ONNX-served GPT answered /v1/generate with 'does not generate text (it is a gpt lm')."""
     from types import SimpleNamespace
 
-    from plait.serve.protocol import RequestError
+    from plait.serve.errors import RequestError
 
     served = SimpleNamespace(can_generate=False, is_lm=True, backend="onnxruntime", registry_name="gpt",
                              spec=SimpleNamespace(task="lm"))

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.serve import protocol
-from plait.serve.protocol import RequestError, loads
-from plait.serve.server import MAX_HEAD_BYTES, ServerThread, loop_and_protocol
+from plait.serve.entrypoints import protocol
+from plait.serve.entrypoints.protocol import loads
+from plait.serve.entrypoints.server import MAX_HEAD_BYTES, ServerThread, loop_and_protocol
+from plait.serve.errors import RequestError
 from plait.serve.service import ServeOptions
 from serve_helpers import mlp_run  # noqa: F401
 

@@ -10,8 +10,8 @@ import torch
 
 from plait.data.tokenizer import CharTokenizer
 from plait.export import load_exported
-from plait.serve.kvcache import GenRow, generate
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.executor.generate import GenRow, generate
 from plait.serve.service import ServeOptions
 from serve_helpers import gather_posts, gpt_run  # noqa: F401
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
 from plait.serve.service import ServeOptions
 
 openai = pytest.importorskip("openai")
@@ -190,7 +190,7 @@ def test_a_draft_model_speculates_and_the_text_stays_the_targets(hf_dir, tmp_pat
     """--draft: a one-layer Llama of the same tokenizer proposes 3 tokens a step; greedy text is transformers'."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from plait.serve.protocol import ServeError
+    from plait.serve.errors import ServeError
     from plait.serve.service import Service
 
     vocab = hf_dir["tok"].get_vocab_size()
@@ -263,7 +263,7 @@ def test_streamed_text_decodes_only_the_new_tokens_and_adds_up_to_the_whole():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from plait.data.hf_tokenizer import HFTokenizer
-    from plait.serve.openai_api import Text
+    from plait.serve.entrypoints.openai_api import Text
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

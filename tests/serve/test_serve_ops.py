@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.serve.model import ModelRef, load_model
-from plait.serve.quantize import accuracy_change
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.model.load import ModelRef, load_model
+from plait.serve.model.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, infer_json, kill_tree, mlp_run  # noqa: F401
 

@@ -10,8 +10,8 @@ import torch
 
 from plait.data.tokenizer import CharTokenizer
 from plait.export import load_exported
-from plait.serve.protocol import ServeError
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import ServeError
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, mlp_run, poll  # noqa: F401
 

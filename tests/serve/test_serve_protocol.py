@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from plait.serve.protocol import HEADER_LENGTH, decode_infer_request
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.protocol import HEADER_LENGTH, decode_infer_request
+from plait.serve.entrypoints.server import ServerThread
 from plait.serve.service import ServeOptions
 from serve_helpers import infer_json, mlp_run  # noqa: F401
 

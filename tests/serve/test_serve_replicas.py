@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from plait.export import load_exported
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.executor.tasks import Token
 from plait.serve.service import ServeOptions
-from plait.serve.tasks import Token
 from serve_helpers import gpt_run, poll  # noqa: F401
 
 pytestmark = pytest.mark.slow

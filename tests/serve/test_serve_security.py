@@ -19,16 +19,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from starlette.testclient import TestClient
 
-import plait.serve.app as app_module
+import plait.serve.entrypoints.app as app_module
 from plait.cli import build_parser, main
 from plait.errors import CheckpointError
 from plait.export import load_exported
-from plait.serve import kvcache
-from plait.serve.app import create_app, endpoint_of
+from plait.serve.executor import generate as kvcache
 from plait.serve.cli import TOKEN_ENV, serve_token
-from plait.serve.kvcache import GenRow, RowFailed, generate
-from plait.serve.protocol import HEADER_LENGTH, RequestError, encode_error
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.app import create_app, endpoint_of
+from plait.serve.entrypoints.protocol import HEADER_LENGTH, encode_error
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import RequestError
+from plait.serve.executor.generate import GenRow, RowFailed, generate
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
 

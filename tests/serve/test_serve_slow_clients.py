@@ -12,10 +12,12 @@ import httpx
 import numpy as np
 import pytest
 
-import plait.serve.replicas as replicas_module
-from plait.serve.app import MAX_HEAD_BYTES
-from plait.serve.protocol import MAX_JSON_CONTAINERS, RequestError, TensorSpec, check_items, request_items
-from plait.serve.server import ServerThread
+import plait.serve.fleet.replicas as replicas_module
+from plait.serve.entrypoints.app import MAX_HEAD_BYTES
+from plait.serve.entrypoints.protocol import MAX_JSON_CONTAINERS, check_items
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import RequestError
+from plait.serve.model.signature import TensorSpec, request_items
 from plait.serve.service import ServeOptions
 from serve_helpers import infer_json, mlp_run, poll  # noqa: F401
 

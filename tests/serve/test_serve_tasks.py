@@ -1,4 +1,4 @@
-"""The typed seam between the service and its executors (plait.serve.tasks): tasks, results and pipe messages
+"""The typed seam between the service and its executors (plait.serve.executor.tasks): tasks, results and pipe messages
 pickle, every executor satisfies the Executor protocol, and serve's modules import each other without a cycle."""
 
 import ast
@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 
 import plait.serve
-from plait.serve.model import ModelRef, load_model
-from plait.serve.pipeline import PipelineExecutor, StageFailed, StageReady
-from plait.serve.replicas import ReplicaPool
-from plait.serve.runner import LocalExecutor, Runner
-from plait.serve.tasks import (
+from plait.serve.executor.runner import LocalExecutor, Runner
+from plait.serve.executor.tasks import (
     Cancel,
     Done,
     Executor,
@@ -30,6 +27,9 @@ from plait.serve.tasks import (
     Submit,
     Token,
 )
+from plait.serve.fleet.pipeline import PipelineExecutor, StageFailed, StageReady
+from plait.serve.fleet.replicas import ReplicaPool
+from plait.serve.model.load import ModelRef, load_model
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
 
 SERVE = Path(plait.serve.__file__).parent
@@ -94,7 +94,7 @@ def test_the_runner_dispatches_on_the_task_type(mlp_run):  # noqa: F811
     out = runner.run(Infer(x))
     assert isinstance(out, InferOutput) and out.outputs["logits"].shape == (3, 10)
     assert out.outputs["label"].shape == (3,)
-    with pytest.raises(TypeError, match=r"^not a serving task: tuple \(see plait.serve.tasks\)$"):
+    with pytest.raises(TypeError, match=r"^not a serving task: tuple \(see plait.serve.executor.tasks\)$"):
         runner.run(("infer", x))
 
 
@@ -117,10 +117,17 @@ def _plait_imports(path: Path) -> list[tuple[str, int, bool, str]]:
     return out
 
 
+def _serve_name(path: Path) -> str:
+    rel = path.relative_to(SERVE).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
 def test_serve_modules_import_each_other_without_a_cycle():
-    graph = {p.stem: {m.split(".")[2] for m, *_ in _plait_imports(p) if m.startswith("plait.serve.")}
-             for p in SERVE.glob("*.py")}
-    assert "replicas" not in graph["coldstart"] | graph["replica_worker"] and "coldstart" in graph["replicas"]
+    files = sorted(SERVE.rglob("*.py"))
+    graph = {_serve_name(p): {m.removeprefix("plait.serve.") for m, *_ in _plait_imports(p)
+                              if m.startswith("plait.serve.")} for p in files}
+    assert "fleet.replicas" not in graph["fleet.coldstart"] | graph["fleet.replica_worker"]
+    assert "fleet.coldstart" in graph["fleet.replicas"]
     done: set[str] = set()
 
     def walk(node: str, path: tuple[str, ...]) -> None:
@@ -132,6 +139,6 @@ def test_serve_modules_import_each_other_without_a_cycle():
 
     for module in sorted(graph):
         walk(module, ())
-    lazy = [(p.name, line, text.strip()) for p in SERVE.glob("*.py") for _, line, inside, text in _plait_imports(p)
+    lazy = [(p.name, line, text.strip()) for p in files for _, line, inside, text in _plait_imports(p)
             if inside and "#" not in text]
     assert lazy == []  # each import kept inside a function says why on its line (start-up time, a dependency)

@@ -4,8 +4,8 @@ half the KV cache's heads, and what cannot be split is refused with the key to c
 import httpx
 import pytest
 
-from plait.serve.protocol import ServeError
-from plait.serve.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread
+from plait.serve.errors import ServeError
 from plait.serve.service import ServeOptions, Service
 from serve.test_serve_openai import PROMPT, decode, hf_dir, hf_greedy  # noqa: F401
 

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # -1 for the width so that a tensor-parallel shard (fewer local heads) reshapes correctly.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        if hasattr(cache, "attend"):  # a paged serving step (plait.serve.paged): it stores k and v and attends itself
+        if hasattr(cache, "attend"):  # a paged serving step (plait.serve.engine.paged): it stores k and v and attends itself
             return self.proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:
             k, v = cache.extend(k, v)
@@ -173,7 +173,7 @@ class GPT(MoEHooks, nn.Module):
         Incremental decoding passes `cache` ({} at first, then the same dict: one KVCache per block,
         filled here), and idx holds only the tokens after the cached ones. `pad` (batch,) is each
         row's left padding: its positions start at 0 at its first real token and the padding is masked.
-        A `cache` that is a paged step (plait.serve.paged.PagedStep) gives the positions of idx (1, T), the
+        A `cache` that is a paged step (plait.serve.engine.paged.PagedStep) gives the positions of idx (1, T), the
         tokens of many sequences, and attends each to its own cached keys.
         """
         if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches

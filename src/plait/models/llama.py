@@ -108,7 +108,7 @@ class Attention(nn.Module):
         past = len(cache) if cache is not None else 0
         cos, sin = self._rotation(pos, past, t, x.device, q.dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if hasattr(cache, "attend"):  # a paged serving step (plait.serve.paged): it stores k and v and attends itself
+        if hasattr(cache, "attend"):  # a paged serving step (plait.serve.engine.paged): it stores k and v and attends itself
             return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:
             k, v = cache.extend(k, v)
@@ -203,7 +203,7 @@ class Llama(MoEHooks, nn.Module):
 
         `cache` ({} at first, then the same dict) holds each block's keys and values: idx is then only the tokens
         after the cached ones. `pad` (batch,) is each row's left padding (positions start at its first real token).
-        A `cache` that is a paged step (plait.serve.paged.PagedStep) gives the positions of idx (1, T), the
+        A `cache` that is a paged step (plait.serve.engine.paged.PagedStep) gives the positions of idx (1, T), the
         tokens of many sequences, and attends each to its own cached keys.
         A pipeline stage without the embedding takes hidden states, one without the head returns them.
         """

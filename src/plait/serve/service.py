@@ -1,10 +1,10 @@
 """One served model: options, the executor that holds it, the batcher in front, timeouts and backpressure.
 
-The HTTP layer (plait.serve.app) only decodes requests and encodes answers; this module
-decides where work runs. Each request is queued as a one-request task (plait.serve.tasks: Infer,
+The HTTP layer (plait.serve.entrypoints.app) only decodes requests and encodes answers; this module
+decides where work runs. Each request is queued as a one-request task (plait.serve.executor.tasks: Infer,
 Generate); the batcher's batch is merged into one task of the same type and handed to the
 executor, whose result is split back per request. Executors share one interface, the
-`Executor` protocol of plait.serve.tasks (start, stop, ready, run; capacity, restarts).
+`Executor` protocol of plait.serve.executor.tasks (start, stop, ready, run; capacity, restarts).
 """
 
 from __future__ import annotations
@@ -24,20 +24,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.data.tokenizer import CharTokenizer
-from plait.serve.autoscale import AutoscaleConfig, Autoscaler
-from plait.serve.batcher import Batcher, BatchPolicy, Pending, QueueFull
-from plait.serve.device import serve_device, torch_device
-from plait.serve.engine import Engine, EngineConfig, SamplingParams, TokenEvent
-from plait.serve.llm import build_engine
+from plait.serve.engine.build import build_engine
+from plait.serve.engine.core import Engine, EngineConfig, SamplingParams, TokenEvent
+from plait.serve.engine.tp import TensorParallelGroup
+from plait.serve.errors import RequestError, ServeError
+from plait.serve.executor.batcher import Batcher, BatchPolicy, Pending, QueueFull
+from plait.serve.executor.runner import LocalExecutor, Runner
+from plait.serve.executor.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+from plait.serve.fleet.autoscale import AutoscaleConfig, Autoscaler
+from plait.serve.fleet.pipeline import PipelineExecutor
+from plait.serve.fleet.replicas import ReplicaPool
 from plait.serve.metrics import Metrics
-from plait.serve.model import ModelRef, ServedModel, check_name, load_model
-from plait.serve.pipeline import PipelineExecutor
-from plait.serve.protocol import RequestError, ServeError, request_items
-from plait.serve.quantize import QUANTIZE_CHOICES
-from plait.serve.replicas import ReplicaPool
-from plait.serve.runner import LocalExecutor, Runner
-from plait.serve.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
-from plait.serve.tp import TensorParallelGroup
+from plait.serve.model.device import serve_device, torch_device
+from plait.serve.model.load import ModelRef, ServedModel, check_name, load_model
+from plait.serve.model.quantize import QUANTIZE_CHOICES
+from plait.serve.model.signature import request_items
 
 
 @dataclass
@@ -66,20 +67,20 @@ class ServeOptions:
     quantize: str | None = None
     max_body_mb: float = 16.0
     max_new_tokens: int = 1024  # the most tokens one /v1/generate request may ask for
-    exact_batching: bool = True  # every answer bitwise the lone one (strict BLAS, padding to probed sizes: plait.serve.runner)
+    exact_batching: bool = True  # every answer bitwise the lone one (strict BLAS, padding to probed sizes: executor.runner)
     threads: int = 0  # torch threads per model process; 0: the cores left after the HTTP loop (in-process), cores / N
     max_prompt_chars: int = 65_536  # a longer /v1/generate prompt gets 413 (checked before it is tokenized)
     read_timeout_s: float = 10.0  # request head, then the whole body, must each arrive within this, else 408 / closed
     max_connections: int = 256  # open connections at most; 8 more for health and metrics (server.py), more closed at once
     trust_factory: bool = False  # build a model.factory named in an exported file (it is code)
     trust_checkpoint: bool = False  # serve a run checkpoint that has no manifest
-    device: str = "auto"  # auto (cuda when available, cpu with --quantize), cpu or cuda; see plait.serve.device
-    autoscale: str | None = None  # "MIN:MAX": replica processes follow the load (plait.serve.autoscale)
+    device: str = "auto"  # auto (cuda when available, cpu with --quantize), cpu or cuda; see plait.serve.model.device
+    autoscale: str | None = None  # "MIN:MAX": replica processes follow the load (plait.serve.fleet.autoscale)
     target_ongoing: float = 2.0  # ongoing requests per replica the autoscaler aims at
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 10.0
     scale_to_zero_after_s: float = 30.0
-    # Language models (plait.serve.engine): continuous batching over a paged KV cache, or "static" (whole batches).
+    # Language models (plait.serve.engine.core): continuous batching over a paged KV cache, or "static" (whole batches).
     scheduler: str = "continuous"
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_mb: float = 64.0  # the block pool, all layers' keys and values
@@ -89,7 +90,7 @@ class ServeOptions:
     draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens
     num_speculative_tokens: int = 4
     lora: tuple[str, ...] = ()  # "name=RUN_DIR_OR_ADAPTERS_FILE": LoRA adapters over the served model, by request
-    tp: int = 1  # tensor-parallel generation over this many processes (plait.serve.tp)
+    tp: int = 1  # tensor-parallel generation over this many processes (plait.serve.engine.tp)
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -211,8 +212,8 @@ class Service:
         # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
-        # Continuous batching (plait.serve.engine) for a language model in this process; replicas, pipeline stages
-        # and --scheduler static generate whole batches through the batcher (plait.serve.kvcache).
+        # Continuous batching (plait.serve.engine.core) for a language model in this process; replicas, pipeline stages
+        # and --scheduler static generate whole batches through the batcher (plait.serve.executor.generate).
         self.engine: Engine | None = None
         self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
         self.tp_group: TensorParallelGroup | None = None

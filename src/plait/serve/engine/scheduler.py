@@ -306,7 +306,7 @@ class Scheduler:
             self.pool.share(block)
         seq.blocks, seq.keys = found, keys[:len(found)]
         seq.computed = min(len(found) * self.pool.block_size, len(tokens) - 1)
-        seq.draft_computed = seq.computed  # a draft model's pool shares the block ids (plait.serve.engine)
+        seq.draft_computed = seq.computed  # a draft model's pool shares the block ids (plait.serve.engine.core)
         seq.cached_tokens = min(seq.computed, len(seq.prompt))
         self.pool.hit_tokens += seq.cached_tokens
 

@@ -1,6 +1,6 @@
 """Run one batch on a loaded model: the code every executor shares (server thread, replica process).
 
-Tasks and results are the picklable dataclasses of plait.serve.tasks, so the same `Runner.run`
+Tasks and results are the picklable dataclasses of plait.serve.executor.tasks, so the same `Runner.run`
 serves in-process and behind a pipe:
 
     Infer(array)             -> InferOutput({output name: array})
@@ -22,7 +22,7 @@ request's answer bitwise the one it gets alone:
   strict mode (a GEMM already ran in this process, MKL_CBWR set otherwise, another BLAS) that
   may be `pad_to` alone: answers stay exact, and a lone request pays for the padding rows.
 
-The device (--device, plait.serve.device): the runner moves the model there once, each batch's
+The device (--device, plait.serve.model.device): the runner moves the model there once, each batch's
 input there, and the outputs back to host numpy; generation does its own moves (kvcache.generate).
 On a GPU the exact sizes are probed the same way, with the GPU's kernels.
 """
@@ -37,9 +37,20 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from plait.serve.kvcache import DECODERS, generate
-from plait.serve.model import ServedModel
-from plait.serve.tasks import Cancelled, Emit, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+from plait.serve.executor.generate import generate
+from plait.serve.executor.tasks import (
+    Cancelled,
+    Emit,
+    Generate,
+    GenerateOutput,
+    GenRow,
+    Infer,
+    InferOutput,
+    Result,
+    RowFailed,
+    Task,
+)
+from plait.serve.model.load import DECODERS, ServedModel
 
 STRICT_BLAS = "AUTO,STRICT"  # MKL's conditional numerical reproducibility, strict: results independent of the row count
 
@@ -163,13 +174,13 @@ class Runner:
             case Generate(rows=rows):
                 return GenerateOutput(self.generate(rows, emit, cancelled))
             case _:
-                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.tasks)")
+                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.executor.tasks)")
 
 
 class LocalExecutor:
     """The model in the server process; batches run one at a time on a worker thread (the event loop stays free).
 
-    An `Executor` (plait.serve.tasks); the runner does the dispatch on the task's type."""
+    An `Executor` (plait.serve.executor.tasks); the runner does the dispatch on the task's type."""
 
     capacity = 1
     restarts = 0

@@ -1,12 +1,12 @@
-"""Inside a replica process: load the model, then run the tasks that come down the pipe (plait.serve.replicas).
+"""Inside a replica process: load the model, then run the tasks that come down the pipe (plait.serve.fleet.replicas).
 
-plait.serve.coldstart imports this module once the replica's clock runs; the pool in the server
-imports only coldstart, so the two sides of the pipe share no module but plait.serve.tasks, where
+plait.serve.fleet.coldstart imports this module once the replica's clock runs; the pool in the server
+imports only coldstart, so the two sides of the pipe share no module but plait.serve.executor.tasks, where
 the messages are (server -> replica: Submit, Cancel, None to stop; replica -> server: Ready,
 LoadFailed, Token, Done, Failed).
 
 A thread reads the pipe while the model runs, so that a Cancel for the running generation
-reaches it: the generation loop drops the cancelled rows at its next token (plait.serve.kvcache).
+reaches it: the generation loop drops the cancelled rows at its next token (plait.serve.executor.generate).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import traceback
 
 import torch
 
-from plait.serve.device import torch_device
-from plait.serve.model import ModelRef, load_model
-from plait.serve.runner import Runner
-from plait.serve.tasks import Cancel, Done, Failed, LoadFailed, Ready, Submit, Token
+from plait.serve.executor.runner import Runner
+from plait.serve.executor.tasks import Cancel, Done, Failed, LoadFailed, Ready, Submit, Token
+from plait.serve.model.device import torch_device
+from plait.serve.model.load import ModelRef, load_model
 
 MAX_STALE_CANCELS = 1024  # cancellations kept for tasks that had finished when they came
 
@@ -31,7 +31,7 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: 
                  timing: dict | None = None) -> None:
     """A replica process: load the model, then run tasks from the pipe until told to stop or the server goes away.
 
-    `timing` (from plait.serve.coldstart): the cold start so far; the Ready message adds the load time."""
+    `timing` (from plait.serve.fleet.coldstart): the cold start so far; the Ready message adds the load time."""
     torch.set_num_threads(threads)
     try:
         runner = Runner(load_model(ref), pad_to, torch_device(device, index))

@@ -24,12 +24,15 @@ from plait.data.tokenizer import CharTokenizer
 from plait.edge import EDGE_SUFFIXES, load_edge
 from plait.errors import DataError
 from plait.export import load_exported, rebuild_model
+from plait.models.gpt import GPT
 from plait.models.hf import is_hf_dir, load_hf_model
-from plait.serve.kvcache import DECODERS
-from plait.serve.protocol import ServeError, TensorSpec
-from plait.serve.quantize import quantize_int8
+from plait.models.llama import Llama
+from plait.serve.errors import ServeError
+from plait.serve.model.quantize import quantize_int8
+from plait.serve.model.signature import TensorSpec
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
+DECODERS = (GPT, Llama)  # the models whose cached forward (idx, cache, pad) generation drives
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -60,7 +63,7 @@ class ServedModel:
 
     @property
     def can_generate(self) -> bool:
-        """Text generation needs a tokenizer and plait's GPT or llama (see plait.serve.kvcache)."""
+        """Text generation needs a tokenizer and plait's GPT or llama (see plait.serve.executor.generate)."""
         return self.is_lm and self.tokenizer is not None and isinstance(self.module, DECODERS)
 
     @property

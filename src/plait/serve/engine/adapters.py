@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plait.serve.protocol import ServeError
+from plait.serve.errors import ServeError
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`plait bench serve MODEL --generate`: load-test a language model's generation, static batches vs the engine.
 
-Each configuration runs as its own `plait serve` process on a free loopback port (plait.serve.bench.ServerProcess);
+Each configuration runs as its own `plait serve` process on a free loopback port (plait.bench.serve.ServerProcess);
 this process sends the workload and reads every token as it streams:
 
   static                      --scheduler static: whole batches generated together until the longest ends
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.bench.serve import ServerProcess
 from plait.errors import ConfigError
 from plait.models.gpt import GPT
 from plait.report.plots import plt, save
-from plait.serve.bench import ServerProcess
-from plait.serve.model import ModelRef, load_model
+from plait.serve.model.load import ModelRef, load_model
 
 WORDS = ("the cat sat on a mat and the dog ran to the park where a bird sang in a tree while children played with "
          "a red ball near an old stone wall by the river").split()

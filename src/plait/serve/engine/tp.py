@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 from plait.errors import ConfigError
 from plait.procs import CONTEXT, spawn
-from plait.serve.model import ModelRef, load_model
-from plait.serve.paged import PagedCache
-from plait.serve.protocol import ServeError
+from plait.serve.engine.paged import PagedCache
+from plait.serve.errors import ServeError
+from plait.serve.model.load import ModelRef, load_model
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 

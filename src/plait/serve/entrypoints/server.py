@@ -6,7 +6,7 @@ uvicorn stops listening, lets running requests complete (the batcher keeps cutti
 for them), and only then are the batcher and the worker processes shut down.
 
 Connections (docs/security.md): a request's head must arrive within --read-timeout-s of its first
-byte (or of the connection opening), else the connection is closed (its body too: plait.serve.app);
+byte (or of the connection opening), else the connection is closed (its body too: plait.serve.entrypoints.app);
 at most --max-connections are open at once. Past them RESERVE_CONNECTIONS more are taken, each for one
 request to the health probes or /metrics (anything else: 503), with a head deadline of at most
 RESERVE_HEAD_S, then closed: clients that hold every slot do not make the server look dead. One more
@@ -50,10 +50,11 @@ try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it 
 except ImportError:
     _new_loop = asyncio.new_event_loop
 
-from plait.serve.app import MAX_HEAD_BYTES, OPEN_PATHS, create_app
-from plait.serve.model import ModelRef, load_model
-from plait.serve.protocol import RequestError, ServeError, encode_error
-from plait.serve.quantize import accuracy_change
+from plait.serve.entrypoints.app import MAX_HEAD_BYTES, OPEN_PATHS, create_app
+from plait.serve.entrypoints.protocol import encode_error
+from plait.serve.errors import RequestError, ServeError
+from plait.serve.model.load import ModelRef, load_model
+from plait.serve.model.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 
 GRACEFUL_S = 30  # how long in-flight requests may take to finish after SIGTERM

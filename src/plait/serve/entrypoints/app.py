@@ -5,7 +5,7 @@
     POST /v2/models/{name}[/versions/{v}]/infer      JSON tensors or the binary tensor data extension
     POST /v2/repository/index                        Triton's repository-index extension
     POST /v1/generate                                text generation (gpt), optionally server-sent events
-    GET  /v1/models, POST /v1/completions, /v1/chat/completions    OpenAI-compatible (plait.serve.openai_api)
+    GET  /v1/models, POST /v1/completions, /v1/chat/completions    OpenAI-compatible (plait.serve.entrypoints.openai_api)
     GET  /metrics                                    Prometheus
 
 Handlers read raw bodies (the binary framing is not JSON), so errors are the protocol's own
@@ -31,11 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plait.serve.metrics import access_logger, access_record
-from plait.serve.openai_api import OPENAI_PATHS, openai_error, openai_routes
-from plait.serve.protocol import (
+from plait.serve.entrypoints.openai_api import OPENAI_PATHS, openai_error, openai_routes
+from plait.serve.entrypoints.protocol import (
     HEADER_LENGTH,
-    RequestError,
     check_inputs,
     check_items,
     decode_infer_request,
@@ -43,6 +41,8 @@ from plait.serve.protocol import (
     encode_infer_response,
     loads,
 )
+from plait.serve.errors import RequestError
+from plait.serve.metrics import access_logger, access_record
 from plait.serve.service import Service
 
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")  # probes work without the token

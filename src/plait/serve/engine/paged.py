@@ -51,7 +51,7 @@ class PagedCache:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  tp: int = 1):
         names, kv_heads, head_dim = kv_geometry(model)
-        kv_heads //= tp  # a tensor-parallel rank's own heads (plait.serve.tp)
+        kv_heads //= tp  # a tensor-parallel rank's own heads (plait.serve.engine.tp)
         dtype = next(model.parameters()).dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.window = int(getattr(model, "sliding_window", 0) or 0)
@@ -76,7 +76,7 @@ class PagedStep:
 
     def __init__(self, cache: PagedCache, chunks: Sequence[tuple[list[int], int, int]]):
         self.cache = cache
-        self.chunks = list(chunks)  # what tensor-parallel ranks rebuild this step from (plait.serve.tp)
+        self.chunks = list(chunks)  # what tensor-parallel ranks rebuild this step from (plait.serve.engine.tp)
         device = next(iter(cache.k.values())).device
         bs = cache.block_size
         positions: list[int] = []

@@ -10,12 +10,12 @@ split into K micro-batches keeps every stage busy, and several batches may be in
 Generation through a pipeline keeps a KV cache per row in every stage (the model's own cached
 forward, each stage for its blocks): a row's prompt goes down once, then one token per step,
 until the row outgrows the context and its window is recomputed each step, as in
-plait.serve.kvcache. The server drops a request's caches when it ends. Rows travel as separate
+plait.serve.executor.generate. The server drops a request's caches when it ends. Rows travel as separate
 micro-batches, so they overlap in the stages.
 A stage that dies fails the requests in flight with a 503 and the server reports not-ready.
 
 --device cuda: each stage loads the model on the host, cuts out its part and moves only that to
-GPU `rank mod GPUs` (plait.serve.device; stages on one GPU share it). Activations still travel
+GPU `rank mod GPUs` (plait.serve.model.device; stages on one GPU share it). Activations still travel
 between stages through host memory: gloo sends CPU tensors, and NCCL cannot join two processes
 that share a GPU. A stage moves what it receives to its device and what it sends back to the host.
 """
@@ -37,11 +37,9 @@ import numpy as np
 
 from plait.comm.p2p import recv_message, send_tensor
 from plait.procs import CONTEXT, spawn
-from plait.serve.device import torch_device
-from plait.serve.kvcache import sample_row
-from plait.serve.model import ModelRef, ServedModel, load_model
-from plait.serve.protocol import RequestError, ServeError
-from plait.serve.tasks import (
+from plait.serve.errors import RequestError, ServeError
+from plait.serve.executor.generate import sample_row
+from plait.serve.executor.tasks import (
     Cancelled,
     Emit,
     Failed,
@@ -54,6 +52,8 @@ from plait.serve.tasks import (
     RowFailed,
     Task,
 )
+from plait.serve.model.device import torch_device
+from plait.serve.model.load import ModelRef, ServedModel, load_model
 
 STAGE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 # A message's tags: (flag, task id, micro-batch, cache id); cache id -1: a plain forward without a cache.
@@ -140,7 +140,7 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
 
 
 class PipelineExecutor:
-    """The executor for `--pp K` (an `Executor`, plait.serve.tasks)."""
+    """The executor for `--pp K` (an `Executor`, plait.serve.executor.tasks)."""
 
     restarts = 0
 
@@ -270,7 +270,7 @@ class PipelineExecutor:
             case Generate(rows=rows):
                 return GenerateOutput(await self._generate(rows, on_event, cancelled))
             case _:
-                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.tasks)")
+                raise TypeError(f"not a serving task: {type(task).__name__} (see plait.serve.executor.tasks)")
 
     async def _generate(self, rows: tuple[GenRow, ...], on_event: Emit | None,
                         cancelled: Cancelled | None) -> list[list[int] | RowFailed]:

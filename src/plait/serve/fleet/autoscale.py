@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from plait.serve.protocol import ServeError
+from plait.serve.errors import ServeError
 
 TICK_S = 0.1  # how often the controller samples and decides
 PANIC = 2.0  # ongoing requests beyond PANIC x target per replica: scale up without waiting

@@ -3,8 +3,8 @@
 Requests arrive and answers leave as numpy arrays in host memory; the model and everything it
 computes live on the device. The crossings, and nothing else, are:
 
-    the model            plait.serve.runner.Runner (in-process and in each replica process); a pipeline
-                         stage moves its own part (plait.serve.pipeline.stage_main)
+    the model            plait.serve.executor.runner.Runner (in-process and in each replica process); a pipeline
+                         stage moves its own part (plait.serve.fleet.pipeline.stage_main)
     inputs  -> device    Runner.infer (the batch), kvcache.generate (token ids and padding), a stage (what it receives)
     outputs -> host      Runner.infer and the last pipeline stage (numpy for the HTTP answer)
     between stages       activations go through host memory: gloo sends CPU tensors (and NCCL cannot join two
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from plait.serve.protocol import ServeError
+from plait.serve.errors import ServeError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

@@ -11,13 +11,13 @@ Streaming and cancellation are not part of a task (callbacks do not cross proces
 `on_event(row, position, token)` and `cancelled(row)` beside it, and a replica pool turns them into
 the pipe messages below. Every executor satisfies `Executor`.
 
-Replica pipe messages (plait.serve.replicas <-> plait.serve.replica_worker):
+Replica pipe messages (plait.serve.fleet.replicas <-> plait.serve.fleet.replica_worker):
 
     server -> replica   Submit(task_id, task), Cancel(task_id, rows), None (stop after the tasks it has)
     replica -> server   Ready(pid, cold_start), LoadFailed(traceback), Token(task_id, row, position, token),
                         Done(task_id, result), Failed(task_id, message)
 
-Nothing here imports torch: a replica's cold start is measured from its first line (plait.serve.coldstart).
+Nothing here imports torch: a replica's cold start is measured from its first line (plait.serve.fleet.coldstart).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     handle = engine.submit(prompt_ids, SamplingParams(max_tokens=32), on_token, on_done)   # any thread
     engine.start()        # a thread that steps while there is work; or call engine.step() yourself (tests)
 
-Each `step()` takes new requests and cancellations from its inbox, asks the scheduler (plait.serve.scheduler)
-what to run, copies blocks for copy-on-write, runs one forward over every scheduled token (plait.serve.paged),
+Each `step()` takes new requests and cancellations from its inbox, asks the scheduler (plait.serve.engine.scheduler)
+what to run, copies blocks for copy-on-write, runs one forward over every scheduled token (plait.serve.engine.paged),
 samples the next token of each sequence whose chunk reached its end, and reports back: `on_token(TokenEvent)`
 as each token is chosen, `on_done(reason)` once ("stop", "length", "abort", or "failed: why" when sampling
 failed for this sequence's parameters: it alone ends). Both are called on the engine's
@@ -29,10 +29,10 @@ import torch.nn as nn
 
 from plait.models.gpt import GPT
 from plait.models.sampling import distribution, sample
-from plait.serve.adapters import LoRARouter
-from plait.serve.paged import PagedCache, bytes_per_block
-from plait.serve.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
-from plait.serve.speculative import verify
+from plait.serve.engine.adapters import LoRARouter
+from plait.serve.engine.paged import PagedCache, bytes_per_block
+from plait.serve.engine.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
+from plait.serve.engine.speculative import verify
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Request:
     on_done: Callable[[str], None] | None
     arrival: float
     generator: torch.Generator = field(default_factory=torch.Generator)
-    adapter: int = 0  # plait.serve.adapters: 0 the base model, i the i-th --lora adapter
+    adapter: int = 0  # plait.serve.engine.adapters: 0 the base model, i the i-th --lora adapter
     seq: Sequence | None = None  # the scheduler's, once the engine has taken the request from its inbox
 
 
@@ -107,10 +107,10 @@ class Engine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Speculative decoding: the draft's pool has the same blocks (one block table serves both models).
         self.draft, self.num_speculative = draft, num_speculative
-        self.router = router  # many LoRA adapters (plait.serve.adapters): which tokens take which, per forward
+        self.router = router  # many LoRA adapters (plait.serve.engine.adapters): which tokens take which, per forward
         if draft is not None and num_speculative < 1:
             raise ValueError(f"--num-speculative-tokens = {num_speculative} must be >= 1")
-        # Tensor parallel (plait.serve.tp): this rank's shard of the cache; `announce` tells the other ranks each forward.
+        # Tensor parallel (plait.serve.engine.tp): this rank's shard of the cache; `announce` tells the other ranks each forward.
         self.tp, self.announce = tp, announce
         self._copies: list[tuple[int, int]] = []  # block copies the other ranks have not been told of yet
         num_blocks = self.pool_blocks(model, self.config, draft, tp)
@@ -299,7 +299,7 @@ class Engine:
 
     def _speculate(self, plan: Step) -> bool:
         """A step of decodes only: the draft proposes up to k tokens per sequence, the target checks them all in one
-        forward, and each sequence emits the accepted ones plus one (plait.serve.speculative). False (nothing done)
+        forward, and each sequence emits the accepted ones plus one (plait.serve.engine.speculative). False (nothing done)
         when the step has a prompt chunk in it or no sequence has room to draft."""
         if not all(c.count == 1 and c.sample for c in plan.chunks):
             return False

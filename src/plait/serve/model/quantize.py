@@ -22,7 +22,7 @@ from plait.data import build_data
 from plait.data.datasets import eval_batches
 from plait.errors import ConfigError
 from plait.extras import install_command
-from plait.serve.protocol import ServeError
+from plait.serve.errors import ServeError
 from plait.train.loss import loss_for
 
 QUANTIZE_CHOICES = ("int8",)

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from plait.report.plots import plt, save
-from plait.serve.device import serve_device, torch_device
-from plait.serve.model import ModelRef, load_model
-from plait.serve.protocol import ServeError
-from plait.serve.runner import Runner
+from plait.serve.errors import ServeError
+from plait.serve.executor.runner import Runner
+from plait.serve.model.device import serve_device, torch_device
+from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions
 
 MAX_OUTSTANDING = 512  # open loop: arrivals beyond this many unanswered requests are counted as dropped

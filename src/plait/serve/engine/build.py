@@ -7,12 +7,11 @@ import torch
 
 from plait.errors import ConfigError
 from plait.models.protocols import check_tensor_parallel
-from plait.serve.adapters import install_adapters, load_adapter
-from plait.serve.engine import Engine
-from plait.serve.kvcache import DECODERS
-from plait.serve.model import ModelRef, ServedModel, load_model
-from plait.serve.protocol import ServeError
-from plait.serve.tp import TensorParallelGroup, shard
+from plait.serve.engine.adapters import install_adapters, load_adapter
+from plait.serve.engine.core import Engine
+from plait.serve.engine.tp import TensorParallelGroup, shard
+from plait.serve.errors import ServeError
+from plait.serve.model.load import DECODERS, ModelRef, ServedModel, load_model
 
 
 def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from plait.errors import PlaitError
+from plait.serve.errors import RequestError, ServeError  # noqa: F401 (ServeError: encode_error's)
+from plait.serve.model.signature import TensorSpec
 
 orjson: ModuleType | None  # None when orjson is not installed
 try:  # parses and writes JSON several times faster than the standard library (the request path's hot spot)
@@ -51,33 +52,6 @@ DATATYPES: dict[str, np.dtype] = {
 NUMPY_TO_DATATYPE = {np.dtype(v).newbyteorder("="): k for k, v in DATATYPES.items()}
 MAX_DIMS = 32  # dimensions of one tensor (numpy's own limit is 64)
 MAX_DIM = 1 << 31  # size of one dimension
-
-
-class ServeError(PlaitError):
-    """A serving option or model cannot be served as asked (the CLI prints it and exits 2)."""
-
-
-class RequestError(ServeError):
-    """A client request is wrong: carries the HTTP status the server answers with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One input or output of a served model; -1 in `shape` means any size."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.datatype} {list(self.shape)})"
-
-    def as_json(self) -> dict:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 
 @dataclass
@@ -249,20 +223,6 @@ def loads(data: bytes | str, what: str = "request body"):
 # Arrays and objects in one body at most when the model's inputs do not bound them (a free dimension past the batch
 # one): 65,536 parse in ~7 ms, 2^18 in ~180 ms, 5 M (15 MB of `[]`) in ~3 s, the GIL held all along.
 MAX_JSON_CONTAINERS = 1 << 16
-ITEMS_SLACK = 4096  # what a request holds besides its tensors' data: shapes, outputs, parameters, names
-
-
-def request_items(specs: list[TensorSpec], rows: int, fill: int | None = None) -> int | None:
-    """The most items (as `check_items` counts them) a request of `rows` rows of these inputs can hold, its data flat
-    or nested; None when an input has a free dimension past the batch one (-1, unless `fill` stands for it)."""
-    total = ITEMS_SLACK
-    for spec in specs:
-        dims = [fill if d < 0 and fill else d for d in spec.shape[1:]]
-        if any(d < 0 for d in dims):
-            return None
-        arrays = 1 + rows * sum(math.prod(dims[:j]) for j in range(len(dims)))  # every level of nesting but the last
-        total += rows * math.prod(dims) + arrays
-    return total
 
 
 def _items(data: bytes, values: bool, end: int) -> int:

@@ -14,7 +14,7 @@ is never recomputed.
 A row whose sampling fails (its parameters, not the model) is answered with a `RowFailed` in its
 place and dropped from the batch; the other rows go on (one bad request fails alone).
 
-On a GPU (plait.serve.device) the model, its cache and each step's token ids are on the device;
+On a GPU (plait.serve.model.device) the model, its cache and each step's token ids are on the device;
 the last position's logits come back to the host each step and are sampled there, from each
 row's CPU generator (a CPU generator cannot drive sampling of CUDA tensors, and a generator on
 the GPU would draw other numbers): one seed gives one sequence of draws on every device, and the
@@ -30,12 +30,9 @@ import torch
 from plait.models.gpt import GPT, KVCache
 from plait.models.llama import Llama
 from plait.models.sampling import sample
-from plait.serve.tasks import GenRow, RowFailed
+from plait.serve.executor.tasks import GenRow, RowFailed
 
-__all__ = ["DECODERS", "GenRow", "RowFailed", "generate", "sample_row"]  # GenRow and RowFailed live in plait.serve.tasks
-
-
-DECODERS = (GPT, Llama)  # the models whose cached forward (idx, cache, pad) generation drives
+__all__ = ["GenRow", "RowFailed", "generate", "sample_row"]  # GenRow and RowFailed live in plait.serve.executor.tasks
 
 
 def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

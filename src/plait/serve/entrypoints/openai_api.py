@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from plait.serve.engine import SamplingParams, TokenEvent
-from plait.serve.protocol import RequestError, check_items, loads
+from plait.serve.engine.core import SamplingParams, TokenEvent
+from plait.serve.entrypoints.protocol import check_items, loads
+from plait.serve.errors import RequestError
 from plait.serve.service import MIN_TEMPERATURE, SURROGATE, Completion, Service
 
 OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")

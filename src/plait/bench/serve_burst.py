@@ -1,6 +1,6 @@
 """`plait bench serve RUN_DIR --pattern burst`: an autoscaled server under burst - idle - burst load.
 
-One `plait serve --autoscale MIN:MAX` process (plait.serve.bench.ServerProcess); `clients` closed-loop
+One `plait serve --autoscale MIN:MAX` process (plait.bench.serve.ServerProcess); `clients` closed-loop
 clients send during each burst, nobody during the idle phase (long enough for scale to zero).
 Every SAMPLE_S the load generator reads /metrics (plait_replicas, plait_replicas_desired). Every
 request is accounted for: answered (200), failed (another status) or lost (no answer at all), so
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.bench.serve import Conn, ServerProcess, _request, request_body
 from plait.report.plots import plt, save
-from plait.serve.bench import Conn, ServerProcess, _request, request_body
-from plait.serve.model import ModelRef, load_model
+from plait.serve.model.load import ModelRef, load_model
 
 SAMPLE_S = 0.25
 

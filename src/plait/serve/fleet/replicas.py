@@ -2,22 +2,22 @@
 
 Each replica is a spawned process that loads the weights itself (from the same `ModelRef`) and
 answers tasks over a pipe, one at a time, with the code the in-process executor runs
-(plait.serve.runner). A reader thread per replica turns its messages into results on the
+(plait.serve.executor.runner). A reader thread per replica turns its messages into results on the
 event loop; end-of-file on the pipe means the process died. Then its in-flight batches go
 to another replica (each batch is tried at most twice), a replacement process is started,
 and a batch that fails twice gets a 503 that says so: a crash never leaves a request hanging.
 
-The pipe carries the typed messages of plait.serve.tasks (Submit, Cancel; Ready, LoadFailed,
-Token, Done, Failed); the replica's side is plait.serve.replica_worker, reached through
-plait.serve.coldstart (which times the replica's imports).
+The pipe carries the typed messages of plait.serve.executor.tasks (Submit, Cancel; Ready, LoadFailed,
+Token, Done, Failed); the replica's side is plait.serve.fleet.replica_worker, reached through
+plait.serve.fleet.coldstart (which times the replica's imports).
 
 Cancellation reaches the process: while a generation batch runs, the pool watches which of its
 requests were given up (the client disconnected, or --timeout-ms passed) and sends
 Cancel(task, rows); a thread in the replica reads those while the model runs, and the
-generation loop drops the rows at its next token (plait.serve.kvcache).
+generation loop drops the rows at its next token (plait.serve.executor.generate).
 
 --device cuda: each replica loads the weights on the host and its runner moves them to GPU
-`index mod GPUs` (plait.serve.device); replicas on one GPU share it, each with its own copy.
+`index mod GPUs` (plait.serve.model.device); replicas on one GPU share it, each with its own copy.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from plait.procs import CONTEXT, spawn
-from plait.serve.coldstart import replica_entry
-from plait.serve.model import ModelRef
-from plait.serve.protocol import RequestError, ServeError
-from plait.serve.tasks import (
+from plait.serve.errors import RequestError, ServeError
+from plait.serve.executor.tasks import (
     Cancel,
     Cancelled,
     Done,
@@ -49,6 +47,8 @@ from plait.serve.tasks import (
     Task,
     Token,
 )
+from plait.serve.fleet.coldstart import replica_entry
+from plait.serve.model.load import ModelRef
 
 ATTEMPTS = 2  # a batch whose replica crashes is retried once
 CANCEL_POLL_S = 0.05  # how often a running generation batch is checked for requests given up
@@ -79,7 +79,7 @@ class _Replica:
 
 
 class ReplicaPool:
-    """The executor for `--replicas N` and `--autoscale` (an `Executor`, plait.serve.tasks)."""
+    """The executor for `--replicas N` and `--autoscale` (an `Executor`, plait.serve.executor.tasks)."""
 
     def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
                  start_timeout_s: float = 180.0, device: str = "cpu", autoscale_min: int | None = None,
