@@ -23,12 +23,12 @@ import plait.serve.entrypoints.app as app_module
 from plait.cli import build_parser, main
 from plait.errors import CheckpointError
 from plait.export import load_exported
-from plait.serve.executor import generate as kvcache
 from plait.serve.cli import TOKEN_ENV, serve_token
 from plait.serve.entrypoints.app import create_app, endpoint_of
 from plait.serve.entrypoints.protocol import HEADER_LENGTH, encode_error
 from plait.serve.entrypoints.server import ServerThread
 from plait.serve.errors import RequestError
+from plait.serve.executor import generate as kvcache
 from plait.serve.executor.generate import GenRow, RowFailed, generate
 from plait.serve.service import ServeOptions, Service
 from serve_helpers import gpt_run, mlp_run  # noqa: F401
