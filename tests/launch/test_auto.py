@@ -1,6 +1,8 @@
 """launch.nproc_per_node = "auto" and parallel.dp = "auto": every local GPU (a monkeypatched count here), or on CPU
 the layout's need; resolved when the config loads, before anything launches, and said by --dry-run."""
 
+import re
+
 import pytest
 import torch
 
@@ -45,8 +47,10 @@ def test_on_a_gpu_machine_auto_takes_every_gpu(gpus):
 
 def test_auto_that_cannot_fill_the_machine_and_other_words_are_errors(gpus):
     gpus(8)
-    with pytest.raises(ConfigError, match=r"^parallel.dp = auto: 8 processes per machine = 8 is not a multiple of "
-                                          r"parallel.tp \(3\) x parallel.pp \(1\) = 3; set parallel.dp"):
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallel.dp = auto: no whole parallel.dp fits launch.nproc_per_node(8) * nnodes(1) = 8 processes: dp * tp(3) "
+            "* pp(1) = 8 leaves dp = 8 / 3; give the job a multiple of 3 processes, or change parallel.tp; or set "
+            "parallel.dp to a number")):
         load_config(None, ["parallel.dp=auto", "parallel.tp=3", "model.heads=3", "model.width=96"])
     with pytest.raises(ConfigError, match=r'^launch.nproc_per_node = .eight. must be a whole number or "auto"'):
         load_config(None, ["launch.nproc_per_node=eight"])

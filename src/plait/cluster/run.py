@@ -3,9 +3,10 @@
 Each job is a `plait train` run. The policy (plait.cluster.policies, the same functions the simulator uses) decides
 who holds slots; preempting a job is plait's SIGTERM path (every rank stops at the next logging step, writes one
 checkpoint and exits 0), and running it again is `plait train --resume RUN_DIR`, possibly with another number of
-processes (migration and resizing): the data-parallel degree follows the processes and the global batch stays, so
-the trajectory is the one the job has alone. A job is preempted only once it has trained a step since it was
-(re)started: before that it has nothing to checkpoint, and stopping it would throw its start-up away.
+processes (migration and resizing): the data-parallel degree follows the processes (Layout.resolve: cp, tp and pp
+stay) and the global batch stays, so the trajectory is the one the job has alone. A job is preempted only once it
+has trained a step since it was (re)started: before that it has nothing to checkpoint, and stopping it would throw
+its start-up away.
 
 JOBS.toml:
 
@@ -14,8 +15,8 @@ JOBS.toml:
     config = "job.toml"     # optional; none: the built-in default job
     set = ["train.steps=40"]
     arrival = 0             # seconds after the cluster starts
-    min_procs = 1           # the gang the policy schedules
-    max_procs = 2           # slots left over after a decision grow a starting job up to this
+    min_procs = 1           # the gang the policy schedules (default: one data-parallel replica, cp x tp x pp)
+    max_procs = 2           # slots left over after a decision grow a starting job up to this, by whole replicas
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from plait.cluster.policies import JobView, Params, decide
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout, dedicated_servers, replica_procs, resized
 from plait.rundir import check_writable_run_dir
 
 JOB_KEYS = {"name", "config", "set", "arrival", "min_procs", "max_procs"}
@@ -49,7 +51,7 @@ class JobSpec:
     min_procs: int
     max_procs: int
     steps: int
-    model_parallel: int  # tp x pp: processes per data-parallel replica
+    model_parallel: int  # cp x tp x pp: processes per data-parallel replica (the job grows and shrinks by it)
 
 
 @dataclass
@@ -120,16 +122,17 @@ def read_jobs(path: Path, slots: int) -> list[JobSpec]:
             config = str((path.parent / config).resolve()) if not Path(config).is_absolute() else config
         sets = [str(s) for s in e.get("set", [])]
         cfg = load_config(config, sets)
-        mp = max(1, cfg.parallel.tp) * max(1, cfg.parallel.pp)
-        lo, hi = int(e.get("min_procs", mp)), int(e.get("max_procs", e.get("min_procs", mp)))
-        if not (1 <= lo <= hi <= slots) or lo % mp or hi % mp:
+        mp, servers = replica_procs(cfg), dedicated_servers(cfg)
+        lo, hi = int(e.get("min_procs", mp + servers)), int(e.get("max_procs", e.get("min_procs", mp + servers)))
+        if not (1 <= lo <= hi <= slots) or (hi - lo) % mp:
             raise ConfigError(f"{where} ({name}): min_procs={lo}, max_procs={hi} must satisfy 1 <= min <= max <= "
-                              f"--slots {slots}, both multiples of tp x pp = {mp}")
-        if cfg.train.global_batch_size % cfg.train.micro_batch_size or any(
-                (cfg.train.global_batch_size // cfg.train.micro_batch_size) % (n // mp) for n in range(lo, hi + 1, mp)):
-            raise ConfigError(f"{where} ({name}): train.global_batch_size = {cfg.train.global_batch_size} must split "
-                              f"into micro-batches of {cfg.train.micro_batch_size} over every data-parallel degree "
-                              f"from {lo // mp} to {hi // mp}; change the batch sizes or min_procs/max_procs")
+                              f"--slots {slots}, max - min a multiple of cp x tp x pp = {mp} (the job grows by "
+                              "whole data-parallel replicas)")
+        for n in range(lo, hi + 1, mp):  # every size the job may run at, as Layout.resolve will fit it
+            try:
+                Layout.from_config(resized(cfg, n, f"{n} slots"))
+            except ConfigError as e:
+                raise ConfigError(f"{where} ({name}) on {n} processes: {e}; or change min_procs/max_procs") from None
         specs.append(JobSpec(name, config, sets, float(e.get("arrival", 0.0)), lo, hi, cfg.train.steps, mp))
     return specs
 
@@ -156,8 +159,8 @@ class LocalCluster:
                        j.attained, j.executed, j.proc is not None, j.slice_start, j.last_run, j.waiting_since)
 
     def _command(self, j: _Job, procs: int) -> list[str]:
-        dp = procs // j.spec.model_parallel
-        grow = ["--set", f"parallel.dp={dp}", "--set", f"launch.nproc_per_node={procs}"]
+        # dp = "auto": Layout.resolve fits every degree to the processes when the run loads its config
+        grow = ["--set", "parallel.dp='auto'", "--set", f"launch.nproc_per_node={procs}"]
         if not (j.run_dir / "checkpoints" / "latest").exists():  # never started, or stopped before a checkpoint
             shutil.rmtree(j.run_dir, ignore_errors=True)  # nothing was saved: start it afresh
             return [sys.executable, "-m", "plait", "train", *([j.spec.config] if j.spec.config else []),
@@ -392,7 +395,7 @@ class SlurmQueue(LocalCluster):
         else:  # never started, or stopped before its first checkpoint: from the job's own config
             cfg = load_config(j.spec.config, j.spec.sets)
             absolute_paths(cfg)
-        cfg.parallel.dp = procs // j.spec.model_parallel
+        cfg = resized(cfg, procs, f"{procs} nodes")
         job = SlurmJob(nodes=procs, time=self.time_limit, partition=self.partition, requeue=False,
                        job_name=f"plait-{j.spec.name}")
         saved.write_text(dump_config(job_config(cfg, job)))

@@ -12,7 +12,6 @@ with both numbers (an elastic config adapts data parallel instead, keeping the g
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -25,28 +24,21 @@ from plait.config import Config, load_config
 from plait.data import build_data
 from plait.errors import ConfigError, PlaitError
 from plait.launch.env import ClusterEnv, resolve
-from plait.parallel.layout import Layout
+from plait.parallel.layout import Layout, resized
 from plait.plan.replan import describe, layout_of, replan
 from plait.rundir import checked_config
 from plait.train.job import check_job
 
 
 def fit_to_world(cfg: Config, world: int) -> Config:
-    """An elastic job that lost (or gained) nodes: keep tp, pp and the global batch; dp and accumulation adapt.
+    """An elastic job that lost (or gained) nodes: every degree but dp kept (Layout.resolve), and the global batch;
+    dp and accumulation adapt.
 
     The checkpoint is layout-free, so the run continues on the same trajectory at the new size.
     """
-    p, t = cfg.parallel, cfg.train
-    if world % (p.tp * p.pp):
-        raise ConfigError(f"the job now has {world} processes, which tensor ({p.tp}) x pipeline ({p.pp}) parallel "
-                          "cannot divide; it cannot continue at this size")
-    new = copy.deepcopy(cfg)
-    # a parameter server's dedicated servers stay; the workers are the rest
-    servers = p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
-    new.parallel.dp = (world - servers) // (p.tp * p.pp)
-    if new.parallel.dp == 1:
-        new.parallel.zero, new.parallel.offload, new.parallel.embedding_sharding = 0, "none", "none"
+    new = resized(cfg, world, "the resized job's WORLD_SIZE")
     new.launch.nnodes, new.launch.nproc_per_node, new.launch.node_rank = "1", world, 0
+    t = new.train
     if t.global_batch_size % (t.micro_batch_size * new.parallel.dp):
         raise ConfigError(
             f"the job now has {world} processes (dp = {new.parallel.dp}), but train.global_batch_size "
@@ -71,7 +63,7 @@ def fit(cfg: Config, env: ClusterEnv) -> Config:
     if world == asked.world_size:
         return cfg
     if not cfg.elastic:
-        asked.check_world(world, where=env.world_source())
+        Layout.resolve(cfg, world, where=env.world_source())  # raises, showing the arithmetic
     if cfg.launch.on_resize == "replan":
         try:
             fit_to_world(cfg, world)

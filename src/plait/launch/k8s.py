@@ -17,12 +17,14 @@ liveness and readiness probes on /v2/health/live and /v2/health/ready.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
 
 from plait.config import Config, dump_config
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout, resized
 
 KINDS = ("pytorchjob", "trainjob", "jobset")
 RUN_MOUNT = "/plait"  # where the shared volume (--pvc) is mounted; run dirs live in /plait/runs/<name>
@@ -93,10 +95,6 @@ def parse_elastic(text: str) -> tuple[int, int]:
 
 def job_config(cfg: Config, job: K8sJob) -> Config:
     """The config the pods get, checked against the job's shape: the operator decides nodes and ranks at run time."""
-    import copy
-
-    from plait.parallel.layout import Layout  # lazily: `plait k8s --help` must not import torch
-
     check_name(job.name)
     check_image(job.image)
     if job.kind not in KINDS:
@@ -119,16 +117,13 @@ def job_config(cfg: Config, job: K8sJob) -> Config:
     if new.launch.launcher != "torchrun":
         raise ConfigError(f"launch.launcher = {new.launch.launcher!r}: the pods run plait's torchrun launcher; "
                           "set launch.launcher='torchrun'")
-    layout = Layout.from_config(new)
-    p, t = new.parallel, new.train
-    layout.check_world(job.nodes * job.nproc_per_node, where=f"--nodes {job.nodes} x --nproc-per-node {job.nproc_per_node}")
-    for n in range(job.elastic[0] if job.elastic else job.nodes, job.nodes):
-        world = n * job.nproc_per_node
-        dp = world // (p.tp * p.pp)
-        if world % (p.tp * p.pp) or t.global_batch_size % (t.micro_batch_size * dp):
-            raise ConfigError(f"--elastic {job.elastic[0]}:{job.elastic[1]}: at {n} nodes ({world} processes) tp x pp = "
-                              f"{p.tp * p.pp} and the global batch {t.global_batch_size} = micro batch "
-                              f"{t.micro_batch_size} x accumulation x dp({dp}) do not fit; raise MIN or change the batch")
+    Layout.resolve(new, job.nodes * job.nproc_per_node, f"--nodes {job.nodes} x --nproc-per-node {job.nproc_per_node}"
+                   ).check()
+    for n in range(job.elastic[0] if job.elastic else job.nodes, job.nodes):  # each size the job may shrink to
+        try:  # as the workers will resize it (plait.launch.job.fit_to_world): dp follows, the batch must split
+            Layout.from_config(resized(new, n * job.nproc_per_node, f"{n} nodes x --nproc-per-node {job.nproc_per_node}"))
+        except ConfigError as e:
+            raise ConfigError(f"--elastic {job.elastic[0]}:{job.elastic[1]} at {n} nodes: {e}; or raise MIN") from None
     if job.elastic:
         new.launch.max_restarts = max(new.launch.max_restarts, job.max_restarts)
     return new

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from plait.config import derived, keys, note_auto, opt
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout, dedicated_servers, replica_procs
 
 
 @keys("launch")
@@ -52,9 +53,9 @@ class LaunchKeys:
     def resolve(cfg, gpus: int | None = None) -> list[str]:
         """launch.nproc_per_node = "auto" and parallel.dp = "auto" as numbers; what was decided, in words.
 
-        nproc_per_node: every local GPU, or on CPU 0 (the layout's need). dp: the processes of the job (nproc_per_node,
-        else the GPUs, times the machines; minus parameter servers) divided by tp x pp; on CPU without
-        nproc_per_node, 1. gpus: the local GPU count (default: local_gpus()).
+        nproc_per_node: every local GPU, or on CPU 0 (the layout's need). dp: Layout.resolve of the job's processes
+        (nproc_per_node, else the GPUs, times the machines): minus parameter servers, divided by cp x tp x pp; on CPU
+        without nproc_per_node, 1. gpus: the local GPU count (default: local_gpus()).
         """
         lc, p = cfg.launch, cfg.parallel
         if not (isinstance(p.dp, str) or isinstance(lc.nproc_per_node, str)):
@@ -75,23 +76,22 @@ class LaunchKeys:
 
 
 def _auto_dp(cfg, per_node: int) -> str:
-    """Set parallel.dp from the processes there are; the note saying how."""
+    """Set parallel.dp from the processes there are (Layout.resolve); the note saying how."""
     p, nodes = cfg.parallel, cfg.max_nodes
-    servers = p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
-    model = p.tp * p.pp
     if not per_node:
         p.dp = 1
         return ("parallel.dp = auto -> 1: no GPU here and launch.nproc_per_node is not set (set it to the processes to "
                 "fill)")
-    workers = per_node * nodes - servers
+    servers = dedicated_servers(cfg)
+    try:
+        layout = Layout.resolve(cfg, per_node * nodes, f"launch.nproc_per_node({per_node}) * nnodes({nodes})")
+    except ConfigError as e:
+        raise ConfigError(f"parallel.dp = auto: {e}; or set parallel.dp to a number") from None
+    p.dp = layout.dp * layout.members
     what = (f"{per_node} process{'es' * (per_node > 1)} per machine" + (f" x {nodes} machines" if nodes > 1 else "")
             + (f" - {servers} parameter servers" if servers else ""))
-    if workers < model or workers % model:
-        raise ConfigError(
-            f"parallel.dp = auto: {what} = {workers} is not a multiple of parallel.tp ({p.tp}) x parallel.pp "
-            f"({p.pp}) = {model}; set parallel.dp to a number, or launch.nproc_per_node to a multiple of {model}")
-    p.dp = workers // model
-    return f"parallel.dp = auto -> {p.dp} ({what}" + (f" / tp {p.tp} x pp {p.pp}" if model > 1 else "") + ")"
+    per = (f"cp {p.cp} x " if p.cp > 1 else "") + f"tp {p.tp} x pp {p.pp}"
+    return f"parallel.dp = auto -> {p.dp} ({what}" + (f" / {per}" if replica_procs(cfg) > 1 else "") + ")"
 
 
 def local_gpus(device: str = "auto") -> int:

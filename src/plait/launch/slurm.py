@@ -18,6 +18,7 @@ launchers exit 0 (plait.train.watchdog); then the script runs `scontrol requeue 
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from plait.config import Config, dump_config
 from plait.errors import ConfigError, PlaitError
+from plait.parallel.layout import Layout
 
 DEFAULT_GRACE_S = 120  # USR1 this long before the time limit: a logging step plus a checkpoint must fit
 
@@ -97,10 +99,6 @@ def check_job(job: SlurmJob) -> None:
 
 def job_config(cfg: Config, job: SlurmJob) -> Config:
     """The run's config for this allocation: processes per node from the GPUs (or the layout), checked against it."""
-    import copy
-
-    from plait.parallel.layout import Layout  # lazily: `plait slurm --help` must not import torch
-
     new = copy.deepcopy(cfg)
     new.launch.nnodes, new.launch.node_rank, new.launch.rdzv_endpoint = "1", 0, ""  # set by the job at run time
     new.launch.nproc_per_node = job.gpus_per_node  # 0: the layout's processes spread over the nodes

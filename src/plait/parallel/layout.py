@@ -1,6 +1,8 @@
 """The one owner of a job's parallel degrees, its ranks' roles, its meshes and what the layout can do.
 
     layout = Layout.from_config(cfg)                  # checks the arithmetic, numbers in the message
+    layout = Layout.resolve(cfg, world)               # on `world` processes: parallel.dp = "auto" derived from it
+    new = resized(cfg, world)                         # a copy of cfg whose dp follows `world`, other degrees kept
     layout.world_size                                 # dp * cp * tp * pp (+ the parameter servers)
     layout.role(rank)                                 # "trainer", or a parameter server's "worker" / "server"
     layout.coords(rank)                               # {"pp", "dp", "tp", "cp", "batch"} of a training rank
@@ -8,7 +10,9 @@
     rt = layout.init_runtime(cfg.launch)              # process group (or RPC), the mesh and the expert mesh
 
 Config checks, the schemes, the runtime, the planner (which enumerates Layouts) and the launcher all
-ask this object; nothing else multiplies degrees or decides what kind of layout a job has. The mesh
+ask this object; nothing else multiplies degrees or decides what kind of layout a job has. Every front end that
+fits a job to a count of processes (parallel.dp = "auto", plait slurm / k8s, an elastic resize, plait cluster run)
+goes through Layout.resolve, which knows every degree: a dp = 1, cp = 2 job on 2 processes stays one. The mesh
 is (pp, dp, tp), tp innermost: a tensor-parallel group is made of consecutive ranks (one machine, the
 fastest links), pipeline stages are the outermost split. Expert parallelism cuts each dp group into
 (ep_replica, ep): ep consecutive dp ranks share out the experts, ep_replica holds the same ones.
@@ -30,6 +34,7 @@ batch.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -67,23 +72,59 @@ class Layout:
     @classmethod
     def from_config(cls, cfg) -> Layout:
         """The layout of a Config; raises ConfigError when the degrees and batch sizes do not fit together."""
+        layout = cls._of(cfg, cfg.parallel.dp)
+        layout.check()
+        return layout
+
+    @classmethod
+    def _of(cls, cfg, dp: int) -> Layout:
+        """cfg's layout with parallel.dp = dp (a spread ensemble's members taken out of it), unchecked."""
         p, t = cfg.parallel, cfg.train
         colocated = p.sync == "ps" and p.ps_placement == "colocated"
         nproc = cfg.launch.nproc_per_node
-        members = spread_members(cfg)
-        layout = cls(p.dp // members, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
-                     t.activation_checkpointing, p.sequence_parallel, p.ep, p.sync,
-                     p.ps_servers if p.sync == "ps" and not colocated else 0, colocated, p.embedding_sharding,
-                     p.offload, cfg.precision.dtype == "fp16", t.global_batch_size, p.microbatches, cfg.node_range,
-                     nproc if isinstance(nproc, int) else 0, p.cp, members)
-        layout.check()
-        return layout
+        members = spread_members(cfg, dp)
+        return cls(dp // members, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
+                   t.activation_checkpointing, p.sequence_parallel, p.ep, p.sync, dedicated_servers(cfg), colocated,
+                   p.embedding_sharding, p.offload, cfg.precision.dtype == "fp16", t.global_batch_size, p.microbatches,
+                   cfg.node_range, nproc if isinstance(nproc, int) else 0, p.cp, members)
+
+    @classmethod
+    def resolve(cls, cfg, world: int, where: str = "WORLD_SIZE") -> Layout:
+        """cfg's layout on `world` processes: the one place a degree is derived from a count of processes.
+
+        parallel.dp = "auto" becomes (world - parameter servers) / (cp * tp * pp), every other degree kept; a number
+        is checked instead (dp * cp * tp * pp + servers must be the world). Either way a ConfigError shows the
+        arithmetic, `where` naming the count ("--nodes 2 x --gpus-per-node 8"). The batch is left to the caller
+        (a launcher may change the micro batch first): layout.check() says whether it splits.
+        """
+        p = cfg.parallel
+        for axis in ("tp", "pp", "cp", "ep", *(("dp",) if p.dp != "auto" else ())):
+            _check_degree(axis, getattr(p, axis))
+        if p.dp != "auto":
+            layout = cls._of(cfg, p.dp)
+            layout.check_world(world, where)
+            return layout
+        servers, per = dedicated_servers(cfg), replica_procs(cfg)
+        terms = _terms(p.cp, p.tp, p.pp) + (f" + ps_servers({servers})" if servers else "")
+        workers = world - servers
+        axes = [f"parallel.{a}" for a in ("cp", "tp", "pp") if getattr(p, a) > 1] + ["parallel.ps_servers"] * bool(servers)
+        count = f"{servers} + a multiple of {per}" if servers else f"a multiple of {per}"
+        if workers < per or workers % per:
+            raise ConfigError(
+                f"no whole parallel.dp fits {where} = {world} processes: dp * {terms} = {world} leaves dp = "
+                f"{workers} / {per}; give the job {count} processes" + (f", or change {' or '.join(axes)}" if axes else ""))
+        dp = workers // per
+        if dp % p.ep:
+            raise ConfigError(
+                f"no whole parallel.dp fits {where} = {world} processes with parallel.ep = {p.ep}: dp * {terms} = "
+                f"{world} gives dp = {dp}, not a multiple of ep({p.ep}) (an expert-parallel group is ep dp ranks); "
+                f"give the job {count.replace(str(per), str(per * p.ep))} processes, or change parallel.ep")
+        return cls._of(cfg, dp)
 
     # ---- arithmetic
     def check(self) -> None:
         for axis in ("dp", "tp", "pp", "ep", "cp"):
-            if not isinstance(getattr(self, axis), int) or getattr(self, axis) < 1:
-                raise ConfigError(f"parallel.{axis} = {getattr(self, axis)} must be >= 1; set --set parallel.{axis}=1")
+            _check_degree(axis, getattr(self, axis))
         if self.global_batch and self.micro_batch:
             per_step = self.micro_batch * self.dp
             dp = f"parallel.dp / model.ensemble ({self.dp}: each member's ranks)" if self.members > 1 else \
@@ -205,7 +246,8 @@ class Layout:
                 f"sync = {self.sync!r}" + (f", cp = {self.cp}" if self.cp > 1 else ""))
 
     def formula(self) -> str:
-        text = f"dp({self.dp * self.members}) * " + (f"cp({self.cp}) * " if self.cp > 1 else "") + f"tp({self.tp}) * pp({self.pp})"
+        """The world size's arithmetic: "dp(2) * cp(2) * tp(1) * pp(1) + ps_servers(1)"."""
+        text = f"dp({self.dp * self.members}) * {_terms(self.cp, self.tp, self.pp)}"
         return text + (f" + ps_servers({self.ps_servers})" if self.ps_servers else "")
 
     # ---- the launch
@@ -326,10 +368,47 @@ class Layout:
                        {"pp": 1, "dp": self.dp, "tp": 1, "batch": self.dp})
 
 
-def spread_members(cfg) -> int:
+def spread_members(cfg, dp: int | None = None) -> int:
     """model.ensemble = K spread over the dp ranks (K groups of dp / K ranks, each training one member on the whole
-    global batch, as its own run would): when dp is a multiple of K and the replicas are plain DDP ones (zero = 0,
-    tp = pp = cp = ep = 1, all-reduce); 1 otherwise (every rank runs every member)."""
+    global batch, as its own run would): when dp (default parallel.dp) is a multiple of K and the replicas are plain
+    DDP ones (zero = 0, tp = pp = cp = ep = 1, all-reduce); 1 otherwise (every rank runs every member)."""
     k, p = cfg.model.ensemble, cfg.parallel
+    dp = p.dp if dp is None else dp
     plain = p.zero == 0 and p.tp == p.pp == p.cp == p.ep == 1 and p.sync == "allreduce" and p.embedding_sharding == "none"
-    return k if k > 1 and p.dp >= k and p.dp % k == 0 and plain else 1
+    return k if k > 1 and dp >= k and dp % k == 0 and plain else 1
+
+
+def dedicated_servers(cfg) -> int:
+    """Parameter-server processes beside cfg's data-parallel workers: parallel.ps_servers with sync = 'ps' and
+    dedicated placement, else none."""
+    p = cfg.parallel
+    return p.ps_servers if p.sync == "ps" and p.ps_placement == "dedicated" else 0
+
+
+def replica_procs(cfg) -> int:
+    """Processes one data-parallel replica of cfg spans, cp * tp * pp: a world size is a multiple of it (plus the
+    parameter servers), and a job grows or shrinks by it."""
+    p = cfg.parallel
+    return p.cp * p.tp * p.pp
+
+
+def resized(cfg, world: int, where: str = "WORLD_SIZE"):
+    """A copy of cfg for `world` processes: parallel.dp from Layout.resolve, every other degree kept; with one
+    data-parallel replica left (dp * cp = 1) what shards over replicas (ZeRO, offload, embedding sharding) is off."""
+    new = copy.deepcopy(cfg)
+    new.parallel.dp = "auto"
+    layout = Layout.resolve(new, world, where)
+    new.parallel.dp = layout.dp * layout.members
+    if layout.replicas == 1:
+        new.parallel.zero, new.parallel.offload, new.parallel.embedding_sharding = 0, "none", "none"
+    return new
+
+
+def _check_degree(axis: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"parallel.{axis} = {value!r} must be >= 1; set --set parallel.{axis}=1")
+
+
+def _terms(cp: int, tp: int, pp: int) -> str:
+    """The degrees one data-parallel replica spans, for messages: "cp(2) * tp(1) * pp(1)" (cp only when > 1)."""
+    return (f"cp({cp}) * " if cp > 1 else "") + f"tp({tp}) * pp({pp})"

@@ -29,7 +29,7 @@ from plait.train.job import check_job
 def layout_of(cfg: Config) -> Layout:
     p, t = cfg.parallel, cfg.train
     return Layout(p.dp, p.tp, p.pp, p.zero, t.micro_batch_size, p.pp_schedule, p.virtual_stages,
-                  t.activation_checkpointing, p.sequence_parallel, p.ep)
+                  t.activation_checkpointing, p.sequence_parallel, p.ep, cp=p.cp)
 
 
 def describe(lay: Layout) -> str:
