@@ -161,7 +161,7 @@ def test_logprobs_are_the_models(client, hf_dir):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
 
 
-def test_errors_have_openais_shape(server, client):
+def test_errors_have_openais_shape(server, client, hf_dir):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["message"] == "the model 'gpt-4' does not exist; this server serves: tiny"
@@ -171,16 +171,20 @@ def test_errors_have_openais_shape(server, client):
     assert e.value.body == {"message": "'temperature' must be a number between 0 and 2, got 3",
                             "type": "invalid_request_error", "param": "temperature", "code": None}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", presence_penalty=0.5)
+        client.completions.create(model="tiny", prompt="x", presence_penalty=2.5)
+    assert e.value.body["message"] == "'presence_penalty' must be between -2 and 2, got 2.5"
     assert e.value.body["param"] == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=5000)
-    assert e.value.body["message"] == "'max_tokens' must be an integer between 1 and 1024, got 5000"
+    n = len(hf_dir["tok"].encode("x", add_special_tokens=False).ids)
+    assert e.value.body["message"] == (f"this model's maximum context length is 256 tokens; you requested {n + 5000} "
+                                       f"({n} in the prompt, 5000 in the completion): lower 'max_tokens' to at most "
+                                       f"{256 - n}")
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.body["code"] == "invalid_api_key"
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                   json={"model": "tiny", "prompt": "x", "best_of": 2})
+                   json={"model": "tiny", "prompt": "x", "best_of": 2, "temperature": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "plait_time_to_first_token_seconds_count" in metrics and "plait_kv_blocks_used 0.0" in metrics
@@ -263,7 +267,7 @@ def test_streamed_text_decodes_only_the_new_tokens_and_adds_up_to_the_whole():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from plait.data.hf_tokenizer import HFTokenizer
-    from plait.serve.entrypoints.openai_api import Text
+    from plait.serve.entrypoints.openai_text import Text
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -278,10 +282,10 @@ def test_streamed_text_decodes_only_the_new_tokens_and_adds_up_to_the_whole():
             calls.append(len(xs))
             return hf.decode(xs)
 
-    text = Text(Counting(), stops=[])
+    text = Text(Counting().decode, stops=[])
     out = "".join(text.add(i) for i in ids) + text.flush()
     assert out == hf.decode(ids) == sample
     assert "\ufffd" not in out and max(calls) < 12  # a few tokens at a time, never the whole sequence
-    stopped = Text(hf, stops=["sat."])
+    stopped = Text(hf.decode, stops=["sat."])
     said = "".join(stopped.add(i) for i in ids[:40]) + stopped.flush()
     assert stopped.stopped and said == sample[:sample.index("sat.")]

@@ -53,8 +53,9 @@ class HFTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int32)
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; skip_special_tokens leaves out the tokenizer's special tokens (</s>, <|eot_id|>)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()

@@ -59,6 +59,7 @@ def cmd_serve(a) -> int:
     from plait.serve.entrypoints.server import run  # lazily: plait --help must not import torch or FastAPI
     from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
 
+    model = vllm_flags(a)
     token = serve_token(a)
     warning = exposure_warning(a.host, token)
     if warning:
@@ -75,8 +76,8 @@ def cmd_serve(a) -> int:
                         scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
                         max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching,
                         draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
-                        lora=tuple(a.lora or ()), tp=a.tp)
-    return run(str(a.model), opts.validate())
+                        lora=tuple(a.lora or ()), tp=a.tp, max_model_len=a.max_model_len)
+    return run(str(model), opts.validate())
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -96,15 +97,18 @@ def add_parsers(sub, bench) -> None:
                        formatter_class=DefaultsFormatter,
                        description="Serve RUN_DIR (its latest checkpoint), or a model.safetensors, model.onnx or "
                                    "model.pt2 from `plait export`.")
-    s.add_argument("model", type=Path, metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2",
+    s.add_argument("model", type=Path, nargs="?", metavar="RUN_DIR|model.safetensors|model.onnx|model.pt2",
                    help="what to serve: a run directory, its export, an edge file or a Hugging Face directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    s.add_argument("--name", help="model name in URLs (default: the registry name, e.g. mlp or gpt)")
+    s.add_argument("--name", "--served-model-name", dest="name",
+                   help="model name in URLs and the OpenAI API's `model` (default: the registry name, e.g. mlp, gpt or "
+                        "llama; the OpenAI API also answers to the path as given)")
     s.add_argument("--replicas", type=int, default=1, help="worker processes each holding the model (1: in-process)")
     s.add_argument("--pp", type=int, default=1, help="pipeline stages: split the model's blocks over K processes")
-    s.add_argument("--tp", type=int, default=1, help="language models: tensor-parallel generation over N processes, "
-                                                     "each with 1/N of the weights and of the KV cache")
+    s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="language models: tensor-parallel generation over N processes, each with 1/N of the weights "
+                        "and of the KV cache")
     s.add_argument("--autoscale", metavar="MIN:MAX", help="replica processes follow the load between MIN and MAX; "
                                                           "MIN 0: none while idle, requests held while one starts")
     s.add_argument("--target-ongoing", type=float, default=2.0, help="--autoscale: ongoing requests per replica aimed at")
@@ -116,8 +120,9 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for a batch to fill")
     s.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 503 (backpressure)")
     s.add_argument("--timeout-ms", type=float, default=30_000.0, help="a request not answered by then gets 504")
-    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (health probes stay open); visible in ps, "
-                                   f"so prefer --token-file or ${TOKEN_ENV}")
+    s.add_argument("--token", "--api-key", dest="token",
+                   help="require 'Authorization: Bearer TOKEN' (health probes stay open); visible in ps, so prefer "
+                        f"--token-file or ${TOKEN_ENV}")
     s.add_argument("--token-file", help=f"file whose first line is the bearer token (default: ${TOKEN_ENV}, if set)")
     s.add_argument("--quantize", choices=["int8"], help="int8 weights for the linear layers (torchao weight-only, as "
                    "`plait compress --quantize int8`; CPU)")
@@ -146,15 +151,70 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--no-exact-batching", action="store_true",
                    help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
                         "(MKL_CBWR=AUTO,STRICT on Intel), no padding rows (plait.serve.executor.runner)")
+    _add_vllm_args(s)
     s.set_defaults(fn=cmd_serve)
+
+
+# vLLM's flags that have no plait twin: (flag, what plait takes instead). The twins are aliases above
+# (--served-model-name, --tensor-parallel-size, --api-key, --max-num-seqs, --max-num-batched-tokens).
+VLLM_REFUSED = {
+    "--gpu-memory-utilization": "plait sizes the KV cache in megabytes: --kv-cache-mb MB",
+    "--swap-space": "plait preempts by recomputing, it does not swap: leave it out",
+    "--quantization": "plait quantizes weights itself: --quantize int8",
+    "--speculative-config": "plait's speculative decoding takes a draft model: --draft DIR --num-speculative-tokens K",
+    "--pipeline-parallel-size": "the OpenAI endpoints run on one process's engine or --tp N; --pp K serves "
+                                "/v1/generate in static batches",
+    "--trust-remote-code": "plait never imports a model directory's code; it builds Llama-family and GPT-2 models "
+                           "itself",
+}
+
+
+def _add_vllm_args(s) -> None:
+    """vLLM's `serve` / api_server flags a vLLM user types: mapped onto plait's, or refused naming plait's."""
+    g = s.add_argument_group("vLLM's flags", "accepted as vLLM takes them (docs/serving.md, plait for vLLM users)")
+    g.add_argument("--model", dest="model_flag", type=Path, metavar="DIR", help="the model to serve (vLLM's "
+                                                                                "api_server form of the positional)")
+    g.add_argument("--max-model-len", type=int, default=0, help="the most tokens (prompt and output) of one sequence "
+                                                                "(0: the model's context)")
+    g.add_argument("--dtype", choices=["auto", "float32", "float", "bfloat16", "half", "float16"], default="auto",
+                   help="the weights' type: plait serves float32 (auto); others are refused")
+    g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false", default=False,
+                   help="share the KV-cache blocks of a prompt prefix (plait's default)")
+    g.add_argument("--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
+                   help="--no-prefix-caching")
+    g.add_argument("--enable-lora", action="store_true", help="accepted: --lora NAME=PATH enables LoRA")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="--lora NAME=PATH, each")
+    for flag in VLLM_REFUSED:
+        g.add_argument(flag, dest="refused_" + flag[2:].replace("-", "_"), nargs="?", const=True,
+                       help=f"refused: {VLLM_REFUSED[flag]}")
+
+
+def vllm_flags(a) -> Path:
+    """Fold vLLM's flags into plait's (in `a`); the model path. ConfigError naming plait's flag for a refused one."""
+    for flag, instead in VLLM_REFUSED.items():
+        if getattr(a, "refused_" + flag[2:].replace("-", "_"), None) is not None:
+            raise ConfigError(f"{flag} is vLLM's and plait has no such setting; {instead}")
+    if a.dtype not in ("auto", "float32", "float"):
+        raise ConfigError(f"--dtype {a.dtype}: plait serve runs float32 weights; leave --dtype out (or auto), or use "
+                          "--quantize int8 for smaller ones")
+    if a.max_model_len < 0:
+        raise ConfigError(f"--max-model-len {a.max_model_len} must be >= 0 (0: the model's context)")
+    a.lora = list(a.lora or []) + list(a.lora_modules or [])
+    if a.model is not None and a.model_flag is not None and a.model != a.model_flag:
+        raise ConfigError(f"two models given: {a.model} and --model {a.model_flag}; give one")
+    model = a.model if a.model is not None else a.model_flag
+    if model is None:
+        raise ConfigError("give the model to serve: plait serve RUN_DIR|model.safetensors|HF_DIR (or --model DIR)")
+    return model
 
 
 def _add_engine_args(s) -> None:
     """The continuous-batching engine's flags of `plait serve`."""
     s.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV-cache block")
     s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
-    s.add_argument("--max-seqs", type=int, default=64, help="continuous: sequences in one engine step at most")
-    s.add_argument("--max-prefill-tokens", type=int, default=512,
+    s.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=64,
+                   help="continuous: sequences in one engine step at most")
+    s.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int, default=512,
                    help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")

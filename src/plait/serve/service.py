@@ -91,6 +91,7 @@ class ServeOptions:
     num_speculative_tokens: int = 4
     lora: tuple[str, ...] = ()  # "name=RUN_DIR_OR_ADAPTERS_FILE": LoRA adapters over the served model, by request
     tp: int = 1  # tensor-parallel generation over this many processes (plait.serve.engine.tp)
+    max_model_len: int = 0  # the most tokens (prompt and output) of one OpenAI request's sequence; 0: the model's context
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -192,6 +193,9 @@ class Service:
             raise ServeError(f"--pp {opts.pp} splits a PyTorch model's blocks; {path} is an exported file "
                              f"({self.served.backend}): serve it with --replicas instead")
         self.name = opts.name or self.served.registry_name
+        if opts.max_model_len > self.served.context:
+            raise ServeError(f"--max-model-len {opts.max_model_len} exceeds the model's context of "
+                             f"{self.served.context} positions; give at most that")
         # What an infer body may hold, counted before it is parsed (protocol.check_items): max_batch_size rows of the inputs.
         s = self.served
         self.max_json_items = request_items(s.inputs, opts.max_batch_size, s.context if s.is_lm else None)
@@ -374,7 +378,7 @@ class Service:
 
     def adapter_index(self, model: str) -> int:
         """0 for the served model's name, i for the i-th --lora adapter; 404 naming what is served otherwise."""
-        if model == self.name:
+        if model in (self.name, self.ref.path):  # vLLM names a model by the path it was served from
             return 0
         if model in self.adapters:
             return self.adapters.index(model) + 1

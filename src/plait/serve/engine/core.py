@@ -17,6 +17,7 @@ a seed gives the same tokens whatever else is in the batch, and a preempted sequ
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -31,6 +32,7 @@ from plait.models.gpt import GPT
 from plait.models.sampling import distribution, sample
 from plait.serve.engine.adapters import LoRARouter
 from plait.serve.engine.paged import PagedCache, bytes_per_block
+from plait.serve.engine.sampling import Processors, SamplingParams
 from plait.serve.engine.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
 from plait.serve.engine.speculative import verify
 
@@ -56,22 +58,13 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()  # tokens that end the sequence (and are part of its output)
-    logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
-
-
-@dataclass(frozen=True)
 class TokenEvent:
     token: int
     index: int  # its place in the output (0: the first new token)
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    # The first event of a request with params.prompt_logprobs: (logprob, top) of prompt tokens 1, 2, ...
+    prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclass
@@ -84,6 +77,9 @@ class Request:
     generator: torch.Generator = field(default_factory=torch.Generator)
     adapter: int = 0  # plait.serve.engine.adapters: 0 the base model, i the i-th --lora adapter
     seq: Sequence | None = None  # the scheduler's, once the engine has taken the request from its inbox
+    processors: Processors | None = None  # penalties, bias, min tokens, a grammar (plait.serve.engine.sampling)
+    # params.prompt_logprobs: (logprob, top) of prompt tokens 1.. as the prefill computes them (the first event's)
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
 
 class Handle:
@@ -122,6 +118,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.config.max_seqs, self.config.max_prefill_tokens, clock)
         # Learned absolute positions (gpt) end at the context; rotary ones (llama) do not.
         self.max_length: int | None = model.context if isinstance(model, GPT) else None
+        self.vocab = int(model.vocab_size)  # the logits' width (a processor's masks and counts)
         self.clock = clock
         self.threads = threads
         self.requests: dict[int, Request] = {}
@@ -165,6 +162,8 @@ class Engine:
         self.check(len(prompt), params.max_tokens)
         req = Request(list(prompt), params, on_token, on_done, self.clock(),
                       torch.Generator().manual_seed(int(params.seed)), adapter)
+        if params.processed:
+            req.processors = Processors(params, req.prompt, self.vocab)
         self._inbox.put(("add", req))
         self._wake.set()
         return Handle(self, req)
@@ -178,7 +177,9 @@ class Engine:
             req: Request = args[0]
             if what == "add":
                 p = req.params
-                req.seq = self.scheduler.add(req.prompt, p.max_tokens, p.stop_ids, req.adapter or None)
+                # A request that wants its prompt's log-probabilities computes every prompt token: no shared prefix.
+                salt = ("prompt_logprobs", id(req)) if p.prompt_logprobs is not None else req.adapter or None
+                req.seq = self.scheduler.add(req.prompt, p.max_tokens, p.stop_ids, salt)
                 req.seq.arrival = req.arrival
                 self.requests[req.seq.id] = req
             elif req.seq is not None:
@@ -220,20 +221,27 @@ class Engine:
         row = 0
         for c in plan.chunks:
             row += c.count
-            if not c.sample:
-                continue
             req = self.requests[c.seq.id]
             p = req.params
+            if p.prompt_logprobs is not None:
+                self._prompt_logprobs(req, c, logits[row - c.count:row])
+            if not c.sample:
+                continue
             last = logits[row - 1]
             try:
-                tok = int(sample(last, p.temperature, p.top_k, req.generator, p.top_p))
+                scores = req.processors(last) if req.processors is not None else last
+                tok = int(sample(scores, p.temperature, p.top_k, req.generator, p.top_p))
             except (RuntimeError, ValueError, OverflowError) as e:  # this sequence's parameters: it fails alone
                 failed.append((c.seq, f"{type(e).__name__}: {str(e).strip()[:200]}"))
                 continue
+            if req.processors is not None:
+                req.processors.accept(tok)
             sampled[c.seq.id] = tok
             event = TokenEvent(tok, len(c.seq.output))
             if p.logprobs is not None:
                 event = self._with_logprobs(event, last, p.logprobs)
+            if p.prompt_logprobs is not None and event.index == 0:
+                event = dataclasses.replace(event, prompt=tuple(req.prompt_logprobs))
             events.append((req, event))
         for seq, why in failed:
             self.scheduler.finish(seq, "failed: " + why)
@@ -301,7 +309,7 @@ class Engine:
         """A step of decodes only: the draft proposes up to k tokens per sequence, the target checks them all in one
         forward, and each sequence emits the accepted ones plus one (plait.serve.engine.speculative). False (nothing done)
         when the step has a prompt chunk in it or no sequence has room to draft."""
-        if not all(c.count == 1 and c.sample for c in plan.chunks):
+        if not all(c.count == 1 and c.sample and self.requests[c.seq.id].processors is None for c in plan.chunks):
             return False
         ks: dict[int, int] = {}
         for c in plan.chunks:
@@ -373,6 +381,23 @@ class Engine:
         for seq in done:
             self._done(seq)
         return True
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, chunk, rows: torch.Tensor) -> None:
+        """The log-probability of each prompt token this chunk's logits predict (the row at position i predicts
+        token i + 1), kept once: a preempted sequence's recomputed prefill does not add them again."""
+        prompt, k = req.prompt, req.params.prompt_logprobs or 0
+        have = len(req.prompt_logprobs)
+        last = min(chunk.start + chunk.count, len(prompt) - 1)  # positions whose next token is a prompt token
+        if last <= max(chunk.start, have):
+            return
+        logp = torch.log_softmax(rows[max(chunk.start, have) - chunk.start:last - chunk.start].float(), -1)
+        targets = torch.tensor(prompt[max(chunk.start, have) + 1:last + 1])
+        chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+        top = torch.topk(logp, min(k, logp.shape[-1])) if k else None
+        for j, lp in enumerate(chosen):
+            pairs = tuple(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else ()
+            req.prompt_logprobs.append((lp, pairs))
 
     @staticmethod
     def _with_logprobs(event: TokenEvent, logits: torch.Tensor, k: int) -> TokenEvent:

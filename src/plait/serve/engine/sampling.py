@@ -1,0 +1,141 @@
+"""What a request asks of the sampler, validated once in one type, and the logits processors that carry it out.
+
+`SamplingParams` holds every sampling option of a request (the OpenAI and vLLM fields, translated by the
+entrypoints); `validate()` names the first wrong field (`InvalidParam.param`). `Processors` are one sequence's
+logits processors, applied to its last logits before the token is drawn, in vLLM's order: logit bias, the
+min-tokens mask, the repetition penalty (prompt and output), the frequency and presence penalties (output only),
+then a grammar's mask (structured output). Log-probabilities are reported from the model's own logits, before
+any processor (as vLLM and transformers' `compute_transition_scores` of the raw scores do).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's bias
+
+
+class InvalidParam(ValueError):
+    """A sampling parameter out of its range: `param` names the field, the message what it takes."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class TokenMask(Protocol):
+    """A grammar over tokens (structured output): which tokens may come next, and the token that came."""
+
+    def allowed(self, vocab: int) -> torch.Tensor | None:
+        """A (vocab,) bool tensor of the tokens allowed next, or None when any token is."""
+
+    def accept(self, token: int) -> None:
+        """Advance past the token drawn."""
+
+    def finished(self) -> bool:
+        """True when the grammar is complete and only a stop token may follow."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the sequence (and are part of its output)
+    logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds (OpenAI, -2 to 2)
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token (OpenAI, -2 to 2)
+    repetition_penalty: float = 1.0  # a seen token's logit divided by it when positive, times it when not (CTRL)
+    min_tokens: int = 0  # the stop tokens are masked until this many tokens came
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    prompt_logprobs: int | None = None  # None, or k: each prompt token's log-probability and the k most likely
+    grammar: object = None  # a factory of TokenMask (structured output), called once per sequence
+
+    def validate(self, vocab: int | None = None) -> SamplingParams:
+        """This, or InvalidParam naming the first field out of its range."""
+        finite = {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+        for name, value in finite.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidParam(name, f"'{name}' must be a finite number, got {value!r}")
+        checks = (("max_tokens", self.max_tokens >= 1, "at least 1"),
+                  ("temperature", 0 <= self.temperature <= 2, "between 0 and 2"),
+                  ("top_p", 0 < self.top_p <= 1, "greater than 0 and at most 1"),
+                  ("top_k", self.top_k is None or self.top_k >= 1, "at least 1 (or -1 / 0: all tokens)"),
+                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "between -2 and 2"),
+                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "between -2 and 2"),
+                  ("repetition_penalty", 0 < self.repetition_penalty <= 2, "greater than 0 and at most 2"),
+                  ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"between 0 and max_tokens "
+                                                                          f"({self.max_tokens})"))
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidParam(name, f"'{name}' must be {rule}, got {getattr(self, name)!r}")
+        for token, bias in self.logit_bias:
+            if vocab is not None and not 0 <= token < vocab:
+                raise InvalidParam("logit_bias", f"'logit_bias' names token {token}, outside the vocabulary [0, {vocab})")
+            if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"'logit_bias' values must be between -100 and 100, got {bias!r}")
+        if vocab is not None and any(not 0 <= t < vocab for t in self.stop_ids):
+            raise InvalidParam("stop_token_ids", f"'stop_token_ids' must be token ids in [0, {vocab})")
+        return self
+
+    @property
+    def processed(self) -> bool:
+        """Whether any processor changes this request's logits (speculative decoding then steps plainly)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias or self.grammar is not None)
+
+
+class Processors:
+    """One sequence's logits processors (see the module's docstring); `accept` each token drawn."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab: int):
+        self.params, self.vocab = params, vocab
+        self.output = 0
+        p = params
+        self.bias: torch.Tensor | None = None
+        if p.logit_bias:
+            self.bias = torch.zeros(vocab)
+            for token, value in p.logit_bias:
+                self.bias[token] += value
+        self.stops = torch.tensor(sorted(p.stop_ids), dtype=torch.long) if p.min_tokens and p.stop_ids else None
+        self.seen: torch.Tensor | None = None  # prompt and output tokens (the repetition penalty)
+        if p.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab) if p.presence_penalty or p.frequency_penalty else None  # output tokens
+        self.grammar: TokenMask | None = p.grammar() if callable(p.grammar) else None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the token is drawn from: (vocab,) float, a new tensor."""
+        p = self.params
+        out = logits.float().clone()
+        if self.bias is not None:
+            out[:self.vocab] += self.bias
+        if self.stops is not None and self.output < p.min_tokens:
+            out[self.stops] = float("-inf")
+        if self.seen is not None:
+            seen = out[:self.vocab][self.seen]
+            out[:self.vocab][self.seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if self.counts is not None:
+            out[:self.vocab] -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+        if self.grammar is not None:
+            allowed = self.grammar.allowed(out.shape[-1])
+            if allowed is not None:
+                out = out.masked_fill(~allowed, float("-inf"))
+        return out
+
+    def accept(self, token: int) -> None:
+        self.output += 1
+        if self.seen is not None and token < self.vocab:
+            self.seen[token] = True
+        if self.counts is not None and token < self.vocab:
+            self.counts[token] += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
