@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from plait.serve.entrypoints.server import ServerThread
+from plait.serve.entrypoints.server import ServerThread, banner_lines
 from plait.serve.service import ServeOptions
 
 openai = pytest.importorskip("openai")
@@ -211,6 +211,8 @@ def test_a_draft_model_speculates_and_the_text_stays_the_targets(hf_dir, tmp_pat
             want = hf_greedy(hf_dir, hf_dir["tok"].encode(prompt, add_special_tokens=False).ids, 16)
             assert r.choices[0].text == decode(hf_dir, [t for t in want if t != hf_dir["eos"]])
         metrics = httpx.get(srv.url + "/metrics").text
+        banner = banner_lines(srv.service, srv.url)
+    assert f" · draft {tmp_path / 'draft'} (3 tokens a step)" in banner[1]  # the engine's settings, not the batcher's
     rate = [line for line in metrics.splitlines() if line.startswith("plait_speculative_acceptance_rate ")]
     assert rate and 0.0 <= float(rate[0].split()[1]) <= 1.0
     LlamaForCausalLM(LlamaConfig(vocab_size=vocab + 8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -257,6 +259,8 @@ def test_lora_adapters_answer_by_model_name_in_one_batch(hf_dir, tmp_path):
         got = asyncio.run(all_at_once())
         listed = [m.id for m in openai.OpenAI(base_url=srv.url + "/v1", api_key="none").models.list().data]
         unknown = httpx.post(srv.url + "/v1/completions", json={"model": "sql2", "prompt": "a"})
+        banner = banner_lines(srv.service, srv.url)
+    assert banner[1].endswith(" · LoRA adapters: sql, chat") and "batching: max" not in "".join(banner)
     assert [r.choices[0].text for r in got] == [want["sql"], want["tiny"], want["chat"], want["sql"]]
     assert [r.model for r in got] == ["sql", "tiny", "chat", "sql"] and listed == ["tiny", "sql", "chat"]
     assert unknown.status_code == 404

@@ -146,6 +146,18 @@ def test_max_tokens_is_bounded_by_the_context_and_chat_defaults_to_what_is_left(
     assert listed.id == "tiny" and listed.model_extra["max_model_len"] == 256
 
 
+def test_the_banner_shows_the_engine_and_every_route(server):
+    from plait.serve.entrypoints.server import banner_lines
+
+    head, how, routes = banner_lines(server.service, server.url)
+    assert head.startswith(f"serving 'tiny' (llama, lm, checkpoint -) at {server.url} · in-process on cpu")
+    blocks = server.service.engine.pool.num_blocks
+    assert how == (f"  engine: continuous batching · KV cache {blocks} blocks x 8 tokens (4 MB) · max 64 sequences, 512 "
+                   "prompt tokens a step · prefix caching on · context 256 tokens")
+    assert routes.split("  ·  ")[2:7] == [server.url + p for p in ("/v1/completions", "/v1/chat/completions",
+                                                                  "/v1/models", "/tokenize", "/detokenize")]
+
+
 def test_tokenize_and_detokenize(server, hf_dir):  # noqa: F811
     h = {"Authorization": f"Bearer {TOKEN}"}
     r = httpx.post(server.url + "/tokenize", headers=h, json={"model": "tiny", "prompt": PROMPT,

@@ -241,6 +241,30 @@ def loop_and_protocol() -> str:
     return f"{'uvloop' if _new_loop is not asyncio.new_event_loop else 'asyncio'} + {_HTTPBase.__name__}"
 
 
+def banner_lines(service: Service, url: str) -> list[str]:
+    """What `plait serve` prints once it answers: the model, how it runs (the engine's settings, or the batcher's),
+    and every route it serves."""
+    s, opts, engine = service.served, service.opts, service.engine
+    head = (f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
+            f"{service.layout} on {service.device}" + (" · bearer token required" if opts.token else ""))
+    if engine is not None:
+        c, pool = engine.config, engine.pool
+        how = (f"  engine: continuous batching · KV cache {pool.num_blocks} blocks x {c.block_size} tokens "
+               f"({opts.kv_cache_mb:g} MB) · max {c.max_seqs} sequences, {c.max_prefill_tokens} prompt tokens a step · "
+               f"prefix caching {'on' if c.prefix_caching else 'off'} · context {opts.max_model_len or s.context} tokens"
+               + (f" · draft {opts.draft} ({opts.num_speculative_tokens} tokens a step)" if opts.draft else "")
+               + (f" · LoRA adapters: {', '.join(service.adapters)}" if service.adapters else "")
+               + (f" · tensor parallel over {opts.tp} processes" if opts.tp > 1 else ""))
+    else:
+        how = (f"  batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue {opts.max_queue}, timeout "
+               f"{opts.timeout_ms:g} ms" + service.exactness)
+    routes = [f"{url}/v2/models/{service.name}/infer"] + ([f"{url}/v1/generate"] if s.can_generate else [])
+    if engine is not None:
+        routes += [f"{url}/v1/completions", f"{url}/v1/chat/completions", f"{url}/v1/models", f"{url}/tokenize",
+                   f"{url}/detokenize"]
+    return [head, how, "  " + "  ·  ".join(routes + [f"{url}/metrics", f"{url}/docs"])]
+
+
 def run(path: str, opts: ServeOptions) -> int:
     """`plait serve`: load, print what is served, answer until SIGINT/SIGTERM."""
     sock = bind(opts.host, opts.port)
@@ -259,13 +283,7 @@ def run(path: str, opts: ServeOptions) -> int:
         print(f"{service.layout}: starting", flush=True)
 
         def banner() -> None:  # once the workers are up: whoever reads it may send requests
-            print(f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
-                  f"{service.layout} on {service.device} · batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, "
-                  f"queue {opts.max_queue}, timeout {opts.timeout_ms:g} ms" + service.exactness
-                  + (" · bearer token required" if opts.token else ""),
-                  flush=True)
-            print(f"  {url}/v2/models/{service.name}/infer" + ("  ·  " + url + "/v1/generate" if s.can_generate else "")
-                  + f"  ·  {url}/metrics  ·  {url}/docs", flush=True)
+            print("\n".join(banner_lines(service, url)), flush=True)
 
         run_loop(serve_async(service, uvicorn_server(service), sock, banner))
     finally:
