@@ -9,6 +9,7 @@ import torch
 from plait.cli import main
 from plait.config import auto_notes, load_config
 from plait.errors import ConfigError
+from plait.parallel.layout import Layout
 
 MLP = ["model.name='mlp'", "data.name='digits'", "train.micro_batch_size=4"]
 
@@ -56,6 +57,16 @@ def test_auto_that_cannot_fill_the_machine_and_other_words_are_errors(gpus):
         load_config(None, ["launch.nproc_per_node=eight"])
     with pytest.raises(ConfigError, match=r'^parallel.dp = True has the wrong type: it must be a whole number or "auto"'):
         load_config(None, ["parallel.dp=true"])
+
+
+@pytest.mark.parametrize("axis, per", [("cp", "cp 2 x tp 1 x pp 1"), ("tp", "tp 2 x pp 1"), ("pp", "tp 1 x pp 2")])
+def test_auto_dp_counts_every_degree(axis, per):
+    """issue 56 item 5: dp = auto with cp, tp or pp = 2 on 2 processes is 1 (cp's was 2, four processes, before)."""
+    for procs, dp in ((2, 1), (4, 2)):
+        cfg = load_config(None, ["parallel.dp=auto", f"parallel.{axis}=2", f"launch.nproc_per_node={procs}"])
+        assert (cfg.parallel.dp, getattr(cfg.parallel, axis)) == (dp, 2)
+        assert Layout.from_config(cfg).world_size == procs
+        assert auto_notes(cfg) == [f"parallel.dp = auto -> {dp} ({procs} processes per machine / {per})"]
 
 
 def test_dry_run_shows_what_auto_became(gpus, tmp_path, capsys):

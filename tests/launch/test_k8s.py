@@ -16,6 +16,8 @@ import yaml
 from launch_helpers import cli, free_port, run_weights
 
 from helpers import ENV, max_diff
+from plait.config import load_config
+from plait.parallel.layout import Layout
 
 DATA = Path(__file__).parent / "data"
 K8S_VERSION = "1.31.0"
@@ -312,3 +314,25 @@ def test_the_readme_job_follows_the_launch_unless_dp_is_pinned(tmp_path):
     code, _, err = cli("k8s", job, "--nodes", "2", "--nproc-per-node", "8", "--image", "ghcr.io/me/plait:0.1",
                        "--pvc", "runs", "--set", "parallel.dp=auto")
     assert code == 0 and "parallel.dp 1 -> 16" in err  # "auto" resolved here (no GPU: 1) follows the launch too
+
+
+@pytest.mark.parametrize("axis", ["cp", "tp", "pp"])
+def test_a_cp2_tp2_or_pp2_job_keeps_its_degrees_in_the_manifests(tmp_path, axis):
+    """issue 56 item 5: dp = 1 with cp, tp or pp = 2 on one pod of 2 processes stays as it is (the cp job was rewritten
+    to dp = 2, four processes, and refused, before); an elastic range is checked at every size with cp counted."""
+    job = tmp_path / "job.toml"
+    job.write_text(f"[parallel]\ndp = 1\n{axis} = 2\n")
+    code, out, err = cli("k8s", job, "--nodes", "1", "--nproc-per-node", "2", "--image", "ghcr.io/me/plait:0.1")
+    assert code == 0 and err == "", err
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    (tmp_path / "config.toml").write_text(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.toml"])
+    cfg = load_config(tmp_path / "config.toml")
+    assert (cfg.parallel.dp, getattr(cfg.parallel, axis)) == (1, 2)
+    assert Layout.from_config(cfg).world_size == 2
+    assert next(d for d in docs if d["kind"] == "PyTorchJob")["spec"]["nprocPerNode"] == "2"
+    code, _, err = cli("k8s", job, "--nodes", "2", "--nproc-per-node", "1", "--elastic", "1:2", "--pvc", "runs",
+                       "--image", "ghcr.io/me/plait:0.1")
+    per = {"cp": "cp(2) * tp(1) * pp(1)", "tp": "tp(2) * pp(1)", "pp": "tp(1) * pp(2)"}[axis]
+    assert code == 2 and err.strip() == (
+        f"error: --elastic 1:2 at 1 nodes: no whole parallel.dp fits 1 nodes x --nproc-per-node 1 = 1 processes: dp * "
+        f"{per} = 1 leaves dp = 1 / 2; give the job a multiple of 2 processes, or change parallel.{axis}; or raise MIN")

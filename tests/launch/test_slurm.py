@@ -11,8 +11,10 @@ import pytest
 from launch_helpers import cli, plait_env, run_weights
 
 from helpers import max_diff
+from plait.config import load_config
 from plait.errors import ConfigError
 from plait.launch.slurm import parse_time
+from plait.parallel.layout import Layout
 
 
 def test_plait_slurm_writes_the_batch_script(sgd_job, tmp_path):
@@ -47,6 +49,26 @@ def test_the_readme_job_fills_the_allocation_unless_dp_is_pinned(tmp_path):
                            "train.micro_batch_size 16 -> 2 (the global batch kept); pin it with --set parallel.dp=N")
     config = (tmp_path / "a" / "config.toml").read_text()
     assert "\ndp = 16\n" in config and "\nglobal_batch_size = 32\n" in config and "\nnproc_per_node = 8\n" in config
+
+
+@pytest.mark.parametrize("axis", ["cp", "tp", "pp"])
+def test_a_cp2_tp2_or_pp2_job_keeps_its_degrees_and_its_process_count(tmp_path, axis):
+    """issue 56 item 5: a job file's dp = 1 with cp, tp or pp = 2 on 2 GPUs stays as it is (dp = 2, four processes,
+    before for cp); on twice the GPUs dp alone doubles (Layout.resolve)."""
+    (tmp_path / "job.toml").write_text(f"[parallel]\ndp = 1\n{axis} = 2\n")
+    per = {"cp": "cp 2 x tp 1 x pp 1", "tp": "tp 2 x pp 1", "pp": "tp 1 x pp 2"}[axis]
+    for nodes, dp, note in ((1, 1, ""), (2, 2, f"parallel.dp 1 -> 2 to fill --nodes 2 x --gpus-per-node 2 (4 processes "
+                                                f"/ {per}); pin it with --set parallel.dp=N")):
+        run = tmp_path / f"n{nodes}"
+        code, _, err = cli("slurm", tmp_path / "job.toml", "--nodes", nodes, "--gpus-per-node", "2", "--cpus-per-task", "1",
+                           "--time", "00:10:00", "--out", run)
+        assert code == 0, err
+        assert err.strip() == note
+        cfg = load_config(run / "config.toml")
+        assert (cfg.parallel.dp, getattr(cfg.parallel, axis), cfg.launch.nproc_per_node) == (dp, 2, 2)
+        assert Layout.from_config(cfg).world_size == 2 * nodes
+        script = (run / "job.sbatch").read_text()
+        assert f"#SBATCH --nodes={nodes}\n" in script and "#SBATCH --gpus-per-node=2\n" in script
 
 
 @pytest.mark.parametrize("flags, message", [

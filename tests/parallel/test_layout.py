@@ -8,7 +8,7 @@ import pytest
 from plait.config import Config, dump_config, format_config, keys, load_config, opt, unregister
 from plait.errors import ConfigError
 from plait.parallel import SCHEMES, Scheme, check_config, step_owner
-from plait.parallel.layout import Layout
+from plait.parallel.layout import Layout, resized
 from plait.train.job import load_job
 
 
@@ -49,6 +49,69 @@ def test_the_world_size_is_checked_with_the_arithmetic():
             "the layout needs dp(2) * tp(2) * pp(2) = 8 processes but this job has WORLD_SIZE = 4; change parallel.dp")):
         Layout(2, 2, 2).check_world(4)
     Layout(2, 2, 2).check_world(8)
+
+
+# ---- Layout.resolve: the one place a degree is derived from a world size (issue 56 item 5)
+
+AUTO = ["train.global_batch_size=64", "train.micro_batch_size=4"]
+
+
+def auto_job(sets: list[str], dp="auto", **parallel) -> Config:
+    """A config with these overrides and parallel.dp = dp ("auto" stays "auto": load_config would resolve it here)."""
+    cfg = load_config(None, [*AUTO, *sets])
+    for key, value in {"dp": dp, **parallel}.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("sets, world, degrees", [
+    ([], 4, dict(dp=4, tp=1, pp=1, cp=1, ep=1)),
+    (["parallel.tp=2"], 4, dict(dp=2, tp=2, pp=1, cp=1, ep=1)),
+    (["parallel.pp=2"], 4, dict(dp=2, tp=1, pp=2, cp=1, ep=1)),
+    (["parallel.cp=2"], 2, dict(dp=1, tp=1, pp=1, cp=2, ep=1)),  # the bug: dp = 2, four processes, before
+    (["parallel.cp=2"], 4, dict(dp=2, tp=1, pp=1, cp=2, ep=1)),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.pp=2"], 16, dict(dp=2, tp=2, pp=2, cp=2, ep=1)),
+    (["parallel.ep=2", "model.moe_experts=4"], 4, dict(dp=4, tp=1, pp=1, cp=1, ep=2)),
+    (["parallel.sync='ps'", "parallel.ps_servers=1"], 3, dict(dp=2, tp=1, pp=1, cp=1, ep=1)),  # a server beside
+])
+def test_resolve_derives_dp_from_the_world_and_keeps_every_other_degree(sets, world, degrees):
+    layout = Layout.resolve(auto_job(sets), world)
+    assert {k: getattr(layout, k) for k in degrees} == degrees
+    assert layout.world_size == world
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    (dict(cp=2), 3, "no whole parallel.dp fits WORLD_SIZE = 3 processes: dp * cp(2) * tp(1) * pp(1) = 3 leaves "
+                    "dp = 3 / 2; give the job a multiple of 2 processes, or change parallel.cp"),
+    (dict(tp=2, pp=2), 2,
+     "no whole parallel.dp fits WORLD_SIZE = 2 processes: dp * tp(2) * pp(2) = 2 leaves dp = 2 / 4; give the job a "
+     "multiple of 4 processes, or change parallel.tp or parallel.pp"),
+    (dict(sync="ps", ps_servers=2), 2,
+     "no whole parallel.dp fits WORLD_SIZE = 2 processes: dp * tp(1) * pp(1) + ps_servers(2) = 2 leaves dp = 0 / 1; "
+     "give the job 2 + a multiple of 1 processes, or change parallel.ps_servers"),
+    (dict(ep=4), 6,
+     "no whole parallel.dp fits WORLD_SIZE = 6 processes with parallel.ep = 4: dp * tp(1) * pp(1) = 6 gives dp = 6, "
+     "not a multiple of ep(4) (an expert-parallel group is ep dp ranks); give the job a multiple of 4 processes, or "
+     "change parallel.ep"),
+    (dict(cp=0), 2, "parallel.cp = 0 must be >= 1; set --set parallel.cp=1"),
+    # a number is checked, not derived: torchtitan's dp * tp * pp != WORLD_SIZE
+    (dict(dp=2, tp=2, pp=2), 4, "the layout needs dp(2) * tp(2) * pp(2) = 8 processes but WORLD_SIZE = 4; change "
+                                "parallel.dp"),
+    (dict(dp=1, cp=2), 4, "the layout needs dp(1) * cp(2) * tp(1) * pp(1) = 2 processes but WORLD_SIZE = 4; change "
+                          "parallel.dp"),
+])
+def test_resolve_refuses_an_impossible_world_showing_the_arithmetic(parallel, world, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        Layout.resolve(auto_job(["model.moe_experts=4"], **parallel), world)
+
+
+def test_resized_keeps_zero_while_a_cp_group_still_has_two_replicas():
+    cp = resized(auto_job(["parallel.cp=2", "parallel.zero=3"]), 2)
+    assert (cp.parallel.dp, cp.parallel.cp, cp.parallel.zero) == (1, 2, 3)  # ZeRO-3 over the cp group's 2 ranks
+    one = resized(auto_job(["parallel.zero=1", "parallel.offload='disk'"]), 1)
+    assert (one.parallel.dp, one.parallel.zero, one.parallel.offload) == (1, 0, "none")  # nothing left to shard over
+    ensemble = resized(auto_job(["model.name='mlp'", "data.name='digits'", "model.ensemble=2"]), 4)
+    assert ensemble.parallel.dp == 4 and Layout.from_config(ensemble).members == 2
 
 
 @pytest.mark.parametrize(
