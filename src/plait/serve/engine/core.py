@@ -129,7 +129,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last step's failure (its requests ended with "error")
+        self.failures = 0  # steps that failed since start
 
     @staticmethod
     def pool_blocks(model: nn.Module, config: EngineConfig, draft: nn.Module | None = None, tp: int = 1) -> int:
@@ -421,18 +422,22 @@ class Engine:
     def _loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        try:
-            while not self._stop:
+        while not self._stop:
+            try:
                 if not self.step():
                     self._wake.wait(0.05 if not self.scheduler.idle else 1.0)
                     self._wake.clear()
-        except BaseException as e:  # the model failed: every request in flight is answered with it
-            self.error = e
-            for req in list(self.requests.values()):
-                assert req.seq is not None, "requests holds the requests the scheduler has"
-                req.seq.status, req.seq.finish_reason = FINISHED, "error"
-                self._done(req.seq)
-            raise
+            except Exception as e:  # the model failed mid-step: every request in flight ends with it, the engine goes on
+                self.error, self.failures = e, self.failures + 1
+                self._fail_all()
+
+    def _fail_all(self) -> None:
+        """End every request the scheduler holds with "error", its blocks back in the pool (nothing of the failed
+        step was registered: update() never ran), so the next step starts from a clean state."""
+        for req in list(self.requests.values()):
+            assert req.seq is not None, "requests holds the requests the scheduler has"
+            self.scheduler.finish(req.seq, "error")
+            self._done(req.seq)
 
     def stop(self) -> None:
         self._stop = True
