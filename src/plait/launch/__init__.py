@@ -7,7 +7,8 @@
 The modules: env (the environment of every manager: torchrun, Slurm, Kubeflow, MPI, Ray), role (who starts
 what), job (one worker: fit the config to the world, train), torchrun and raytrain (the two launchers), slurm
 (`plait slurm`: job.sbatch with requeue on preemption), k8s (`plait k8s`: PyTorchJob, TrainJob, JobSet and
-serving manifests) and cli (those verbs). This file imports no torch: `plait --help` and `plait env` stay fast.
+serving manifests), cli (those verbs) and exits (the exit statuses a worker explains itself). This file imports
+no torch: `plait --help` and `plait env` stay fast.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from pathlib import Path
 
 from plait.config import Config
 from plait.launch.env import ClusterEnv, ClusterEnvError, resolve
-
-USER_ERROR_EXIT = 2
-DISTRIBUTED_FAILURE_EXIT = 3  # a hang or mismatched collectives, explained by the worker (plait.train.watchdog)
+from plait.launch.exits import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT
 
 __all__ = ["ClusterEnv", "ClusterEnvError", "DISTRIBUTED_FAILURE_EXIT", "USER_ERROR_EXIT", "launch", "resolve"]
 

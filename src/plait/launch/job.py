@@ -24,6 +24,7 @@ from plait.config import Config, load_config
 from plait.data import build_data
 from plait.errors import ConfigError, PlaitError
 from plait.launch.env import ClusterEnv, resolve
+from plait.launch.exits import USER_ERROR_EXIT
 from plait.parallel.layout import Layout, resized
 from plait.plan.replan import describe, layout_of, replan
 from plait.rundir import checked_config
@@ -167,7 +168,7 @@ def worker_process(run_dir: Path, resume: bool = False) -> int:
         rank = int(os.environ.get("RANK", "0") or 0)
         prefix = f"[rank {rank}] " if rank else ""
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        return getattr(e, "exit_code", 2)
+        return getattr(e, "exit_code", USER_ERROR_EXIT)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from plait.config import Config
-from plait.launch import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT, forkserver, rendezvous
+from plait.launch import forkserver, rendezvous
 from plait.launch.env import resolve
+from plait.launch.exits import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT
 from plait.launch.forkserver import nproc_per_node
 from plait.train.checkpoint import latest_checkpoint
 
