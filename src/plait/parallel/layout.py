@@ -108,17 +108,20 @@ class Layout:
         terms = _terms(p.cp, p.tp, p.pp) + (f" + ps_servers({servers})" if servers else "")
         workers = world - servers
         axes = [f"parallel.{a}" for a in ("cp", "tp", "pp") if getattr(p, a) > 1] + ["parallel.ps_servers"] * bool(servers)
-        count = f"{servers} + a multiple of {per}" if servers else f"a multiple of {per}"
+
+        def count(n: int) -> str:  # the world sizes that fit, in words
+            return f"{servers} + a multiple of {n}" if servers else f"a multiple of {n}"
+
         if workers < per or workers % per:
             raise ConfigError(
                 f"no whole parallel.dp fits {where} = {world} processes: dp * {terms} = {world} leaves dp = "
-                f"{workers} / {per}; give the job {count} processes" + (f", or change {' or '.join(axes)}" if axes else ""))
+                f"{workers} / {per}; give the job {count(per)} processes" + (f", or change {' or '.join(axes)}" if axes else ""))
         dp = workers // per
         if dp % p.ep:
             raise ConfigError(
                 f"no whole parallel.dp fits {where} = {world} processes with parallel.ep = {p.ep}: dp * {terms} = "
                 f"{world} gives dp = {dp}, not a multiple of ep({p.ep}) (an expert-parallel group is ep dp ranks); "
-                f"give the job {count.replace(str(per), str(per * p.ep))} processes, or change parallel.ep")
+                f"give the job {count(per * p.ep)} processes, or change parallel.ep")
         return cls._of(cfg, dp)
 
     # ---- arithmetic
