@@ -101,12 +101,13 @@ class Attention(nn.Module):
     sdpa = staticmethod(F.scaled_dot_product_attention)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rot`: the positions' cos and sin when the caller computed them once for every layer (a serving step)."""
         b, t, _ = x.shape
         # -1 heads: a tensor-parallel shard holds heads/tp query heads and kv_heads/tp kv heads
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q_proj, self.k_proj, self.v_proj))
         past = len(cache) if cache is not None else 0
-        cos, sin = self._rotation(pos, past, t, x.device, q.dtype)
+        cos, sin = rot if rot is not None else self._rotation(pos, past, t, x.device, q.dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if hasattr(cache, "attend"):  # a paged serving step (plait.serve.engine.paged): it stores k and v and attends itself
             return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
@@ -159,9 +160,9 @@ class Block(nn.Module):
         self.mlp = MoE(width, hidden, glu=True, **moe) if moe else SwiGLU(width, hidden)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # Keywords: a tensor-parallel input hook on attn (sequence parallel) lays out positional inputs only.
-        x = x + self.attn(self.attn_norm(x), cache=cache, mask=mask, pos=pos)
+        x = x + self.attn(self.attn_norm(x), cache=cache, mask=mask, pos=pos, rot=rot)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -209,8 +210,9 @@ class Llama(MoEHooks, nn.Module):
         """
         if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
             x = self.tok_emb(idx)
+            rot = self._rotation_once(cache.positions, x)
             for name, block in self.blocks.items():
-                x = block(x, cache=cache.layer(name), pos=cache.positions)
+                x = block(x, cache=cache.layer(name), pos=cache.positions, rot=rot)
             return self.head(self.norm(x))[..., :self.vocab_size]
         mask = None
         if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
@@ -235,6 +237,11 @@ class Llama(MoEHooks, nn.Module):
             if x.shape[-1] != self.vocab_size:
                 x = x[..., :self.vocab_size]
         return x
+
+    def _rotation_once(self, pos: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin of `pos`, computed once for every layer (they share head_dim and the rope)."""
+        first = next(iter(self.blocks.values())).attn
+        return first._rotation(pos, 0, pos.shape[-1], x.device, x.dtype)
 
     def pipeline_parts(self) -> dict:
         return {"blocks": "blocks", "first": ["tok_emb"], "last": ["norm", "head"]}
