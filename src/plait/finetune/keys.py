@@ -19,7 +19,9 @@ class FinetuneKeys:
                            "e.g. ['tok_emb*', 'blocks.0.*']")
     lora_rank: int = opt(0, "LoRA: rank of the adapters on the target Linear layers (0: off); the base stays frozen")
     lora_alpha: float = opt(16.0, "LoRA: the adapter output is scaled by lora_alpha / lora_rank")
-    lora_targets: list = opt(["*attn.q", "*attn.v"], "LoRA: glob patterns over the names of the Linear layers to adapt")
+    lora_targets: list = opt([], "LoRA: glob patterns over the names of the Linear layers to adapt; [] takes the "
+                                 "model's usual query and value projections, as peft does ('*attn.q', '*attn.v' on "
+                                 "plait's gpt, 'q_proj', 'v_proj' on Llama-family models; the run records them)")
     quantize_base: str = opt("none", "QLoRA: store the adapted layers' frozen base weights in 4-bit NormalFloat (nf4, "
                                      "bitsandbytes: plait[qlora]) or not (none)", ("none", "nf4"))
 
@@ -35,10 +37,10 @@ class FinetuneKeys:
             raise ConfigError(f"finetune.lora_rank = {self.lora_rank} must be >= 0 (0: no LoRA), e.g. 8")
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ConfigError(f"finetune.lora_alpha = {self.lora_alpha} must be > 0, e.g. 16")
-        if self.lora_rank and (not isinstance(self.lora_targets, list) or not self.lora_targets
+        if self.lora_rank and (not isinstance(self.lora_targets, list)
                                or not all(isinstance(p, str) and p for p in self.lora_targets)):
-            raise ConfigError(f"finetune.lora_targets = {self.lora_targets!r} must be a non-empty list of glob patterns "
-                              "over Linear layer names, e.g. ['*attn.q', '*attn.v']")
+            raise ConfigError(f"finetune.lora_targets = {self.lora_targets!r} must be a list of glob patterns over "
+                              "Linear layer names, e.g. ['q_proj', 'v_proj'] ([]: the model's usual ones)")
         if self.quantize_base != "none":
             if not self.lora_rank:
                 raise ConfigError(f"finetune.quantize_base = {self.quantize_base!r} quantizes the base under LoRA "

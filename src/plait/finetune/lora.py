@@ -1,6 +1,7 @@
 """LoRA (Hu et al. 2021): a frozen Linear plus a trainable low-rank update, y = W x + b + (alpha / r) B A x.
 
     targets = apply_lora(model, rank=8, alpha=16, targets=["*attn.q", "*attn.v"])  # base frozen, adapters train
+    usual_targets(model)          # the family's usual ones, as peft picks them: ["q_proj", "v_proj"] for a Llama
     merge_lora(model)             # plain nn.Linear layers again, W + (alpha / r) B A, the model's own names
     adapter_state_dict(model)     # the adapters alone (name.lora_A, name.lora_B)
 
@@ -13,6 +14,7 @@ starts from the base model's outputs exactly (as peft does).
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 from functools import partial
 
@@ -26,6 +28,11 @@ from plait.errors import ConfigError
 from plait.finetune.freezing import match
 
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's first-level block size; the scales are kept in fp32)
+# finetune.lora_targets = [] (the default): the attention's query and value projections by the names each family
+# gives them, the first set whose every pattern names a Linear layer (peft's defaults per model type): plait's gpt,
+# the Llama family (plait's llama; transformers' Llama, Mistral, Qwen2, Mixtral, OPT), BERT, T5, fused projections
+USUAL_TARGETS = (("*attn.q", "*attn.v"), ("q_proj", "v_proj"), ("query", "value"), ("q", "v"), ("query_key_value",),
+                 ("qkv_proj",), ("Wqkv",))
 
 
 class LoRALinear(nn.Module):
@@ -167,13 +174,36 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], key: str = "finetune.lora_targets",
-               quantize: str = "none") -> list[str]:
-    """Freeze every parameter, then put an adapter on each Linear whose name matches a target; returns their names."""
+def _linears(model: nn.Module, key: str) -> list[str]:
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
     if not linears:
         raise ConfigError(f"{key}: the model has no nn.Linear layer to adapt; set finetune.lora_rank=0")
-    names = match(targets, linears, key, what="Linear layer")
+    return linears
+
+
+def usual_targets(model: nn.Module, key: str = "finetune.lora_targets") -> list[str]:
+    """The patterns LoRA adapts when finetune.lora_targets is empty: the first of USUAL_TARGETS whose every pattern
+    names a Linear layer of the model (a pattern without a dot matches the names ending in it)."""
+    linears = _linears(model, key)
+    for family in USUAL_TARGETS:
+        if all(_hits(p, linears) for p in family):
+            return list(family)
+    raise ConfigError(f"{key} = [] takes the attention's query and value projections by their usual names (q_proj "
+                      f"and v_proj, query and value, q and v, ...), and the model has none of them (its Linear layers "
+                      f"include {', '.join(linears[:3])}); name the layers to adapt, e.g. "
+                      f"finetune.lora_targets=['{linears[0]}']")
+
+
+def _hits(pattern: str, names: list[str]) -> bool:
+    return bool(fnmatch.filter(names, pattern) or ("." not in pattern and fnmatch.filter(names, "*." + pattern)))
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str], key: str = "finetune.lora_targets",
+               quantize: str = "none") -> list[str]:
+    """Freeze every parameter, then put an adapter on each Linear whose name matches a target (none given: the
+    model's usual ones, `usual_targets`); returns their names."""
+    linears = _linears(model, key)
+    names = match(targets or usual_targets(model, key), linears, key, what="Linear layer")
     owners: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(n)

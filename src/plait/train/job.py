@@ -21,7 +21,7 @@ from plait.data.packed import source_name
 from plait.data.user import import_object
 from plait.errors import ConfigError
 from plait.finetune import active as finetune_active
-from plait.finetune import apply_finetune, check_layout, check_progressive
+from plait.finetune import apply_finetune, check_layout, check_progressive, usual_targets
 from plait.models import build_model, load_factory
 from plait.models import check_config as check_model
 from plait.models.hf import apply_hf_config, hf_native_parts, is_hf_dir
@@ -44,10 +44,8 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
     layout = check_layout_config(cfg)
     check_objective(cfg, layout)
     check_layout(cfg, layout)
-    if finetune_active(cfg):  # patterns against the model's names (on the meta device) before any worker starts
-        spec = build_data(cfg.data, cfg.model).spec
-        with torch.device("meta"):
-            check_progressive(cfg, apply_finetune(build_model(cfg.model, spec), cfg.finetune))
+    if finetune_active(cfg):
+        check_finetune(cfg)
     if cfg.model.patch_size:  # the patches against the images' size, before any worker starts
         with torch.device("meta"):
             build_model(cfg.model, build_data(cfg.data, cfg.model).spec)
@@ -61,6 +59,27 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
                           ".safetensors file")
     check_init_factory(cfg)
     return layout
+
+
+def check_finetune(cfg: Config) -> None:
+    """[finetune]'s patterns against the model's names (on the meta device) before any worker starts; an empty
+    finetune.lora_targets becomes the model's usual ones here, so that config.toml records what the run adapts."""
+    model = shapes_only(cfg.model, build_data(cfg.data, cfg.model).spec)
+    if cfg.finetune.lora_rank and not cfg.finetune.lora_targets:
+        cfg.finetune.lora_targets = usual_targets(model)
+    check_progressive(cfg, apply_finetune(model, cfg.finetune))
+
+
+def shapes_only(model_cfg, spec) -> torch.nn.Module:
+    """The model on the meta device, for its names and shapes. A model.factory that loads weights (transformers'
+    from_pretrained refuses the meta device) is built on the CPU instead: it works, at the cost of one more read."""
+    try:
+        with torch.device("meta"):
+            return build_model(model_cfg, spec)
+    except RuntimeError as e:
+        if not (model_cfg.factory and "from_pretrained" in str(e)):
+            raise
+    return build_model(model_cfg, spec)
 
 
 def check_init_factory(cfg: Config) -> None:
