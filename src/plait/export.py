@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +30,10 @@ from plait.files import publish
 from plait.finetune import adapter_layers, adapter_state_dict, adapters_state_dict, apply_adapters, lora_layers, merge_lora
 from plait.finetune.lowrank import with_low_rank_structure
 from plait.models import build_model
+from plait.models.hf import is_hf_dir
 from plait.models.hf_llama import to_hf
+from plait.train.carried import FILES as CARRIED
+from plait.train.carried import carried_dir
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 from plait.train.weights import build_run_model
 
@@ -305,11 +309,9 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
 
     `transformers.AutoModelForCausalLM.from_pretrained(out)` then gives the run's logits. A llama becomes
     LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM or MixtralForCausalLM by its keys; a GPT, GPT2LMHeadModel.
+    A run from a Hugging Face directory writes that checkpoint's own config.json, generation_config.json and
+    tokenizer files back (plait.train.carried), changed only where the training changed them.
     """
-    import shutil
-
-    from safetensors.torch import save_file
-
     run_dir, out = Path(run_dir), Path(out)
     cfg, spec, model, ckpt = load_run_checkpoint(run_dir, checkpoint, trust_checkpoint)
     if cfg.model.factory or cfg.model.name not in ("llama", "gpt"):
@@ -317,11 +319,59 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
                           f"{cfg.model.factory or cfg.model.name!r}: export it with --format safetensors")
     state = {k: v.detach().to("cpu") for k, v in merge_lora(model).state_dict().items()}
     m = dataclasses.replace(cfg.model, vocab_size=getattr(model, "vocab_size", 0) or cfg.model.vocab_size)
-    config, tensors = to_hf(m, state) if m.name == "llama" else _gpt2_to_hf(m, state)
-    config["plait_checkpoint"] = ckpt.name
+    source = Path(cfg.train.init_from) if cfg.train.init_from else None
+    # the checkpoint's files: the run's copies, or (a run from before runs kept them) the source directory's
+    own = carried_dir(run_dir) or (source if source is not None and is_hf_dir(source) else None)
+    base = _json(own / "config.json") if own is not None else {}
+    if m.name == "llama" and base.get("max_position_embeddings"):
+        # rope has no learned positions: a shorter model.context bounded the training, not the model
+        m = dataclasses.replace(m, context=int(base["max_position_embeddings"]))
+    ours, tensors = to_hf(m, state) if m.name == "llama" else _gpt2_to_hf(m, state)
+    # plait's keys describe the tensors written (the checkpoint's values, unless training changed them); the rest of
+    # the checkpoint's config (eos_token_id, bos_token_id, what plait does not use) stays as it was
+    config = {**base, **ours, "plait_checkpoint": ckpt.name}
+    if "torch_dtype" in base:  # transformers 4's name for it
+        config["torch_dtype"] = ours["dtype"]
     if out.exists() and not out.is_dir():
         raise ConfigError(f"-o {out} is a file; --format hf writes a directory: name a new or existing folder")
     out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, tensors, max_shard_bytes)
+    generation = _json(own / "generation_config.json") if own is not None else {}
+    if not generation:  # transformers stops at the config's eos_token_id only when the generation config says it
+        generation = {"do_sample": False, "max_length": cfg.model.context,
+                      **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}}
+    for fname, obj in (("config.json", config), ("generation_config.json", generation)):
+        tmp = out / (fname + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        publish(tmp, out / fname)
+    for fname in TOKENIZER_FILES:
+        for where in (own, run_dir, source):
+            if where is not None and where.is_dir() and (where / fname).is_file():
+                shutil.copyfile(where / fname, out / fname)
+                break
+    return out
+
+
+TOKENIZER_FILES = tuple(f for f in CARRIED if f not in ("config.json", "generation_config.json"))
+
+
+def _json(path: Path) -> dict:
+    """A carried JSON file ({} when it is missing); one that does not parse names itself."""
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not JSON ({e.msg} at line {e.lineno}); repair or remove it") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path} is not a JSON object; repair or remove it")
+    return found
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """Safetensors shards of at most max_shard_bytes each (a tensor larger than that alone) and their index."""
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -339,17 +389,7 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
         publish(tmp, out / fname)
         weight_map.update(dict.fromkeys(shard, fname))
         total += sum(t.numel() * t.element_size() for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    files = {"model.safetensors.index.json": index, "config.json": config,
-             "generation_config.json": {"do_sample": False, "max_length": cfg.model.context}}
-    for fname, obj in files.items():
-        tmp = out / (fname + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-        publish(tmp, out / fname)
-    source = Path(cfg.train.init_from) if cfg.train.init_from else None
-    for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        for where in (run_dir, source):
-            if where is not None and where.is_dir() and (where / fname).is_file():
-                shutil.copyfile(where / fname, out / fname)
-                break
-    return out
+    tmp = out / "model.safetensors.index.json.tmp"
+    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n",
+                   encoding="utf-8")
+    publish(tmp, out / "model.safetensors.index.json")

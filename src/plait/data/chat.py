@@ -89,9 +89,10 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         self.template, self.bos, self.eos = env.from_string(source), bos, eos
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
+        """The conversation as text; `variables` are what transformers' apply_chat_template passes on (tools=...)."""
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos, eos_token=self.eos)
+                                    bos_token=self.bos, eos_token=self.eos, **variables)
 
 
 def tokenizer_config(tokenizer_path: str) -> dict:
@@ -187,17 +188,45 @@ def chat_source(data_cfg, model_cfg) -> DataBundle:
         ids, trained = encode(tok, parts)
         if len(ids) > context + 1:
             ids, trained, truncated = ids[:context + 1], trained[:context + 1], truncated + 1
-        if len(ids) >= 2:
-            encoded.append((ids, trained))
-    perm = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
-    n_val = max(1, int(len(encoded) * data_cfg.val_fraction))
-    if n_val >= len(encoded):
-        raise DataError(f"data.path = {str(path)!r}: {len(encoded)} examples are too few to hold out a validation set")
-    train = rows([encoded[i] for i in sorted(perm[n_val:])], context, data_cfg.pack)
-    val = rows([encoded[i] for i in sorted(perm[:n_val])], context, data_cfg.pack)
+        encoded.append((ids, trained) if len(ids) >= 2 else None)  # one token: nothing to predict
+    held_out = split(len(examples), data_cfg.val_fraction)
+    train_rows = [e for i, e in enumerate(encoded) if e is not None and i not in held_out]
+    val_rows = [encoded[i] for i in sorted(held_out) if encoded[i] is not None]
+    if not (train_rows and val_rows):
+        raise DataError(f"data.path = {str(path)!r}: {len(train_rows) + len(val_rows)} examples are too few to hold out "
+                        "a validation set")
+    train, val = rows(train_rows, context, data_cfg.pack), rows(val_rows, context, data_cfg.pack)
     spec = DataSpec(name="chat", task="lm", input_shape=[context], vocab_size=tok.vocab_size, tokens_per_sample=context,
                     masked_targets=True, packed=bool(data_cfg.pack))
     stats = {"examples": len(examples), "truncated": truncated, "limit_tokens": context + 1,
              "rows": {"train": len(train[0]), "val": len(val[0])},
              "trained_tokens": int((train[1] != IGNORE).sum())}
     return DataBundle(Tensors(*train), Tensors(*val), spec, tok, stats=stats)
+
+
+def split(n: int, val_fraction: float) -> set[int]:
+    """The indices of the examples held out for validation (seeded by SPLIT_SEED, never by train.seed)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    return set(perm[:max(1, int(n * val_fraction))])
+
+
+def sample_turn(data_cfg, prompt: str | None) -> tuple[str, str] | None:
+    """A chat run's end-of-run sample: (the text to continue, the end-of-sequence text that ends the reply), or None
+    for other data. The text is `prompt` as a user's turn, or without one the first held-out example's opening (its
+    turns before the first assistant reply, or its prompt), rendered through the tokenizer's chat template with the
+    assistant's turn opened, as the data was; a prompt/completion pair is its prompt as it stands."""
+    if data_cfg.name != "chat":
+        return None
+    config = tokenizer_config(data_cfg.tokenizer)
+    template, eos = template_of(config, data_cfg.tokenizer), _token_text(config.get("eos_token"))
+    if prompt is not None:
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        examples = [ex for _, ex in read_examples(Path(data_cfg.path))]
+        ex = examples[min(split(len(examples), data_cfg.val_fraction))]
+        if "messages" not in ex:
+            return ex["prompt"], eos
+        messages = ex["messages"][:next(i for i, m in enumerate(ex["messages"]) if m["role"] == "assistant")]
+    if template is None:  # prompt/completion pairs without a template: the prompt as it stands
+        return " ".join(m["content"] for m in messages), eos
+    return template.render(messages, add_generation_prompt=True), eos

@@ -1,8 +1,6 @@
-"""Validation and the end-of-run sample, layout-independent: the same figures from any layout or one process."""
+"""Validation and the end-of-run figures, layout-independent: the same figures from any layout or one process."""
 
 from __future__ import annotations
-
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -10,7 +8,6 @@ import torch.distributed as dist
 from plait.data import DataBundle
 from plait.data.datasets import eval_batches
 from plait.models import build_model
-from plait.models.protocols import GeneratingModel
 
 
 def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
@@ -62,32 +59,6 @@ def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
     if task in ("classification", "binary", "fewshot"):
         out["val_accuracy"] = float(correct.sum() / sizes.sum())
     return out
-
-
-def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
-    """A short seeded continuation of train.sample_prompt (language models only), generated on rank 0.
-
-    The weights are gathered into a plain single-process model first (a collective: every rank
-    calls this), whatever the layout that trained them.
-    """
-    if bundle.tokenizer is None or cfg.train.sample_tokens <= 0:
-        return None
-    weights = strategy.full_model_state_dict()
-    if not rt.is_main:
-        return None
-    module = build_model(cfg.model, bundle.spec)
-    if not isinstance(module, GeneratingModel):
-        return None
-    module = cast(torch.nn.Module, module)
-    module.load_state_dict(weights)
-    device = rt.device
-    module.to(device)
-    tok = bundle.tokenizer
-    prompt = torch.tensor(tok.encode(cfg.train.sample_prompt).astype("int64"), device=device)[None]
-    g = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    module.eval()
-    out = module.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=20, generator=g)
-    return tok.decode(out[0].tolist())
 
 
 def whole_model_on_main(strategy, bundle: DataBundle, cfg, rt):

@@ -23,6 +23,7 @@ ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")
 # not elementwise, but right on ZeRO-2/3's DTensor shards: one norm per tensor (lamb, lars: DTensor reduces it), and
 # block-quantized states (adamw8bit: each rank's shard in its own blocks)
 DTENSOR_OPTIMIZERS = ("lamb", "lars", "adamw8bit")
+SAMPLE_PROMPT = "def "  # train.sample_prompt's default, for the default job's Python text
 
 
 @keys("train")
@@ -40,8 +41,11 @@ class TrainKeys:
     eval_samples: int = opt(256, "validation samples per evaluation", minimum=0)
     eval_batch_size: int = opt(16, "samples per validation batch (fixed, so the figure is layout-independent)",
                                minimum=1)
-    sample_tokens: int = opt(200, "gpt: characters to generate as a sample at the end (0: none)", minimum=0)
-    sample_prompt: str = opt("def ", "gpt: prompt for the generated sample")
+    sample_tokens: int = opt(200, "language models: tokens (characters) to generate as a sample at the end (0: none)",
+                             minimum=0)
+    sample_prompt: str = opt(SAMPLE_PROMPT, "language models: prompt for the generated sample; data.name = 'chat': a "
+                                            "user's turn through the chat template (left as it is: the first "
+                                            "held-out example's opening)")
     objective: str = opt("supervised", "supervised (the data's labels), contrastive (two augmented views per sample, "
                                        "NT-Xent against the whole global batch, a linear probe at the end) or meta "
                                        "(few-shot episodes, train.meta_algorithm; plait.models.fewshot)",

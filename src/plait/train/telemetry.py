@@ -31,12 +31,14 @@ from plait.comm.fingerprint import Fingerprinter
 from plait.config import config_to_dict, dump_config
 from plait.finetune.lora import nf4_storage
 from plait.models.protocols import WindowMetricsModel
+from plait.train.carried import carry
 from plait.train.checkpoint import step_name
-from plait.train.evaluate import evaluate, fewshot_from_scratch, generate_sample, linear_probe, multimodal_figures
+from plait.train.evaluate import evaluate, fewshot_from_scratch, linear_probe, multimodal_figures
 from plait.train.memory import ActivationMeter, grads_bytes, snapshot
 from plait.train.metrics import MetricsWriter, PhaseTimer
 from plait.train.profile import StepProfiler
 from plait.train.progress import Progress
+from plait.train.sample import generate_sample
 from plait.train.watchdog import STRAGGLER_FACTOR, Watchdog, stragglers
 
 
@@ -309,7 +311,6 @@ class Telemetry:
         per_rank = _gather([memory, self.comm.bytes_sent / self.loop_steps if self.loop_steps else 0.0], rt)
         evaluates = strategy.evaluates
         final_eval = self.evaluate(step) if evaluates else {}
-        sample = generate_sample(strategy, self.bundle, cfg, rt) if evaluates else None
         probe = linear_probe(strategy, self.bundle, cfg, rt) if evaluates else None
         fewshot = fewshot_from_scratch(self.bundle, cfg, rt) if evaluates else None
         multimodal = multimodal_figures(strategy, self.bundle, cfg, rt) if evaluates else None
@@ -345,8 +346,6 @@ class Telemetry:
             summary["ground_truth_val_loss"] = self.bundle.ground_truth_val_loss
         if callbacks is not None:
             summary.update(callbacks.summary(step, final_eval))  # early stop, the best checkpoint
-        if sample is not None:
-            summary["sample"] = sample
         if self.bundle.spec.task == "contrastive":
             local, world = cfg.train.micro_batch_size, cfg.train.global_batch_size
             summary["contrastive"] = {"linear_probe_accuracy": probe, "temperature": cfg.train.temperature,
@@ -358,11 +357,28 @@ class Telemetry:
         if rt.is_main and reports[0] is not None:
             summary.update(strategy.figures(reports, self.run_dir))
         self.writer.close()
+        if rt.is_main:  # the run is whole before the sample is tried: a sample that fails loses nothing
+            self._write_files(summary)
+        sample = self._sample() if evaluates else None
+        if sample is not None:
+            summary["sample"] = sample
+            if rt.is_main:
+                self._write_files(summary)
         if rt.is_main:
-            self._write_summary(summary)
+            self._print_summary(summary)
         return summary
 
-    def _write_summary(self, summary: dict) -> None:
+    def _sample(self) -> str | None:
+        """The end-of-run sample (plait.train.sample); one that fails is a warning, never the run's end."""
+        try:
+            return generate_sample(self.strategy, self.bundle, self.cfg, self.rt)
+        except Exception as e:  # noqa: BLE001 -- whatever the sample meets, the run it follows is complete
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            self.rt.print(f"warning: the end-of-run sample failed ({type(e).__name__}: {first}); the run is complete "
+                          "(summary.json and the report are written); set train.sample_tokens=0 to skip the sample")
+            return None
+
+    def _write_files(self, summary: dict) -> None:
         run_dir, cfg = self.run_dir, self.cfg
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -370,6 +386,9 @@ class Telemetry:
                 from plait.report import write_report  # lazily: only rank 0 at the end needs matplotlib
 
                 write_report(run_dir)
+
+    def _print_summary(self, summary: dict) -> None:
+        run_dir, cfg = self.run_dir, self.cfg
         rate = summary.get(self.rate_key)
         unit = "tok/s" if self.lm else "samples/s"
         lines = [f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f}s" + (f" ({rate:,.0f} {unit})" if rate else "")]
@@ -409,7 +428,8 @@ def _gather(obj, rt) -> list:
 
 
 def write_run_files(run_dir: Path, cfg, bundle) -> None:
-    """config.toml (unless the launcher wrote it), spec.json and the tokenizer."""
+    """config.toml (unless the launcher wrote it), spec.json, the tokenizer and a Hugging Face train.init_from's own
+    files (plait.train.carried)."""
     from dataclasses import asdict
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -418,6 +438,7 @@ def write_run_files(run_dir: Path, cfg, bundle) -> None:
     (run_dir / "spec.json").write_text(json.dumps(asdict(bundle.spec), indent=1))
     if bundle.tokenizer is not None:
         (run_dir / "tokenizer.json").write_text(bundle.tokenizer.to_json())
+    carry(run_dir, cfg.train.init_from)
 
 
 def human_count(n: int) -> str:

@@ -39,13 +39,17 @@ def build_run_model(run_dir: Path, adapters: bool = True):
     if not spec_file.is_file():
         raise CheckpointError(f"{spec_file} is missing; is {run_dir} a plait run directory?")
     spec = DataSpec(**json.loads(spec_file.read_text()))
-    model = build_model(cfg.model, spec)
-    if adapters and cfg.finetune.lora_rank > 0:
-        apply_lora(model, cfg.finetune.lora_rank, cfg.finetune.lora_alpha, cfg.finetune.lora_targets,
-                   quantize=cfg.finetune.quantize_base)
-    if cfg.finetune.adapters:  # not merged away: always part of the model
-        apply_adapters(model, cfg.finetune.adapters.get("size", 16), targets_of(model, cfg.finetune.adapters))
-    return cfg, spec, model
+    return cfg, spec, trained_layers(build_model(cfg.model, spec), cfg.finetune, lora=adapters)
+
+
+def trained_layers(model: nn.Module, ft, lora: bool = True) -> nn.Module:
+    """A freshly built model given the layers [finetune] added to the run's (LoRA unless lora=False, bottleneck
+    adapters), so that the run's state dict loads into it; `merge_lora` then gives the plain model back."""
+    if lora and ft.lora_rank > 0:
+        apply_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets, quantize=ft.quantize_base)
+    if ft.adapters:  # not merged away: always part of the model
+        apply_adapters(model, ft.adapters.get("size", 16), targets_of(model, ft.adapters))
+    return model
 
 
 def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None, merge: bool = True):
