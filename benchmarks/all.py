@@ -22,9 +22,13 @@ The groups (a group's sides are measured once per repeat and feed all its rows):
                and plait serve req/s over LitServe's at each concurrency (serve_vs_litserve.py)      >= 1
     tune       an 8-trial study: plait tune's wall time over Ray Tune's (tune_startup.py)            <= 1
     deepspeed  ZeRO-3 step time, plait over DeepSpeed with every parameter sharded (zero_vs_deepspeed.py) <= 1
+    llm        plait serve vs vLLM's CPU build on one random HF Llama (10 M and 100 M parameters), streamed
+               /v1/completions, mixed / shared-prefix / long prompts at three Poisson rates
+               (serve_vs_vllm.py, after its same-token check): output tok/s >= 1, TTFT p99 <= 1, ITL p99 <= 1.2
 
-A group whose peer is not installed is skipped with the reason (`pip install -e '.[bench]'` brings them). Flower's
-comparison (fed_vs_flower.py) needs its own venv and is not run here.
+A group whose peer is not installed is skipped with the reason (`pip install -e '.[bench]'` brings them). vLLM needs
+a venv of its own, `.venv-vllm`, which the llm group makes when it is missing. Flower's comparison
+(fed_vs_flower.py) needs its own venv and is not run here.
 
 Writes OUT/all.json (every measurement) and OUT/all.md (the table, for docs/benchmarks.md).
 """
@@ -249,6 +253,33 @@ def _deepspeed() -> Group:
                  needs={"deepspeed": "pip install -e '.[bench]'"})
 
 
+def _llm() -> Group:
+    import serve_vs_vllm as sv
+
+    why = sv.ensure_vllm(install=True)  # makes .venv-vllm when missing; the group is skipped if that fails
+    targets = (("tok_s", "output tok/s", "higher", 1.0), ("ttft_p99", "TTFT p99", "lower", 1.0),
+               ("itl_p99", "ITL p99", "lower", 1.2))
+    rows = [Row(f"LLM {size} {w} {r}: {what}, plait serve / vLLM", "plait", "vllm", f"{m}@{size}/{w}/{r}", better,
+                target)
+            for size in sv.SIZES for w in sv.WORKLOADS for r in sv.RATES for m, what, better, target in targets
+            if w == "mixed" or m == "tok_s"]
+
+    def setup(a, tmp: Path):
+        plans = [sv.new_plan(size, tmp, a.quick) for size in list(sv.SIZES)[:1 if a.quick else None]]
+        # --quick, known only now, measures one size at one rate: the rows keep what is measured
+        cells = {f"{p.size}/{w}/{q}" for p in plans for w in p.workloads for q in p.rates}
+        rows[:] = [r for r in rows if r.metric.split("@")[1] in cells]
+        for plan in plans:  # the same greedy tokens, and each side's capacity, before anything is timed
+            sv.check_same(plan, allow_mismatch=False)
+        return plans
+
+    def measure(side: str, plans) -> dict[str, float]:
+        return {f"{m}@{plan.size}/{cell}": v for plan in plans for cell, got in sv.session(plan, side).items()
+                for m, v in got.items()}
+
+    return Group("llm", ["vllm", "plait"], rows, measure, setup, needs={"vllm": sv.INSTALL} if why else {})
+
+
 GROUPS: dict[str, Callable[[], Group]] = {
     "own-loop": _own_loop,
     "small-step": lambda: _overhead("mlp", ("ddp",), 1.02),
@@ -256,6 +287,7 @@ GROUPS: dict[str, Callable[[], Group]] = {
     "serve": _serve,
     "tune": _tune,
     "deepspeed": _deepspeed,
+    "llm": _llm,
 }
 
 
