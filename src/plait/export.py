@@ -329,7 +329,7 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
     ours, tensors = to_hf(m, state) if m.name == "llama" else _gpt2_to_hf(m, state)
     # plait's keys describe the tensors written (the checkpoint's values, unless training changed them); the rest of
     # the checkpoint's config (eos_token_id, bos_token_id, what plait does not use) stays as it was
-    config = {**base, **ours, "plait_checkpoint": ckpt.name}
+    config = {**{k: v for k, v in base.items() if k not in NOT_CARRIED}, **ours, "plait_checkpoint": ckpt.name}
     if "torch_dtype" in base:  # transformers 4's name for it
         config["torch_dtype"] = ours["dtype"]
     if out.exists() and not out.is_dir():
@@ -352,6 +352,9 @@ def export_hf(run_dir: str | Path, out: str | Path, checkpoint: str | Path | Non
     return out
 
 
+# what the checkpoint's config says of tensors and code the export does not have: its own quantized format, and
+# classes of its own (remote code, which plait never imports and does not copy)
+NOT_CARRIED = ("quantization_config", "auto_map")
 TOKENIZER_FILES = tuple(f for f in CARRIED if f not in ("config.json", "generation_config.json"))
 
 

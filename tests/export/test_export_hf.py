@@ -53,6 +53,8 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("carry")
     d = llama_dir(root / "llama")
     before, _ = eos_at_a_step(d)
+    config = json.loads((d / "config.json").read_text())  # remote code the export neither has nor may point at
+    (d / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
     shutil.copytree(d, root / "kept")
     run = root / "run"
     train(load_config(None, sets(f"train.init_from='{d}'", "data.name='text'", f"data.path='{corpus(root)}'",
@@ -72,6 +74,7 @@ def test_the_export_stops_at_eos_where_the_original_does_and_keeps_its_files(lor
     assert want == PROMPT + before + [eos]  # it stops there, before the NEW tokens
     assert greedy(exported) == want
     config, theirs = json.loads((out / "config.json").read_text()), json.loads((kept / "config.json").read_text())
+    assert theirs.pop("auto_map") and "auto_map" not in config
     assert {k: config.get(k) for k in theirs} == theirs  # every field as it was (bos, eos, max_position_embeddings...)
     assert config["plait_checkpoint"] == "step_0000003"
     for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
