@@ -56,6 +56,21 @@ def test_chunked_prefill_runs_beside_decodes_and_memory_is_the_blocks_used():
     assert pool.used == 0
 
 
+def test_decode_first_bounds_a_steps_tokens_and_prompt_chunks_fill_what_the_decodes_leave():
+    clock = Clock()
+    s = Scheduler(BlockPool(64, 4), max_seqs=8, max_prefill_tokens=16, clock=clock, max_step_tokens=6)
+    a, b = s.add([1, 2, 3], max_tokens=20), s.add([4, 5], max_tokens=20)
+    first = run_step(s, clock)
+    assert [(c.seq.id, c.count) for c in first.chunks] == [(a.id, 3), (b.id, 2)]  # no decode yet: 6 prompt tokens
+    long = s.add(list(range(100, 130)), max_tokens=2)
+    steps = [run_step(s, clock) for _ in range(8)]
+    # two decodes each step, the 30-token prompt in chunks of 6 - 2 = 4: every step runs 6 tokens at most
+    assert [[(c.seq.id, c.count) for c in st.chunks] for st in steps[:2]] == [[(a.id, 1), (b.id, 1), (long.id, 4)]] * 2
+    assert all(st.tokens <= 6 for st in steps) and long.first_token_at == 9.0
+    unbounded = Scheduler(BlockPool(64, 4), max_seqs=8, max_prefill_tokens=16, clock=Clock())
+    assert unbounded.max_step_tokens == 0
+
+
 def test_admission_in_arrival_order_up_to_max_seqs_and_stop_tokens():
     clock = Clock()
     s = Scheduler(BlockPool(64, 4), max_seqs=2, max_prefill_tokens=64, clock=clock)

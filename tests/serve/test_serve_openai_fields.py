@@ -218,7 +218,7 @@ def test_vllm_flags_map_onto_plaits_or_are_refused_naming_plaits(hf_dir, monkeyp
                      "--tensor-parallel-size", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                      "--dtype", "float32", "--no-enable-prefix-caching", "--lora-modules", "a=/x"]) == 0
     o = seen["opts"]
-    assert (seen["path"], o.name, o.max_model_len, o.tp, o.max_seqs, o.max_prefill_tokens) == (d, "m", 128, 1, 8, 64)
+    assert (seen["path"], o.name, o.max_model_len, o.tp, o.max_seqs, o.max_step_tokens) == (d, "m", 128, 1, 8, 64)
     assert o.prefix_caching is False and o.lora == ("a=/x",)
     for args, line in [
         (["--gpu-memory-utilization", "0.9"], "error: --gpu-memory-utilization is vLLM's and plait has no such setting; "

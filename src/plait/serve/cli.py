@@ -74,7 +74,8 @@ def cmd_serve(a) -> int:
                         target_ongoing=a.target_ongoing, upscale_delay_s=a.upscale_delay_s,
                         downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s,
                         scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
-                        max_prefill_tokens=a.max_prefill_tokens, prefix_caching=not a.no_prefix_caching,
+                        max_prefill_tokens=a.max_prefill_tokens, max_step_tokens=a.max_step_tokens,
+                        prefix_caching=not a.no_prefix_caching,
                         draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
                         lora=tuple(a.lora or ()), tp=a.tp, max_model_len=a.max_model_len)
     return run(str(model), opts.validate())
@@ -214,7 +215,10 @@ def _add_engine_args(s) -> None:
     s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
     s.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=64,
                    help="continuous: sequences in one engine step at most")
-    s.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int, default=512,
+    s.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=0,
+                   help="continuous, decode first: the tokens of one engine step at most, every decode first and prompt "
+                        "chunks in what is left, so long prompts do not stretch the decodes' steps (0: no such bound)")
+    s.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=512,
                    help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")

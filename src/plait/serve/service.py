@@ -174,7 +174,8 @@ class ServeOptions:
 
     @property
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(self.block_size, self.kv_cache_mb, self.max_seqs, self.max_prefill_tokens, self.prefix_caching)
+        return EngineConfig(self.block_size, self.kv_cache_mb, self.max_seqs, self.max_prefill_tokens, self.prefix_caching,
+                            self.max_step_tokens)
 
     @property
     def policy(self) -> BatchPolicy:

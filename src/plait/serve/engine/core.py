@@ -39,19 +39,23 @@ from plait.serve.engine.speculative import verify
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """`plait serve`'s --block-size, --kv-cache-mb, --max-seqs, --max-prefill-tokens and --no-prefix-caching."""
+    """`plait serve`'s --block-size, --kv-cache-mb, --max-seqs, --max-prefill-tokens, --no-prefix-caching and
+    --max-step-tokens."""
 
     block_size: int = 16
     kv_cache_mb: float = 64.0
     max_seqs: int = 64
     max_prefill_tokens: int = 512
     prefix_caching: bool = True
+    max_step_tokens: int = 0  # decode-first: a step's tokens at most, decodes first, prompt chunks fill the rest
 
     def validate(self) -> EngineConfig:
         for flag, value in (("--block-size", self.block_size), ("--max-seqs", self.max_seqs),
                             ("--max-prefill-tokens", self.max_prefill_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag} = {value} must be an integer >= 1")
+        if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 0:
+            raise ValueError(f"--max-step-tokens = {self.max_step_tokens} must be an integer >= 0 (0: no bound)")
         if not math.isfinite(self.kv_cache_mb) or self.kv_cache_mb <= 0:
             raise ValueError(f"--kv-cache-mb = {self.kv_cache_mb} must be a number > 0")
         return self
@@ -115,7 +119,8 @@ class Engine:
         self.proposed = 0  # draft tokens proposed, all steps
         self.accepted = 0  # of them, accepted by the target
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.prefix_caching)
-        self.scheduler = Scheduler(self.pool, self.config.max_seqs, self.config.max_prefill_tokens, clock)
+        self.scheduler = Scheduler(self.pool, self.config.max_seqs, self.config.max_prefill_tokens, clock,
+                                   self.config.max_step_tokens)
         # Learned absolute positions (gpt) end at the context; rotary ones (llama) do not.
         self.max_length: int | None = model.context if isinstance(model, GPT) else None
         self.vocab = int(model.vocab_size)  # the logits' width (a processor's masks and counts)

@@ -157,10 +157,13 @@ class Scheduler:
     """Admission, chunking, preemption and finishing decisions (see the module's docstring); `clock` stamps times."""
 
     def __init__(self, pool: BlockPool, max_seqs: int = 64, max_prefill_tokens: int = 512,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, max_step_tokens: int = 0):
         if max_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_seqs ({max_seqs}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
         self.pool, self.max_seqs, self.max_prefill_tokens = pool, max_seqs, max_prefill_tokens
+        # Decode first: a step runs every decode, then prompt chunks up to this many tokens in all (0: no such bound),
+        # so a long prompt arriving never stretches the decodes' step beyond it (vLLM's max_num_batched_tokens).
+        self.max_step_tokens = max_step_tokens
         self.clock = clock or (lambda: 0.0)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -211,6 +214,9 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         budget = self.max_prefill_tokens
+        if self.max_step_tokens:
+            decodes = sum(1 for seq in self.running if seq.length - seq.computed == 1)
+            budget = min(budget, max(self.max_step_tokens - decodes, 0 if decodes else 1))
         i = 0
         while i < len(self.running):
             seq = self.running[i]
