@@ -86,6 +86,7 @@ class ServeOptions:
     kv_cache_mb: float = 64.0  # the block pool, all layers' keys and values
     max_seqs: int = 64  # sequences in one engine step at most
     max_prefill_tokens: int = 512  # prompt tokens in one engine step at most (longer prompts go in chunks)
+    max_step_tokens: int = 0  # tokens of one engine step, decodes first (0: no bound beyond max_prefill_tokens)
     prefix_caching: bool = True
     draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens
     num_speculative_tokens: int = 4
