@@ -211,6 +211,17 @@ def test_a_dry_run_calls_no_data_factory(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "config.toml").is_file() and not marker.exists()
 
 
+def test_a_dry_run_without_out_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    """Issue 57 item 5: `plait train --dry-run` checks the job and writes nothing unless --out names a folder."""
+    from plait.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "config valid; 2 process(es); nothing written (give --out DIR to keep its checked config.toml for torchrun)")
+
+
 def test_out_onto_a_folder_that_is_not_a_run_is_refused(tmp_path, monkeypatch, capsys):
     """docs/security.md row 12: --out on a foreign folder overwrote its files, appended to metrics.jsonl, then crashed."""
     from plait.cli import main

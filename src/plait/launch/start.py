@@ -60,9 +60,15 @@ def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int
         run_worker(cfg, run_dir, resume=bool(resume), env=role.env, checked=True)
         return 0
     layout = Layout.from_config(cfg)
-    write_checked_config(run_dir, dump_config(cfg), layout.world_size)
+    keep = not dry_run or out is not None or resume  # a dry run leaves no run directory unless one is named
+    if keep:
+        write_checked_config(run_dir, dump_config(cfg), layout.world_size)
     for note in auto_notes(cfg):  # what "auto" became on this machine, before anything starts
         say(f"auto: {note}")
+    if dry_run and not keep:
+        say(f"config valid; {layout.world_size} process(es); nothing written (give --out DIR to keep its checked "
+            "config.toml for torchrun)")
+        return 0
     if dry_run:
         say(f"config valid; {layout.world_size} process(es); wrote {run_dir / 'config.toml'}")
         say(f"run it with: torchrun --nproc_per_node {layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)} "
