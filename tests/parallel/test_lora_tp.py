@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import PLAIN_SGD, TP_LAYOUTS, assert_follows, one_process_runs, tiny_gpt_config
-from plait.finetune.lora import tp_styles
+from plait.finetune.lora_tp import tp_styles
 
 SGD = ["train.steps=4", *PLAIN_SGD, "finetune.lora_rank=4", "model.vocab_multiple=64",
        "finetune.lora_targets=['*attn.q', '*attn.proj', '*mlp.up', '*mlp.down']"]

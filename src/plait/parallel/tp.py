@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.errors import ConfigError
-from plait.finetune.lora import tp_styles
+from plait.finetune.lora_tp import tp_styles
 from plait.models import capabilities
 from plait.models.protocols import check_tensor_parallel, check_tp_plan, tensor_parallel_plan, tied_parameters
 from plait.parallel.expert import check_experts_tp
