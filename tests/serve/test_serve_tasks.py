@@ -142,3 +142,15 @@ def test_serve_modules_import_each_other_without_a_cycle():
     lazy = [(p.name, line, text.strip()) for p in files for _, line, inside, text in _plait_imports(p)
             if inside and "#" not in text]
     assert lazy == []  # each import kept inside a function says why on its line (start-up time, a dependency)
+
+
+def test_serving_imports_no_dtensor():
+    """Issue 57 item 5: `plait serve` was 15.7 s to ready, 2.6 s of it torch.distributed.tensor (LoRA's tp styles,
+    imported through the export path); serving a model in one process imports none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, plait.serve.entrypoints.server, plait.serve.model.load, plait.serve.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.tensor'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
