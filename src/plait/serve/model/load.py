@@ -30,6 +30,7 @@ from plait.models.llama import Llama
 from plait.serve.errors import ServeError
 from plait.serve.model.quantize import quantize_int8
 from plait.serve.model.signature import TensorSpec
+from plait.train.carried import carried_dir
 from plait.train.checkpoint import latest_checkpoint, load_model_weights
 
 DECODERS = (GPT, Llama)  # the models whose cached forward (idx, cache, pad) generation drives
@@ -158,7 +159,9 @@ def load_model(ref: ModelRef) -> ServedModel:
         load_model_weights(module, ckpt, trust=ref.trust_checkpoint)
         tok_file = path / "tokenizer.json"
         tokenizer = _tokenizer(tok_file.read_text(), str(tok_file)) if tok_file.is_file() else None
-        served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name)
+        hf = carried_dir(path)  # a run from a Hugging Face checkpoint keeps its chat template and stop tokens there
+        served = ServedModel(module, _registry_name(dataclasses.asdict(cfg.model)), spec, tokenizer, ckpt.name,
+                             chat=_chat_template(hf) if hf else None, eos_ids=_eos_ids(hf) if hf else frozenset())
     elif path.is_file() and path.suffix in EDGE_SUFFIXES:
         if ref.quantize:
             raise ServeError(f"--quantize applies to PyTorch weights; {path} is an exported file: export it with "
