@@ -27,7 +27,7 @@ from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.hf_llama import FAMILY, MODEL_TYPES, llama_model_keys, llama_state_dict
-from plait.models.lazy import Lazy, open_weights
+from plait.models.lazy import Lazy, confined, open_weights
 from plait.models.registry import build_model
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
@@ -53,7 +53,7 @@ def read_hf_config(path: str | Path, key: str = "train.init_from") -> dict:
     path = Path(path)
     where = _where(key, path)
     try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        raw = json.loads(confined(path, "config.json", where).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{where}: config.json is not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(raw, dict):
@@ -136,7 +136,8 @@ def apply_hf_config(model_cfg, data_cfg, path: str | Path, key: str = "train.ini
         raise ConfigError(f"model.context = {model_cfg.context} conflicts with n_positions = {n_pos} in "
                           f"{Path(path) / 'config.json'}: the checkpoint has no positions beyond it; set "
                           f"model.context <= {n_pos}")
-    tok = Path(path) / "tokenizer.json"
+    tok = confined(Path(path), "tokenizer.json", _where(key, path))
+    confined(Path(path), "tokenizer_config.json", _where(key, path))  # the chat template beside it
     if tok.is_file() and not data_cfg.tokenizer:
         data_cfg.tokenizer = str(tok)
 
@@ -165,6 +166,7 @@ def hf_lazy_state_dict(path: str | Path, context: int | None = None, key: str = 
         return src.pop(name)
 
     wte, wpe = take("wte.weight"), take("wpe.weight")
+    _same_vocabulary(where, hf["vocab_size"], wte)
     out = {"tok_emb.weight": wte.pad_rows(rows or wte.shape[0]),
            "pos_emb.weight": wpe.rows(0, context) if context else wpe}
     for i in range(hf["n_layer"]):
@@ -219,6 +221,13 @@ def hf_native_parts(path: str | Path, model, key: str = "train.init_from") -> tu
     return {n: src[n] for n in {**params, **buffers} if n in src}, fresh
 
 
+def _same_vocabulary(where: str, vocab_size, embedding: Lazy | None) -> None:
+    """config.json's vocab_size is the embedding's rows (the model pads past them, never beyond config.json's)."""
+    if embedding is not None and embedding.shape[0] != int(vocab_size):
+        raise ConfigError(f"{where}: config.json's vocab_size = {vocab_size} but the weights' token embedding has "
+                          f"{embedding.shape[0]} rows; config.json does not describe these weights")
+
+
 def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, Lazy]:
     src = {k: v for k, v in open_weights(path, where).items() if not k.endswith("rotary_emb.inv_freq")}
 
@@ -228,11 +237,21 @@ def _llama_tensors(path: Path, where: str, hf: dict, rows: int) -> dict[str, Laz
                               f"(it has {len(src)} tensors, e.g. {list(src)[:3]})")
         return src.pop(name)
 
+    _same_vocabulary(where, hf["vocab_size"], src.get("model.embed_tokens.weight"))
     out = llama_state_dict(take, src.__contains__, hf, rows)
     if src:
         raise ConfigError(f"{where} has tensors plait's llama does not, first {next(iter(src))}; does config.json "
                           "describe these weights?")
     return out
+
+
+def check_shapes(model: torch.nn.Module, lazy: dict[str, Lazy], where: str) -> None:
+    """ConfigError when a tensor the checkpoint's headers describe differs from the model's: config.json's sizes must
+    be the weights' (an absurd hidden_size or vocab_size is refused here, before a model of that size is allocated)."""
+    for name, t in model.state_dict().items():
+        if name in lazy and tuple(lazy[name].shape) != tuple(t.shape):
+            raise ConfigError(f"{where}: config.json makes {name} {list(t.shape)} but the weights hold "
+                              f"{list(lazy[name].shape)}; config.json does not describe these weights")
 
 
 def load_hf_model(path: str | Path, key: str = "plait serve"):
@@ -243,9 +262,13 @@ def load_hf_model(path: str | Path, key: str = "plait serve"):
     apply_hf_config(model_cfg, data_cfg, path, key)
     spec = DataSpec(name="huggingface", task="lm", input_shape=[model_cfg.context], vocab_size=model_cfg.vocab_size,
                     tokens_per_sample=model_cfg.context)
+    hf_lazy_state_dict(path, model_cfg.context, key)  # every layer config.json names is in the weights, no more
+    with torch.device("meta"):  # the shapes config.json implies, allocating nothing
+        shapes = build_model(model_cfg, spec)
+    lazy = hf_lazy_state_dict(path, model_cfg.context, key, shapes.tok_emb.weight.shape[0])
+    check_shapes(shapes, lazy, _where(key, path))
     model = build_model(model_cfg, spec)
-    rows = model.tok_emb.weight.shape[0]
-    model.load_state_dict(hf_state_dict(path, model_cfg.context, key, rows))
+    model.load_state_dict({k: v.full().contiguous() for k, v in lazy.items()})
     tokenizer = None
     if data_cfg.tokenizer:
         tok = Path(data_cfg.tokenizer)

@@ -182,8 +182,19 @@ def shard_files(path: Path, where: str) -> list[Path]:
     return shards
 
 
+def confined(path: Path, name: str, where: str) -> Path:
+    """path / name, which must resolve inside `path`: a link out of a model directory is refused, never followed."""
+    f = path / name
+    if f.exists() and path.resolve() not in f.resolve().parents:
+        raise ConfigError(f"{where}: {name} is a link to a file outside the directory ({f.resolve()}); a model "
+                          "directory's files must be its own: copy the file in")
+    return f
+
+
 def open_weights(path: Path, where: str) -> dict[str, Lazy]:
     """{name: Lazy} of a Hugging Face directory's weights (one file, shards with an index, or pytorch_model.bin)."""
+    for name in WEIGHT_FILES:
+        confined(path, name, where)
     if (path / "model.safetensors").is_file():
         return safetensors_file(path / "model.safetensors", where)
     if (path / "model.safetensors.index.json").is_file():
