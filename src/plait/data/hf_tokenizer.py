@@ -48,9 +48,10 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> np.ndarray:
-        # A stream of text, not a sentence: no special tokens added around it.
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = False) -> np.ndarray:
+        """A stream of text, not a sentence: no special tokens added around it (special: the tokenizer's own, as
+        transformers' tokenizer(text) adds them, a Llama 3's <|begin_of_text|>)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=special).ids
         return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

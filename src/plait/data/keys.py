@@ -13,9 +13,9 @@ from plait.config import keys, opt
 from plait.errors import ConfigError
 
 SOURCE_NAMES = ("stdlib-text", "digits", "synthetic", "clicks", "text", "tensors", "images", "packed", "table", "chat",
-                "large-digits", "digit-captions")
+                "large-digits", "digit-captions", "preference")
 # Sources that read the user's files: data.path names them (unless data.factory replaces the source).
-FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat")
+FILE_SOURCES = ("text", "tensors", "images", "packed", "table", "chat", "preference")
 AUGMENTATIONS = ("random_crop", "hflip", "noise", "randaugment")
 
 
@@ -27,7 +27,8 @@ class DataKeys:
         "data.canvas_size canvas), digit-captions (digits with generated captions, for model.name = 'vlm'), "
         "synthetic, clicks, text (a file or folder), tensors (.npy/.pt), "
         "images (a folder with one sub-folder per class), packed (a folder written by `plait data pack`), table (a CSV or "
-        "Parquet file), chat (a JSONL file of prompt/completion pairs or conversations; ignored when factory is set)",
+        "Parquet file), chat (a JSONL file of prompt/completion pairs or conversations), preference (a JSONL file of "
+        "prompt/chosen/rejected pairs, for train.objective = 'dpo', 'ipo' or 'simpo'); ignored when factory is set",
         SOURCE_NAMES,
     )
     factory: str = opt("", "'package.module:function' returning your own map-style dataset (__len__, __getitem__ giving "
@@ -41,7 +42,7 @@ class DataKeys:
     task: str = opt("auto", "table and data.factory: classification or regression (mse loss); auto: regression when the "
                             "targets are non-integer numbers", ("auto", "classification", "regression"))
     path: str = opt("", "text: a text file or a folder of files; tensors: a .npy or .pt file; images: a folder of "
-                        "class folders; packed: the folder `plait data pack` wrote; chat: a JSONL file")
+                        "class folders; packed: the folder `plait data pack` wrote; chat, preference: a JSONL file")
     pack: bool = opt(False, "chat: fill each row of model.context tokens with consecutive examples; text, stdlib-text: "
                             "each file is a document; either way attention is confined to each example or document "
                             "and positions restart at each (plait's gpt and llama; not with pp)")

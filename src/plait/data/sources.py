@@ -23,6 +23,7 @@ from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.images import image_folder
 from plait.data.packed import packed_source
 from plait.data.placed import PlacedDigits
+from plait.data.preference import preference_source
 from plait.data.sampler import balanced_class_weights, labels_of
 from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.data.stream import keep_classes
@@ -298,7 +299,7 @@ SOURCES = {"stdlib-text": stdlib_text, "text": user_text, "digits": digits, "lar
            "digit-captions": digit_captions,
            "synthetic": synthetic, "clicks": clicks,
            "tensors": user_tensors, "images": image_folder, "packed": packed_source, "table": table_source,
-           "chat": chat_source}
+           "chat": chat_source, "preference": preference_source}
 
 
 def build_data(data_cfg, model_cfg) -> DataBundle:

@@ -29,6 +29,9 @@ class DataSpec:
     class_weights: list = field(default_factory=list)  # classification: per-class loss weights (data.class_weights)
     masked_targets: bool = False  # lm: targets of -100 are not trained; the loss is a mean per row (chat)
     packed: bool = False  # lm: inputs are (batch, 2, context), ids then each example's positions (data.pack)
+    # lm: each row a preference pair, chosen then rejected sequence, packed; targets (batch, 3, T) float64 of the two
+    # completions' next tokens and the reference log-probabilities (plait.data.preference)
+    preference: bool = False
     # fewshot: ways, shots, queries, one image's input_shape, and how the learner adapts (plait.data.episodes)
     episode: dict = field(default_factory=dict)
     image_shape: list = field(default_factory=list)  # image + text: each row's image (its pixels lead the row)

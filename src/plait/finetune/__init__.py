@@ -16,7 +16,7 @@ _FROM = {"LoRALinear": "lora", "adapter_state_dict": "lora", "apply_lora": "lora
          "merge_lora": "lora", "usual_targets": "lora", "freeze": "freezing", "trainable_params": "freezing",
          "ProgressiveFreeze": "progressive",
          "freeze_steps": "progressive", "check_progressive": "progressive", "active": "transforms",
-         "apply_finetune": "transforms", "check_layout": "transforms", "AdapterLinear": "adapters",
+         "apply_finetune": "transforms", "base_model": "transforms", "check_layout": "transforms", "AdapterLinear": "adapters",
          "adapter_layers": "adapters", "adapters_state_dict": "adapters", "apply_adapters": "adapters",
          "targets_of": "adapters"}
 __all__ = sorted(_FROM)

@@ -41,9 +41,12 @@ class AdapterLinear(nn.Module):
         if base.weight.device.type != "meta":
             nn.init.zeros_(self.adapter_up.weight)
             nn.init.zeros_(self.adapter_up.bias)
+        self.off = False  # the adapter left out of the forward: the base layer (plait.finetune.base_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if self.off:
+            return y
         return y + self.adapter_up(F.gelu(self.adapter_down(y)))
 
     def extra_repr(self) -> str:

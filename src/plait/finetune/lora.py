@@ -71,6 +71,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
+        self.off = False  # the adapter left out of the forward: the base layer (plait.finetune.base_model)
 
     def base_weight(self) -> torch.Tensor:
         """The frozen weight (dequantized from nf4 when stored so)."""
@@ -96,7 +97,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.base_weight()
         y = F.linear(x, w.to(x.dtype) if self.quantize == "nf4" else w, self.bias)
-        if self.merged:
+        if self.merged or self.off:
             return y
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 

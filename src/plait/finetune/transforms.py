@@ -11,6 +11,8 @@ ZeRO-2/3) sends, stores and updates only what trains.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.nn as nn
 
 from plait.errors import ConfigError
@@ -65,3 +67,23 @@ def apply_finetune(model: nn.Module, ft) -> nn.Module:
 __all__ = ["AdapterLinear", "LoRALinear", "adapter_layers", "adapters_state_dict", "apply_adapters", "targets_of",
             "ProgressiveFreeze", "active", "adapter_state_dict", "apply_finetune", "apply_lora",
            "check_layout", "freeze", "freeze_steps", "lora_layers", "merge_lora", "trainable_params"]
+
+
+@contextlib.contextmanager
+def base_model(model: nn.Module):
+    """The model without its adapters while inside (peft's disable_adapter()): every LoRA and bottleneck adapter is
+    left out of its layer's forward, a merged LoRA layer unmerged for the while. Preference tuning's reference model
+    is this: the frozen base, no second copy (plait.train.preference)."""
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, AdapterLinear))]
+    merged = [m for m in layers if isinstance(m, LoRALinear) and m.merged]
+    for m in merged:
+        m.unmerge()
+    for m in layers:
+        m.off = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.off = False
+        for m in merged:
+            m.merge()

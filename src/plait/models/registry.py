@@ -154,7 +154,8 @@ CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor
                                            "llama": frozenset({"pipeline", "tensor_parallel"}),
                                            "deepfm": frozenset({"pipeline", "tensor_parallel"})}
 # The data each registered model trains on.
-DATA_FOR = {"gpt": ("stdlib-text", "text", "chat"), "llama": ("stdlib-text", "text", "chat"), "deepfm": ("clicks",),
+DATA_FOR = {"gpt": ("stdlib-text", "text", "chat", "preference"), "llama": ("stdlib-text", "text", "chat", "preference"),
+            "deepfm": ("clicks",),
             "vlm": ("digit-captions",)}
 
 
@@ -202,7 +203,7 @@ def check_config(model_cfg, data_name: str) -> None:
         raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
                           f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
                           "use plait.models.moe.MoE through model.factory)")
-    token_data = data_name in ("stdlib-text", "text", "chat")
+    token_data = data_name in ("stdlib-text", "text", "chat", "preference")
     text = "a text source (stdlib-text, text or chat)"
     wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'", "vlm": "data.name = 'digit-captions'"}.get(
         model_cfg.name, "digits, synthetic or tensors")

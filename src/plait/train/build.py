@@ -43,8 +43,10 @@ from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint
 from plait.train.continual import Continual
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
+from plait.train.keys import PREFERENCE_OBJECTIVES
 from plait.train.loss import focal_loss, loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
+from plait.train.preference import PreferenceLoss, preference_loss
 from plait.train.progressive import Freezer
 from plait.train.target import TimeToTarget
 from plait.train.telemetry import Telemetry
@@ -107,7 +109,7 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     model, meta_init = model_for(cfg, layout, rt, bundle.spec)
     if cfg.train.channels_last:
         model = to_channels_last(model, cfg.model.name)
-    loss_fn = loss_of(cfg, model, bundle.spec, rt)
+    loss_fn = loss_of(cfg, model, bundle, rt)
     b = Build(cfg, rt, layout, model, lambda m, only=None: build_optimizer(m, cfg.optim, only),
               with_extra_loss(loss_fn, model), Precision(cfg.precision.dtype, rt.device), SCHEMES, meta_init, run_dir)
     served = serve_rank(b)
@@ -115,8 +117,9 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
         return Served(served, rt)
     strategy = build_strategy(b)
     strategy.saved_codec = codec_for(cfg.train.activation_compression)
-    strategy.eval_metrics = {metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics} or None
-    callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle))
+    strategy.eval_metrics = ({metric_name(r): import_object("train.eval_metrics", r) for r in cfg.train.eval_metrics}
+                             | (loss_fn.eval_metrics() if isinstance(loss_fn, PreferenceLoss) else {})) or None
+    callbacks = Callbacks(callbacks_for(cfg, b, strategy, bundle, loss_fn))
     start = resume_from(strategy, run_dir, rt, callbacks) if resume and run_dir is not None else 0
     t = cfg.train
     stop = max(start, min(t.steps, t.stop_after) if t.stop_after else t.steps)
@@ -151,8 +154,9 @@ def model_for(cfg: Config, layout: Layout, rt: Runtime, spec) -> tuple[nn.Module
     train.init_from each rank reads its own slices from (a Hugging Face directory or a safetensors file)."""
     ft, source = cfg.finetune, cfg.train.init_from
     parts_later = bool(source) and (is_hf_dir(source) or Path(source).is_file())  # readable in parts
+    # the contrastive head, and a preference objective's reference pass, read the whole model before a scheme shards it
     reads_whole = bool((source and not parts_later) or cfg.distill.teacher or ft.lora_rank or ft.adapters
-                       or cfg.train.objective == "contrastive" or cfg.model.ensemble > 1)
+                       or cfg.train.objective not in ("supervised", "meta") or cfg.model.ensemble > 1)
     seed = cfg.train.seed if cfg.train.init_seed < 0 else cfg.train.init_seed
     seed_all(seed)
     model, meta_init = build_module(layout, cfg, reads_whole, lambda: build_model(cfg.model, spec),
@@ -211,8 +215,12 @@ def to_channels_last(model: nn.Module, name: str) -> nn.Module:
     return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch accepts it; its stubs do not
 
 
-def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
-    """train.loss, or the data's task loss; under distillation, its mix with the teacher's soft targets."""
+def loss_of(cfg: Config, model: nn.Module, bundle, rt: Runtime):
+    """train.loss, or the data's task loss; under distillation, its mix with the teacher's soft targets; a preference
+    objective's, once the reference log-probabilities are in the data."""
+    spec = bundle.spec
+    if cfg.train.objective in PREFERENCE_OBJECTIVES:
+        return preference_loss(cfg, model, bundle, rt)
     if cfg.train.loss == "focal":
         if spec.task not in ("classification", "lm") or spec.class_weights or spec.masked_targets:
             raise ConfigError(f"train.loss = 'focal' is for classification and language models without class weights "
@@ -230,7 +238,7 @@ def loss_of(cfg: Config, model: nn.Module, spec, rt: Runtime):
     return loss_fn
 
 
-def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle) -> list:
+def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle, loss_fn=None) -> list:
     """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
     t, rt, spec = cfg.train, b.rt, bundle.spec
     found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
@@ -246,6 +254,8 @@ def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle) -> list:
     if cfg.data.stream:  # the forgetting table, EWC
         sampler = StreamSampler([len(tr) for tr, _ in bundle.tasks], t.global_batch_size, t.seed, t.steps)
         found.append(Continual(strategy, cfg, rt, bundle, sampler.boundaries(), loss_for(spec), b.run_dir))
+    if isinstance(loss_fn, Callback):  # a loss that reports its own figures (a preference objective's rewards)
+        found.append(loss_fn)
     if cfg.checkpoint.keep_best:
         found.append(KeepBest(cfg.checkpoint.keep_best))
     if t.early_stop:

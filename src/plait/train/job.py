@@ -28,7 +28,8 @@ from plait.models.hf import apply_hf_config, hf_native_parts, is_hf_dir
 from plait.models.hf_auto import FACTORY as HF_CLASS_FACTORY
 from plait.parallel import check_config as check_layout_config
 from plait.parallel.layout import Layout
-from plait.train.keys import DTENSOR_OPTIMIZERS, ELEMENTWISE_OPTIMIZERS
+from plait.train.keys import DTENSOR_OPTIMIZERS, ELEMENTWISE_OPTIMIZERS, PREFERENCE_OBJECTIVES
+from plait.train.preference import check_preference
 
 
 def check_job(cfg: Config, user_data: bool = True) -> Layout:
@@ -192,6 +193,8 @@ def check_objective(cfg: Config, layout: Layout) -> None:
     """train.objective = 'contrastive': image or vector data, plain data parallel, negatives from the whole batch."""
     if cfg.train.objective == "meta":
         check_meta(cfg, layout)
+    if cfg.train.objective in PREFERENCE_OBJECTIVES:
+        check_preference(cfg, layout)
     if cfg.train.objective != "contrastive":
         return
     if cfg.data.name not in ("digits", "synthetic", "tensors"):

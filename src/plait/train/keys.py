@@ -24,6 +24,8 @@ ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")
 # block-quantized states (adamw8bit: each rank's shard in its own blocks)
 DTENSOR_OPTIMIZERS = ("lamb", "lars", "adamw8bit")
 SAMPLE_PROMPT = "def "  # train.sample_prompt's default, for the default job's Python text
+# train.objective: the preference objectives (plait.train.preference), trained on data.name = "preference"
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo")
 
 
 @keys("train")
@@ -48,8 +50,10 @@ class TrainKeys:
                                             "held-out example's opening)")
     objective: str = opt("supervised", "supervised (the data's labels), contrastive (two augmented views per sample, "
                                        "NT-Xent against the whole global batch, a linear probe at the end) or meta "
-                                       "(few-shot episodes, train.meta_algorithm; plait.models.fewshot)",
-                         ("supervised", "contrastive", "meta"))
+                                       "(few-shot episodes, train.meta_algorithm; plait.models.fewshot); dpo, ipo, "
+                                       "simpo: preference tuning on data.name = 'preference' (train.dpo_beta; "
+                                       "plait.train.preference)",
+                         ("supervised", "contrastive", "meta", *PREFERENCE_OBJECTIVES))
     temperature: float = opt(0.5, "train.objective = contrastive: the NT-Xent temperature")
     loss: str = opt("", "'package.module:function' (outputs, targets) -> the micro-batch's mean loss, instead of the "
                         "data's task loss (cross-entropy, mse, ...); 'focal': focal loss (train.focal_gamma); "
@@ -76,6 +80,24 @@ class MetaKeys:
                                          "the adapted weights)", ("reptile", "fomaml"))
     inner_steps: int = opt(5, "train.objective = meta: plain SGD steps on each episode's support set", minimum=1)
     inner_lr: float = opt(0.1, "train.objective = meta: the learning rate of those steps", above=0, finite=True)
+
+
+@keys("train")
+class PreferenceKeys:
+    dpo_beta: float = opt(0.1, "train.objective = dpo: beta, the strength of the pull to the reference model (TRL's "
+                               "DPOConfig.beta); ipo: tau, the target log-ratio margin is 1 / (2 beta); simpo: the "
+                               "reward's scale", above=0, finite=True)
+    simpo_gamma: float = opt(0.5, "train.objective = simpo: gamma, the target reward margin (TRL's "
+                                  "CPOConfig.simpo_gamma)", minimum=0, finite=True)
+
+    def check(self, cfg) -> None:
+        preference_data = cfg.data.name == "preference" and not cfg.data.factory
+        if (cfg.train.objective in PREFERENCE_OBJECTIVES) != preference_data:
+            if preference_data:
+                raise ConfigError("data.name = 'preference' holds prompt/chosen/rejected pairs: set train.objective to "
+                                  "one of dpo, ipo or simpo (or use data.name = 'chat' for supervised fine-tuning)")
+            raise ConfigError(f"train.objective = {cfg.train.objective!r} trains on prompt/chosen/rejected pairs: set "
+                              "data.name = 'preference' and data.path to their JSONL file")
 
 
 @keys("train")

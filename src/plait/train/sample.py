@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from plait.data import DataBundle
 from plait.data.chat import sample_turn
+from plait.data.preference import preference_turn
 from plait.finetune import merge_lora
 from plait.models import build_model
 from plait.models.protocols import GeneratingModel, is_transformers_model
@@ -44,7 +45,7 @@ def generate_sample(strategy, bundle: DataBundle, cfg, rt) -> str | None:
     module = merge_lora(module).to(rt.device).eval()
     tok, device = bundle.tokenizer, rt.device
     own = cfg.train.sample_prompt if cfg.train.sample_prompt != SAMPLE_PROMPT else None
-    text, eos = sample_turn(cfg.data, own) or (cfg.train.sample_prompt, "")
+    text, eos = sample_turn(cfg.data, own) or preference_turn(cfg.data, own) or (cfg.train.sample_prompt, "")
     prompt = torch.tensor(tok.encode(text).astype("int64"), device=device)[None]
     g = torch.Generator(device=device).manual_seed(cfg.train.seed)
     with torch.no_grad():
