@@ -24,30 +24,35 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.data.tokenizer import CharTokenizer
-from plait.serve.engine.build import build_engine
+from plait.models.gpt import GPT
+from plait.serve.engine.build import EngineOptions, build_engine
 from plait.serve.engine.core import Engine, EngineConfig, SamplingParams, TokenEvent
 from plait.serve.engine.tp import TensorParallelGroup
 from plait.serve.errors import RequestError, ServeError
 from plait.serve.executor.batcher import Batcher, BatchPolicy, Pending, QueueFull
 from plait.serve.executor.runner import LocalExecutor, Runner
-from plait.serve.executor.tasks import Executor, Generate, GenerateOutput, GenRow, Infer, InferOutput, Result, RowFailed, Task
+from plait.serve.executor.sequences import Completion, EngineSequences, picklable, settle
+from plait.serve.executor.tasks import (
+    Complete,
+    Executor,
+    Generate,
+    GenerateOutput,
+    GenRow,
+    Infer,
+    InferOutput,
+    Result,
+    RowFailed,
+    Task,
+)
 from plait.serve.fleet.autoscale import AutoscaleConfig, Autoscaler
 from plait.serve.fleet.pipeline import PipelineExecutor
 from plait.serve.fleet.replicas import ReplicaPool
+from plait.serve.fleet.router import ROUTES
 from plait.serve.metrics import Metrics
 from plait.serve.model.device import serve_device, torch_device
 from plait.serve.model.load import ModelRef, ServedModel, check_name, load_model
 from plait.serve.model.quantize import QUANTIZE_CHOICES
 from plait.serve.model.signature import request_items
-
-
-@dataclass
-class Completion:
-    """What the engine generated for one sequence: its token events, why it ended, the prompt's token count."""
-
-    events: list[TokenEvent]
-    finish_reason: str  # "stop" (a stop token or string), "length" (max_tokens) or "abort"
-    prompt_tokens: int
 
 
 @dataclass
@@ -93,6 +98,7 @@ class ServeOptions:
     lora: tuple[str, ...] = ()  # "name=RUN_DIR_OR_ADAPTERS_FILE": LoRA adapters over the served model, by request
     tp: int = 1  # tensor-parallel generation over this many processes (plait.serve.engine.tp)
     max_model_len: int = 0  # the most tokens (prompt and output) of one OpenAI request's sequence; 0: the model's context
+    route: str = "prefix"  # --replicas: which replica's engine gets a sequence (plait.serve.fleet.router.ROUTES)
 
     def threads_per(self, processes: int, in_process: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes (one core stays with the HTTP event loop
@@ -121,8 +127,9 @@ class ServeOptions:
         if self.replicas > 1 and self.pp > 1:
             raise ServeError(f"--replicas {self.replicas} and --pp {self.pp} cannot be combined yet; "
                              "use replicas of a whole model or one pipeline")
-        if self.scheduler not in SCHEDULERS:
-            raise ServeError(f"--scheduler {self.scheduler!r} is not one of: {', '.join(SCHEDULERS)}")
+        for flag, value, choices in (("--scheduler", self.scheduler, SCHEDULERS), ("--route", self.route, ROUTES)):
+            if value not in choices:
+                raise ServeError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
         try:
             self.engine_config.validate()
         except ValueError as e:
@@ -218,9 +225,12 @@ class Service:
         # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
-        # Continuous batching (plait.serve.engine.core) for a language model in this process; replicas, pipeline stages
-        # and --scheduler static generate whole batches through the batcher (plait.serve.executor.generate).
+        # Continuous batching (plait.serve.engine.core) for a language model in this process, or in each replica
+        # (remote_engine); pipeline stages, --autoscale and --scheduler static generate whole batches through the
+        # batcher (plait.serve.executor.generate).
         self.engine: Engine | None = None
+        self.remote_engine = isinstance(self.executor, ReplicaPool) and self.executor.engine is not None
+        self._grammar_engine: Engine | None = None  # --replicas: for grammars that do not pickle (_sequences_for)
         self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
         self.tp_group: TensorParallelGroup | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
@@ -241,8 +251,11 @@ class Service:
                                self.opts.threads_per(cfg.max_replicas), device=self.device,
                                autoscale_min=cfg.min_replicas, on_cold_start=self._cold_start)
         if self.opts.replicas > 1:  # each process loads and moves its own copy; this one's stays on the host (metadata)
-            return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts,
-                               self.opts.threads_per(self.opts.replicas), device=self.device)
+            threads = self.opts.threads_per(self.opts.replicas)
+            engine = EngineOptions.of(self.opts, threads).to_dict() if (
+                self.opts.scheduler == "continuous" and self.served.can_generate) else None
+            return ReplicaPool(self.ref, self.opts.replicas, pad_to, self.metrics.replica_restarts, threads,
+                               device=self.device, engine=engine, route=self.opts.route)
         return LocalExecutor(Runner(self.served, pad_to, torch_device(self.device)))
 
     def _cold_start(self, index: int, split: dict) -> None:
@@ -283,6 +296,8 @@ class Service:
         self.batcher.start()
         self.metrics.queue_depth.set_function(lambda: self.batcher.depth if self.batcher else 0)
         pool = self.executor
+        if isinstance(pool, ReplicaPool) and pool.engine is not None:
+            pool.watch_engines(self.metrics.registry)
         if isinstance(pool, ReplicaPool):  # replica counts (and the autoscaler) belong to a pool alone
             self.metrics.replicas.set_function(lambda: pool.live_count)
             self.metrics.replicas_desired.set(pool.target)
@@ -303,8 +318,9 @@ class Service:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         await self.executor.stop()
-        if self.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        for engine in (self.engine, self._grammar_engine):
+            if engine is not None:
+                await asyncio.get_running_loop().run_in_executor(None, engine.stop)
         if self.tp_group is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.tp_group.close)
         self.codec.shutdown(wait=False)
@@ -371,7 +387,7 @@ class Service:
             raise RequestError(400, f"the prompt ({len(row.prompt)} tokens) and max_new_tokens ({row.max_new_tokens}) "
                                     f"exceed the model's context of {self.served.context} positions, which a LoRA "
                                     "adapter's requests must fit")
-        if self.engine is not None and self.engine_fits(len(row.prompt), row.max_new_tokens):
+        if (self.engine is not None or self.remote_engine) and self.engine_fits(len(row.prompt), row.max_new_tokens):
             params = SamplingParams(row.max_new_tokens, row.temperature, row.top_k, 1.0, row.seed)
             emit = None if on_token is None else (lambda ev: on_token(ev.index, ev.token))
             done = await self.complete(row.prompt, params, arrived, emit, adapter=adapter)
@@ -387,21 +403,21 @@ class Service:
         raise RequestError(404, f"unknown model '{model[:200]}'; this server serves: {', '.join([self.name, *self.adapters])}")
 
     def engine_fits(self, prompt_tokens: int, max_tokens: int) -> bool:
-        assert self.engine is not None
-        return self.engine.max_length is None or prompt_tokens + max_tokens <= self.engine.max_length
+        """Whether the engine's positions hold such a sequence (learned ones end at a gpt's context; rotary do not)."""
+        limit = self.served.context if isinstance(self.served.module, GPT) else None  # Engine.max_length, here or in a replica
+        return limit is None or prompt_tokens + max_tokens <= limit
 
     async def complete(self, prompt: list[int], params: SamplingParams, arrived: float,
                        on_event: Callable[[TokenEvent], None] | None = None,
                        stop: Callable[[list[TokenEvent]], bool] | None = None, adapter: int = 0) -> Completion:
-        """One sequence through the engine: its token events (on_event(event) as each comes, on the event loop) and
-        why it ended. `stop(events)`, asked after each token, ends it early (a stop string: finish reason "stop")."""
-        engine = self.engine
-        if engine is None:
-            raise RequestError(400, "this server generates with --scheduler static (or replicas, pipeline stages): "
-                                    "the OpenAI endpoints need the continuous-batching engine; serve the model in "
-                                    "one process without --scheduler static")
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Future = loop.create_future()
+        """One sequence through the engine, here or in a replica: its token events (on_event(event) as each comes, on
+        the event loop) and why it ended. `stop(events)`, asked after each token, ends it early (a stop string:
+        finish reason "stop")."""
+        if self.engine is None and not self.remote_engine:
+            raise RequestError(400, "this server generates with --scheduler static (or pipeline stages, --autoscale): "
+                                    "the OpenAI endpoints need the continuous-batching engine; serve the model in one "
+                                    "process or with --replicas, without --scheduler static")
+        finished: asyncio.Future = asyncio.get_running_loop().create_future()  # (finish reason, why)
         events: list[TokenEvent] = []
         m = self.metrics
         last = [arrived]
@@ -417,44 +433,46 @@ class Service:
             if on_event is not None:
                 on_event(ev)
             if stop is not None and stop(events):
-                handle.cancel("stop")
-                finished.set_result("stop")
+                cancel()
+                finished.set_result(("stop", ""))
 
-        def done(reason: str) -> None:
-            if not finished.done():
-                finished.set_result(reason)
-
-        try:
-            def on_token(ev: TokenEvent) -> None:  # on the engine's thread
-                loop.call_soon_threadsafe(token, ev)
-
-            def on_done(reason: str) -> None:
-                loop.call_soon_threadsafe(done, reason)
-
-            handle = engine.submit(prompt, params, on_token, on_done, adapter)
-        except ValueError as e:
-            raise RequestError(400, str(e)) from None
+        job = asyncio.ensure_future(self._sequences_for(params).run(Complete(tuple(prompt), params, adapter), token))
+        job.add_done_callback(lambda job: settle(job, finished))
+        cancel = job.cancel  # the engine drops the sequence, here or in its replica
         left = self.opts.timeout_ms / 1000 - (time.perf_counter() - arrived)
         self.ongoing += 1
         self._ongoing_peak = max(self._ongoing_peak, self.ongoing)
         try:
-            reason = await asyncio.wait_for(asyncio.shield(finished), max(left, 0.0))
+            reason, why = await asyncio.wait_for(asyncio.shield(finished), max(left, 0.0))
         except TimeoutError:
-            handle.cancel()
+            cancel()
             m.rejected.labels("timeout").inc()
             raise RequestError(504, f"the request did not finish within --timeout-ms {self.opts.timeout_ms:g}; "
                                     "its work was dropped") from None
         except asyncio.CancelledError:  # the client went away
-            handle.cancel()
+            cancel()
             raise
         finally:
             self.ongoing -= 1
         if reason == "error":
-            raise RequestError(500, f"generation failed in the engine: {type(engine.error).__name__}: {engine.error}")
+            raise RequestError(500, f"generation failed in the engine: {why}")
+        if reason == "invalid":  # the engine refused it (engine.submit's ValueError, here or in a replica)
+            raise RequestError(400, why)
         if reason.startswith("failed: "):  # this request alone: the others in the batch go on
             raise RequestError(400, f"generation failed for this request's sampling parameters (temperature, top_k, "
                                     f"top_p): {reason[len('failed: '):]}")
         return Completion(events, reason, len(prompt))
+
+    def _sequences_for(self, params: SamplingParams) -> EngineSequences | Executor:
+        """Where a sequence runs: this process's engine, or a replica's (a Complete task for the pool). A grammar
+        (structured output) that does not pickle cannot cross the pipe: its sequences run on an engine built here
+        on first need (this process holds a copy of the weights on the host already)."""
+        if self.engine is not None or params.grammar is None or picklable(params.grammar):
+            return self.executor if self.engine is None else EngineSequences(self.engine)
+        if self._grammar_engine is None:
+            self._grammar_engine, _, _ = build_engine(self.served, self.ref, self.opts, torch_device("cpu"))
+            self._grammar_engine.start()
+        return EngineSequences(self._grammar_engine)
 
     async def _run_batch(self, batch: list[Pending]) -> None:
         task = type(batch[0].payload).merge([p.payload for p in batch])

@@ -1,22 +1,63 @@
 """The continuous-batching engine of one served language model, built from `plait serve`'s options: its draft
-model (--draft), its LoRA adapters (--lora) and its tensor-parallel ranks (--tp), each checked first."""
+model (--draft), its LoRA adapters (--lora) and its tensor-parallel ranks (--tp), each checked first.
+
+The server's process builds it from its ServeOptions; a replica process (plait.serve.fleet.replica_worker) from
+`EngineOptions`, the part of them an engine reads, which crosses the pipe as a plain dict."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from plait.errors import ConfigError
 from plait.models.protocols import check_tensor_parallel
 from plait.serve.engine.adapters import install_adapters, load_adapter
-from plait.serve.engine.core import Engine
+from plait.serve.engine.core import Engine, EngineConfig
 from plait.serve.engine.tp import TensorParallelGroup, shard
 from plait.serve.errors import ServeError
 from plait.serve.model.load import DECODERS, ModelRef, ServedModel, load_model
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What `build_engine` reads of `plait serve`'s options, for a process that has no ServeOptions (a replica)."""
+
+    engine_config: EngineConfig
+    threads: int  # torch threads of the engine's step
+    draft: str | None = None
+    num_speculative_tokens: int = 4
+    lora: tuple[str, ...] = ()
+    tp: int = 1
+    trust_checkpoint: bool = False
+
+    @classmethod
+    def of(cls, opts, threads: int) -> EngineOptions:
+        """From a ServeOptions (any object with its fields), for an engine stepping on `threads` threads."""
+        return cls(opts.engine_config, threads, opts.draft, opts.num_speculative_tokens, tuple(opts.lora), opts.tp,
+                   opts.trust_checkpoint)
+
+    def to_dict(self) -> dict:
+        """Plain values only: a replica unpickles its arguments before torch is imported (fleet.coldstart)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineOptions:
+        return cls(**(d | {"engine_config": EngineConfig(**d["engine_config"]), "lora": tuple(d["lora"])}))
+
+    @property
+    def block_size(self) -> int:
+        return self.engine_config.block_size
+
+    def threads_per(self, processes: int, in_process: bool = False) -> int:
+        return self.threads
+
+
 def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
                  ) -> tuple[Engine, list[str], TensorParallelGroup | None]:
-    """(the engine, the --lora names in adapter order, the tensor-parallel group or None); `opts` a ServeOptions."""
+    """(the engine, the --lora names in adapter order, the tensor-parallel group or None); `opts` a ServeOptions or
+    an EngineOptions."""
     draft = _draft(served, opts, device) if opts.draft is not None else None
     router, names = None, []
     if opts.lora:

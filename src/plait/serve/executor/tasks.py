@@ -6,16 +6,19 @@ task's type, and the same objects cross a pipe to a replica process unchanged (t
 
     Infer(inputs)            -> InferOutput(outputs)     rows of one input, stacked; {output name: array}
     Generate(rows)           -> GenerateOutput(tokens)   one GenRow per request; new token ids (or RowFailed) per row
+    Complete(prompt, params) -> CompleteOutput(reason)   one sequence through a replica's engine (never batched here:
+                                                         the engine batches every step)
 
 Streaming and cancellation are not part of a task (callbacks do not cross processes): `run` takes
 `on_event(row, position, token)` and `cancelled(row)` beside it, and a replica pool turns them into
-the pipe messages below. Every executor satisfies `Executor`.
+the pipe messages below. A Complete's `on_event` takes the engine's TokenEvent instead, and it is cancelled by
+cancelling the `run` that awaits it (the pool then sends Cancel(task_id, (0,))). Every executor satisfies `Executor`.
 
 Replica pipe messages (plait.serve.fleet.replicas <-> plait.serve.fleet.replica_worker):
 
     server -> replica   Submit(task_id, task), Cancel(task_id, rows), None (stop after the tasks it has)
-    replica -> server   Ready(pid, cold_start), LoadFailed(traceback), Token(task_id, row, position, token),
-                        Done(task_id, result), Failed(task_id, message)
+    replica -> server   Ready(pid, cold_start), LoadFailed(traceback), Token(task_id, row, position, token, event),
+                        Done(task_id, result), Failed(task_id, message), Stats(engine)
 
 Nothing here imports torch: a replica's cold start is measured from its first line (plait.serve.fleet.coldstart).
 """
@@ -24,9 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch comes with them; a replica unpickles these only after its imports are timed
+    from plait.serve.engine.core import TokenEvent
+    from plait.serve.engine.sampling import SamplingParams
 
 Emit = Callable[[int, int, int], None]  # (row, position, token)
 Cancelled = Callable[[int], bool]  # row -> whether its request was given up
@@ -82,7 +89,18 @@ class Generate:
         return Generate(tuple(row for p in parts for row in p.rows))
 
 
-Task = Infer | Generate
+@dataclass(frozen=True)
+class Complete:
+    """One sequence for a replica's continuous-batching engine (plait.serve.engine.core): its TokenEvents stream back
+    as Token messages, its finish reason comes in a CompleteOutput. `params.grammar`, when set, must pickle."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    adapter: int = 0  # 0: the served model; i: the i-th --lora adapter
+    kind: ClassVar[str] = "complete"
+
+
+Task = Infer | Generate | Complete
 
 
 # ------------------------------------------------------------------ results
@@ -98,7 +116,16 @@ class GenerateOutput:
     tokens: list[list[int] | RowFailed]  # per row, in the task's order
 
 
-Result = InferOutput | GenerateOutput
+@dataclass(frozen=True)
+class CompleteOutput:
+    """How a Complete ended: the engine's reason ("stop", "length", "abort", "failed: why" for this sequence's
+    sampling, "error" when the engine's step failed) or "invalid" (the engine refused it); `message` says why."""
+
+    finish_reason: str
+    message: str = ""
+
+
+Result = InferOutput | GenerateOutput | CompleteOutput
 
 
 @runtime_checkable
@@ -150,6 +177,7 @@ class Token:
     row: int
     position: int
     token: int
+    event: TokenEvent | None = None  # a Complete's: the engine's event (log-probabilities included)
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,3 +190,11 @@ class Done:
 class Failed:
     task_id: int
     message: str  # "ExceptionType: message"
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A replica engine's counters, sent after each sequence it finishes (and once before Ready): what the router
+    bounds its prefix memory by and what /metrics adds up over the replicas."""
+
+    engine: dict  # running, waiting, preemptions, blocks_used, blocks, hit_tokens, query_tokens, generated, finished

@@ -18,6 +18,14 @@ generation loop drops the rows at its next token (plait.serve.executor.generate)
 
 --device cuda: each replica loads the weights on the host and its runner moves them to GPU
 `index mod GPUs` (plait.serve.model.device); replicas on one GPU share it, each with its own copy.
+
+A language model's replicas run the continuous-batching engine (`engine`: EngineOptions.to_dict()): each sequence
+of the OpenAI endpoints is a Complete task of its own, sent at once (no batcher: each engine batches every step) to
+the replica the router picks (plait.serve.fleet.router: the longest cached prefix, else the least loaded). Its
+TokenEvents stream back as Token messages; cancelling the `run` that awaits it sends Cancel to the replica. A
+replica that dies takes its sequences' streams with it: one that had streamed nothing yet goes to another replica,
+the others end with a 503. Each replica reports its engine's counters (Stats) after every sequence; `engine_totals`
+adds them up for /metrics.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prometheus_client import Gauge
+
 from plait.procs import CONTEXT, spawn
 from plait.serve.errors import RequestError, ServeError
 from plait.serve.executor.tasks import (
     Cancel,
     Cancelled,
+    Complete,
     Done,
     Emit,
     Failed,
@@ -43,11 +54,13 @@ from plait.serve.executor.tasks import (
     LoadFailed,
     Ready,
     Result,
+    Stats,
     Submit,
     Task,
     Token,
 )
 from plait.serve.fleet.coldstart import replica_entry
+from plait.serve.fleet.router import PrefixRouter
 from plait.serve.model.load import ModelRef
 
 ATTEMPTS = 2  # a batch whose replica crashes is retried once
@@ -64,6 +77,7 @@ class _Task:
     attempts: int = 0
     replica: Any = None  # the replica running it now
     cancelled_rows: set = field(default_factory=set)  # rows given up (sent to whichever replica runs it)
+    streamed: int = 0  # a Complete's tokens passed on (one that streamed some cannot start again elsewhere)
 
 
 @dataclass(eq=False)
@@ -76,6 +90,7 @@ class _Replica:
     retiring: bool = False  # told to stop by the autoscaler: finishes what it has, then exits (not restarted)
     inflight: dict[int, _Task] = field(default_factory=dict)
     started: asyncio.Future | None = None
+    stats: dict = field(default_factory=dict)  # its engine's latest counters (a Stats message)
 
 
 class ReplicaPool:
@@ -83,10 +98,16 @@ class ReplicaPool:
 
     def __init__(self, ref: ModelRef, n: int, pad_to: int | None, restart_counter=None, threads: int = 1,
                  start_timeout_s: float = 180.0, device: str = "cpu", autoscale_min: int | None = None,
-                 on_cold_start=None):
+                 on_cold_start=None, engine: dict | None = None, route: str = "prefix"):
         """`autoscale_min`: autoscaling between it and n (the slots); replicas come and go by `scale_to`, and a
-        batch waits in the pool until a replica is free (a replica that starts takes the waiting ones)."""
+        batch waits in the pool until a replica is free (a replica that starts takes the waiting ones).
+        `engine`: each replica runs the continuous-batching engine with these options (EngineOptions.to_dict()),
+        and Complete tasks go to the replica `route` picks (plait.serve.fleet.router.ROUTES)."""
+        if engine is not None and autoscale_min is not None:
+            raise ServeError("replicas that run the engine are not autoscaled in this version of plait")
         self.ref, self.n, self.pad_to, self.threads, self.device = ref, n, pad_to, threads, device
+        self.engine = engine
+        self.router = PrefixRouter(engine["engine_config"]["block_size"], route) if engine is not None else None
         self.capacity = n
         self.autoscale = autoscale_min is not None
         self.target = n if autoscale_min is None else autoscale_min  # replicas wanted (running or starting)
@@ -103,13 +124,14 @@ class ReplicaPool:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._past = {"hit_tokens": 0, "query_tokens": 0, "generated": 0}  # replicas that died: their engines' counts
 
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, index: int, first: bool = False) -> _Replica:
         parent, child = CONTEXT.Pipe()
         # OMP_NUM_THREADS is read by the child's OpenMP before torch is imported.
-        args = (child, asdict(self.ref), self.pad_to, self.threads, self.device, index, time.time())
+        args = (child, asdict(self.ref), self.pad_to, self.threads, self.device, index, time.time(), self.engine)
         proc = spawn(replica_entry, args, name=f"plait-replica-{index}", env=WORKER_ENV)
         child.close()  # so that the child's death is end-of-file here
         assert self._loop is not None
@@ -186,6 +208,32 @@ class ReplicaPool:
         return [[(t.task.kind, t.attempts) for t in list(r.inflight.values())] if r is not None else []
                 for r in self._replicas]
 
+    def engine_stats(self) -> list[dict]:
+        """Per replica slot: its engine's latest counters ({} where none came yet, or the replica died)."""
+        return [dict(r.stats) if r is not None else {} for r in self._replicas]
+
+    def engine_totals(self) -> dict:
+        """The replicas' engines added up: sequences, blocks, generated tokens, and the prefix cache's hit rate over
+        every replica's lookups (prompt tokens found / looked up; a dead replica's lookups still count)."""
+        stats = [r.stats for r in self._replicas if r is not None and r.stats]
+        total = {k: sum(s.get(k, 0) for s in stats) for k in ("running", "waiting", "preemptions", "blocks_used",
+                                                               "blocks", "hit_tokens", "query_tokens", "generated")}
+        for key, value in self._past.items():
+            total[key] += value
+        total["prefix_hit_rate"] = total["hit_tokens"] / total["query_tokens"] if total["query_tokens"] else 0.0
+        return total
+
+    def watch_engines(self, registry) -> None:
+        """The engine gauges of /metrics (plait.serve.metrics.Metrics.watch_engine's names), over every replica."""
+        for name, doc, key in (
+                ("plait_sequences_running", "sequences in the replicas' engines' batches", "running"),
+                ("plait_sequences_waiting", "sequences waiting for a replica engine's batch", "waiting"),
+                ("plait_sequences_preempted", "preemptions so far, all replicas", "preemptions"),
+                ("plait_kv_blocks_used", "KV-cache blocks held by sequences, all replicas", "blocks_used"),
+                ("plait_prefix_cache_hit_rate", "prompt tokens found in the prefix caches / prompt tokens looked up, "
+                 "all replicas", "prefix_hit_rate")):
+            Gauge(name, doc, registry=registry).set_function(lambda key=key: self.engine_totals()[key])
+
     async def stop(self) -> None:
         self._stopping = True
         for r in self._replicas:
@@ -231,6 +279,8 @@ class ReplicaPool:
         except asyncio.CancelledError:  # given up (every request of the batch): if it still waits, it is never sent
             if t in self._waiting:
                 self._waiting.remove(t)
+            elif isinstance(task, Complete):  # the client left (or a stop string came): the engine drops the sequence
+                self._send_cancel(t, {0})
             raise
 
     async def _watch(self, t: _Task, cancelled: Cancelled, rows: int) -> None:
@@ -259,7 +309,11 @@ class ReplicaPool:
             if self.autoscale and self.live_count == 0 and self.on_no_replica is not None:
                 self.on_no_replica()
             return
-        r = min(live, key=lambda r: (len(r.inflight), r.index))  # least loaded
+        if isinstance(t.task, Complete) and self.router is not None:
+            route = self.router.choose(t.task.prompt, t.task.adapter or None, {x.index: len(x.inflight) for x in live})
+            r = next(x for x in live if x.index == route.replica)
+        else:
+            r = min(live, key=lambda r: (len(r.inflight), r.index))  # least loaded
         t.attempts += 1
         t.replica = r
         r.inflight[t.id] = t
@@ -270,16 +324,25 @@ class ReplicaPool:
         if t.cancelled_rows:  # a retried batch: the new replica hears what was given up
             self._send_cancel(t, t.cancelled_rows)
 
-    def _on_message(self, r: _Replica, msg: Ready | LoadFailed | Token | Done | Failed) -> None:
+    def _on_message(self, r: _Replica, msg: Ready | LoadFailed | Token | Done | Failed | Stats) -> None:
         match msg:
             case Ready(pid=pid, cold_start=split):
                 self._on_ready(r, pid, split)
             case LoadFailed(traceback=tb):
                 self._on_load_failed(r, tb)
-            case Token(task_id=task_id, row=row, position=pos, token=tok):
+            case Token(task_id=task_id, row=row, position=pos, token=tok, event=event):
                 t = r.inflight.get(task_id)
-                if t is not None and t.on_event is not None:
+                if t is None or t.on_event is None or t.future.done():  # (a cancelled sequence's last tokens)
+                    return
+                if event is not None:  # a Complete's: the engine's TokenEvent
+                    t.streamed += 1
+                    t.on_event(event)
+                else:
                     t.on_event(row, pos, tok)
+            case Stats(engine=stats):
+                r.stats = stats
+                if self.router is not None:
+                    self.router.set_capacity(r.index, stats["blocks"])
             case Done(task_id=task_id, result=result):
                 self._settle(r, task_id, lambda f: f.set_result(result))
             case Failed(task_id=task_id, message=message):
@@ -325,6 +388,11 @@ class ReplicaPool:
             return
         code = r.proc.exitcode
         lost, r.inflight = list(r.inflight.values()), {}
+        if self.router is not None:  # its cache died with it
+            self.router.forget(r.index)
+        for key in self._past:  # its engine's prefix-cache counts stay in the totals
+            self._past[key] += r.stats.get(key, 0)
+        r.stats = {}
         if r.started is not None and not r.started.done():
             r.started.set_exception(ServeError(f"replica {r.index} exited with code {code} while loading the model"))
         if self.autoscale and (r.retiring or not r.was_live):  # its slot is free; the target may want it back
@@ -344,13 +412,19 @@ class ReplicaPool:
             self.restarts += 1
             if self._counter is not None:
                 self._counter.inc()
-            print(f"replica {r.index} (pid {r.proc.pid}) exited with code {code}; restarting it ({len(lost)} request(s) "
-                  f"in flight go to another replica)", file=sys.stderr, flush=True)
+            streams = sum(1 for t in lost if t.streamed)
+            print(f"replica {r.index} (pid {r.proc.pid}) exited with code {code}; restarting it ({len(lost) - streams} "
+                  f"request(s) in flight go to another replica" + (f", {streams} stream(s) end with an error" if streams
+                                                                    else "") + ")", file=sys.stderr, flush=True)
             self._spawn(r.index)
         for t in lost:
             if t.future.done():
                 continue
-            if t.attempts < ATTEMPTS:
+            if t.streamed:  # its client has tokens already: another replica would send them again
+                t.future.set_exception(RequestError(
+                    503, f"replica {r.index} (pid {r.proc.pid}) died with exit code {code} after streaming {t.streamed} "
+                         f"token(s) of this sequence; it cannot go on elsewhere without repeating them: send it again"))
+            elif t.attempts < ATTEMPTS:
                 self._dispatch(t)
             else:
                 t.future.set_exception(RequestError(
