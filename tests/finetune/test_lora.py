@@ -74,6 +74,30 @@ def test_merge_unmerge_and_the_plain_model_it_becomes():
         apply_lora(nn.Sequential(nn.Linear(2, 2)), 2, 4, ["*attn*"])
 
 
+def test_base_model_leaves_every_adapter_out_and_puts_it_back():
+    """plait.finetune.base_model (peft's disable_adapter()): preference tuning's reference is the base model, with
+    trained adapters (B != 0) left out, a merged layer unmerged for the while, bottleneck adapters too."""
+    from plait.finetune import apply_adapters, base_model
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    base = copy.deepcopy(model)
+    apply_lora(model, rank=2, alpha=4, targets=["0", "2"])
+    apply_adapters(model, 4, ["4"])
+    for layer in (model[0], model[2]):
+        nn.init.normal_(layer.lora_B)
+    nn.init.normal_(model[4].adapter_up.weight)
+    model[2].merge()
+    x = torch.randn(5, 8)
+    tuned = model(x)
+    assert (tuned - base(x)).abs().max() > 0.1
+    with base_model(model):
+        torch.testing.assert_close(model(x), base(x), rtol=0, atol=1e-6)
+        assert not model[2].merged
+    torch.testing.assert_close(model(x), tuned, rtol=0, atol=1e-6)
+    assert model[2].merged
+
+
 def test_tied_targets_and_unsupported_layouts_are_refused(tiny_text):
     with pytest.raises(ConfigError, match="shared with .*tok_emb.weight.*tied embeddings"):
         check_job(load_config(None, gpt(tiny_text, "finetune.lora_rank=2", "finetune.lora_targets=['head']")))

@@ -161,12 +161,15 @@ def preference_source(data_cfg, model_cfg) -> DataBundle:
                         f"{dropped} with a prompt of model.context = {model_cfg.context} tokens or more) are too few to "
                         "hold out a validation set")
     width = max(len(c) + len(r) - 2 for c, r, _ in train_pairs + val_pairs)
-    train, val = pair_rows(train_pairs, width), pair_rows(val_pairs, width)
+    train, val = Tensors(*pair_rows(train_pairs, width)), Tensors(*pair_rows(val_pairs, width))
+    # each row's pair in the file (its line among the pairs), as split_tensors records it
+    train.source_index = torch.tensor([i for i, e in enumerate(encoded) if e is not None and i not in held_out])
+    val.source_index = torch.tensor([i for i in sorted(held_out) if encoded[i] is not None])
     spec = DataSpec(name="preference", task="lm", input_shape=[width], vocab_size=tok.vocab_size,
                     tokens_per_sample=width, packed=True, preference=True)
     stats = {"pairs": len(pairs), "truncated": truncated, "dropped": dropped, "limit_tokens": limit,
-             "rows": {"train": len(train[0]), "val": len(val[0])}}
-    return DataBundle(Tensors(*train), Tensors(*val), spec, tok, stats=stats)
+             "rows": {"train": len(train), "val": len(val)}}
+    return DataBundle(train, val, spec, tok, stats=stats)
 
 
 def preference_turn(data_cfg, prompt: str | None) -> tuple[str, str] | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plait.report.bottleneck import breakdown
 from plait.report.bottleneck import html as bottleneck_html
-from plait.report.plots import expert_load, freeze_points, loss_curve, step_time_breakdown, training_curves
+from plait.report.plots import expert_load, freeze_points, loss_curve, preference_rewards, step_time_breakdown, training_curves
 from plait.report.runfiles import read_metrics
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:64em;color:#222}
@@ -159,6 +159,7 @@ def write_report(run_dir: str | Path) -> Path:
         step_time_breakdown(metrics, run_dir / "step_time.png", summary.get("pipeline", {}).get("bubble_fraction", 0.0)),
         expert_load(metrics, run_dir / "expert_load.png"),
         freeze_points(metrics, run_dir / "freeze.png"),
+        preference_rewards(metrics, run_dir / "preference.png"),
     ]
     plots += [run_dir / name for name in ("pipeline.png",) if (run_dir / name).is_file()]
     imgs = "\n".join(f'<img src="{p.name}" alt="{p.stem}">' for p in plots if p is not None)

@@ -122,6 +122,36 @@ def expert_load(metrics: list[dict], out: Path, max_layers: int = 4) -> Path | N
     return out
 
 
+def preference_rewards(metrics: list[dict], out: Path) -> Path | None:
+    """Preference tuning (train.objective = dpo, ipo, simpo): the implicit rewards of the chosen and rejected
+    completions and their margin over the steps (training windows; validation as points), and the share of pairs
+    ranked right on a second axis."""
+    rows = [m for m in metrics if "reward_margin" in m]
+    if not rows:
+        return None
+    steps = [m["step"] for m in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [m["reward_margin"] for m in rows], lw=2, c="C0", label="margin (chosen - rejected)")
+    ax.plot(steps, [m["reward_chosen"] for m in rows], lw=1, c="C2", label="chosen reward")
+    ax.plot(steps, [m["reward_rejected"] for m in rows], lw=1, c="C3", label="rejected reward")
+    val = [(m["step"], m["val_reward_margin"]) for m in metrics if "val_reward_margin" in m]
+    if val:
+        ax.plot(*zip(*val), "o", c="C0", ms=6, label="validation margin")
+    ax.axhline(0, c="gray", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("implicit reward")
+    ax.grid(alpha=0.3)
+    acc = ax.twinx()
+    acc.plot(steps, [m["reward_accuracy"] for m in rows], ls="--", c="C1", lw=1, label="pairs ranked right")
+    acc.set_ylim(0, 1.05)
+    acc.set_ylabel("share of pairs ranked right", color="C1")
+    lines = ax.get_lines() + acc.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
+    ax.set_title("preference tuning: the rewards of chosen and rejected completions")
+    save(fig, out)
+    return out
+
+
 def training_curves(metrics: list[dict], out: Path) -> Path | None:
     """Four panels over the steps: train and validation loss, learning rate, gradient norm, throughput."""
     rows = [m for m in metrics if "loss" in m and "step" in m]

@@ -28,6 +28,7 @@ a resumed run computes them again from the same initial weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -128,25 +129,25 @@ class PreferenceLoss(Callback):
 
 
 @torch.no_grad()
-def reference_logps(model, datasets: list, rt, autocast=None, chunk: int = CHUNK) -> None:
+def reference_logps(model, datasets: list, device: torch.device, rank: int = 0, world: int = 1, autocast=None,
+                    chunk: int = CHUNK) -> None:
     """Fill each pair's reference log-probabilities (targets[:, 2, :2]) from the model with its adapters left out.
 
-    Every rank calls it with the same plain model: rank k computes chunks k, k + world, ... of each split and one
-    all-reduce gives every rank all of them."""
+    Every rank of the world calls it with the same plain model: rank k computes chunks k, k + world, ... of each split
+    and one all-reduce over the world gives every rank all of them."""
     was = model.training
     model.eval()
-    world, rank = (rt.world_size, rt.rank) if rt.distributed else (1, 0)
     with base_model(model):
         for data in datasets:
-            found = torch.zeros(len(data), 2, dtype=torch.float64, device=rt.device)
+            found = torch.zeros(len(data), 2, dtype=torch.float64, device=device)
             for k, lo in enumerate(range(0, len(data), chunk)):
                 if k % world != rank:
                     continue
                 idx = torch.arange(lo, min(lo + chunk, len(data)))
                 x, y = data.fetch(idx)
-                with autocast() if autocast is not None else torch.autocast(rt.device.type, enabled=False):
-                    logits = model(x.to(rt.device))
-                found[idx.to(rt.device)] = sequence_logps(logits, y.to(rt.device))[0].double()
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    logits = model(x.to(device))
+                found[idx.to(device)] = sequence_logps(logits, y.to(device))[0].double()
             if world > 1:
                 dist.all_reduce(found)
             data.y[:, 2, :2] = found.cpu()
@@ -157,7 +158,9 @@ def preference_loss(cfg, model, bundle, rt) -> PreferenceLoss:
     """train.objective's loss; dpo and ipo first fill the reference log-probabilities of both splits (every rank)."""
     t = cfg.train
     if t.objective != "simpo":
-        reference_logps(model, [bundle.train, bundle.val], rt, Precision(cfg.precision.dtype, rt.device).autocast)
+        world = rt.world_size if rt.distributed else 1
+        reference_logps(model, [bundle.train, bundle.val], rt.device, rt.rank if world > 1 else 0, world,
+                        Precision(cfg.precision.dtype, rt.device).autocast)
     return PreferenceLoss(t.objective, t.dpo_beta, t.simpo_gamma, rt.axis_group("dp"), rt.group_size("dp"))
 
 
