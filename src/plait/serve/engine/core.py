@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from plait.models.gpt import GPT
-from plait.models.sampling import distribution, sample
+from plait.models.sampling import distribution, draw, sample
 from plait.serve.engine.adapters import LoRARouter
 from plait.serve.engine.paged import PagedCache, bytes_per_block
 from plait.serve.engine.sampling import Processors, SamplingParams
@@ -338,7 +338,7 @@ class Engine:
                     d, q = int(logits.argmax()), None
                 else:
                     q = distribution(logits, p.temperature, p.top_k, p.top_p)
-                    d = int(torch.multinomial(q, 1, generator=req.generator))
+                    d = int(draw(q, req.generator))
                 drafts[seq.id].append(d)
                 probs[seq.id].append(q)
         ids, chunks = [], []

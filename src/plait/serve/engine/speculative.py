@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.models.sampling import distribution, sample
+from plait.models.sampling import distribution, draw, sample
 
 
 def accept_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
@@ -51,7 +51,7 @@ def verify(target_logits: torch.Tensor, drafts: list[int], draft_probs: list[tor
         if float(torch.rand(1, generator=generator)) < accept_probability(p, q, d):
             out.append(d)
             continue
-        out.append(int(torch.multinomial(residual(p, q), 1, generator=generator)))
+        out.append(int(draw(residual(p, q), generator)))
         return out
     out.append(int(sample(target_logits[len(drafts)], temperature, top_k, generator, top_p)))
     return out
