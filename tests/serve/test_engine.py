@@ -411,3 +411,16 @@ def test_requests_for_different_adapters_share_a_batch_and_each_gets_its_merged_
             load_adapter("tied", tmp_path / "tied.safetensors", MODELS[name])
         assert str(e.value) == (f"--lora tied={tmp_path / 'tied.safetensors'}: head's weight is tied to tok_emb.weight; "
                                 "an adapter there would change both")
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    from plait.models.sampling import draw
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    got = draw(probs.expand(40_000, 5), g)[:, 0]
+    freq = torch.bincount(got, minlength=5).double() / 40_000
+    assert freq[1] == freq[4] == 0 and torch.allclose(freq, probs.double(), atol=0.01)  # 4 sigma of 40k draws
+    assert draw(torch.tensor([0.0, 0.0, 1e-30]), g).item() == 2  # tiny but positive: the only one it may draw
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(probs, g1).item() for _ in range(20)] == [draw(probs, g2).item() for _ in range(20)]
