@@ -21,6 +21,7 @@ MODULES = {
     "mlflow": ("mlflow", "MLflow tracking"), "wandb": ("wandb", "W&B tracking"),
     "transformers": ("hf", "Hugging Face models"), "tokenizers": ("hf", "Hugging Face tokenizers"),
     "pyarrow": ("table", "Parquet tables"), "optuna": ("tune", "plait tune (Optuna)"), "ray": ("ray", "Ray Train"),
+    "llguidance": ("structured", "structured output (llguidance)"),
 }
 
 

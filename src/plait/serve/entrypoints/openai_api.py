@@ -32,7 +32,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from plait.data.hf_tokenizer import HFTokenizer
 from plait.serve.engine.core import SamplingParams, TokenEvent
+from plait.serve.engine.grammar import Grammars
 from plait.serve.entrypoints.openai_request import (
     Ask,
     BadField,
@@ -41,6 +43,7 @@ from plait.serve.entrypoints.openai_request import (
     completion_prompts,
     max_model_len,
     parse,
+    structured,
 )
 from plait.serve.entrypoints.openai_text import Text, Tokens, chat_logprobs, completion_logprobs, decoder, kept
 from plait.serve.entrypoints.protocol import check_items, loads
@@ -92,10 +95,16 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
         return {"object": "list", "data": [base] + [base | {"id": name, "parent": service.name}
                                                     for name in service.adapters]}
 
+    grammars = grammars_of(service)
+
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
             body, adapter = await body_of(request)
-            ask = parse(service, body, chat, adapter)
+            if structured(body) is not None:  # a grammar compiles (and llguidance reads the tokenizer once) off the loop
+                ask = await asyncio.get_running_loop().run_in_executor(None, parse, service, body, chat, adapter,
+                                                                       grammars)
+            else:
+                ask = parse(service, body, chat, adapter)
         except Exception as e:
             return error_of(e)
         return await _answer(service, request.scope["state"]["arrived"], ask)
@@ -141,6 +150,14 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
             return JSONResponse({"prompt": service.served.tokenizer.decode(ids)})
         except Exception as e:
             return error_of(e)
+
+
+def grammars_of(service: Service) -> Grammars | None:
+    """The served model's grammars for structured output (None without a Hugging Face tokenizer)."""
+    tok = service.served.tokenizer
+    if not isinstance(tok, HFTokenizer):
+        return None
+    return Grammars(tok.to_json(), service.served.vocab_size, service.served.eos_ids)
 
 
 def _jobs(ask: Ask) -> list[tuple[int, int, list[int], SamplingParams]]:

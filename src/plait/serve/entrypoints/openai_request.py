@@ -26,7 +26,8 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per 
 MAX_MESSAGES, MAX_MESSAGE_CHARS = 1024, 1 << 20
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
           "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-          "stop_token_ids", "logit_bias", "skip_special_tokens", "return_tokens_as_token_ids"}
+          "stop_token_ids", "logit_bias", "skip_special_tokens", "return_tokens_as_token_ids", "response_format",
+          "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 PLAIN_TEMPLATE = "{role}: {content}\n"
@@ -245,11 +246,67 @@ def chat_prompt(service: Service, messages, **template_vars) -> list[int]:
     return _encode(service, text, "messages")
 
 
-def parse(service: Service, body: dict, chat: bool, adapter: int) -> Ask:
-    """The Ask of a decoded body (BadField naming what is wrong)."""
+def structured(body: dict) -> tuple[str, str, object] | None:
+    """(the field, the grammar's kind, its spec) of the request's structured output, or None: OpenAI's
+    response_format, vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice /
+    guided_grammar. One of them at most."""
+    given = [k for k in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar") if body.get(k) is not None]
+    if not given or given == ["response_format"] and body["response_format"] == {"type": "text"}:
+        return None
+    if len(given) > 1:
+        raise BadField(given[1], f"'{given[0]}' and '{given[1]}' both constrain the output; give one")
+    field, value = given[0], body[given[0]]
+    if field == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return field, "json_object", None
+        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise BadField(field, "'response_format' is {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return field, "json_schema", schema
+    if field == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1:
+            raise BadField(field, "'structured_outputs' holds one of json, regex, choice or grammar")
+        (key, value), = value.items()
+    else:
+        key = field.removeprefix("guided_")
+    kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+    ok = {"json": lambda v: isinstance(v, (dict, str)), "regex": lambda v: isinstance(v, str),
+          "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) for c in v),
+          "grammar": lambda v: isinstance(v, str)}
+    if key not in kinds or not ok[key](value):
+        raise BadField(field, f"'{field}': json takes a JSON schema, regex a string, choice a list of strings, grammar a "
+                              "Lark grammar's text")
+    if key == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadField(field, f"'{field}' is not a JSON schema (not JSON)") from None
+    return field, kinds[key], value
+
+
+def _with_grammar(params: SamplingParams, body: dict, grammars) -> SamplingParams:
+    wanted = structured(body)
+    if wanted is None:
+        return params
+    field, kind, spec = wanted
+    if grammars is None:
+        raise BadField(field, "structured output needs a model with a Hugging Face tokenizer (tokenizer.json)")
+    try:
+        return dataclasses.replace(params, grammar=grammars.factory(kind, spec))
+    except ValueError as e:  # GrammarError: the schema or regex does not compile, or llguidance is missing
+        raise BadField(field, str(e)) from None
+
+
+def parse(service: Service, body: dict, chat: bool, adapter: int, grammars=None) -> Ask:
+    """The Ask of a decoded body (BadField naming what is wrong); `grammars` compiles structured output's grammars
+    (plait.serve.engine.grammar.Grammars; None for a model without a Hugging Face tokenizer)."""
     extra: dict = {}
     prompts = [chat_prompt(service, body.get("messages"))] if chat else completion_prompts(service, body.get("prompt"))
     params, options = sampling(service, body, chat, max(len(p) for p in prompts))
+    params = _with_grammar(params, body, grammars)
     n = _number(body, "n", 1, 1, MAX_N, integer=True)
     best_of = n if chat else _number(body, "best_of", n, 1, MAX_N, integer=True)
     if best_of < n:
