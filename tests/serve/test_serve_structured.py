@@ -23,6 +23,9 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
 
 
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+
+
 @pytest.fixture(scope="module")
 def byte_llama(tmp_path_factory):
     """A LlamaForCausalLM with random weights and a byte-level BPE tokenizer (every string is some tokens)."""
@@ -37,7 +40,7 @@ def byte_llama(tmp_path_factory):
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       eos_token_id=tok.token_to_id("</s>"), bos_token_id=None, pad_token_id=None)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -94,7 +97,7 @@ def test_a_streamed_chat_with_a_schema_and_json_object(client):
 
 
 @pytest.mark.parametrize("extra, check", [
-    ({"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}}, lambda t: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t)),
+    ({"structured_outputs": {"regex": DATE}}, lambda t: re.fullmatch(DATE, t)),
     ({"guided_regex": r"(cat|dog)s? (sat|ran)"}, lambda t: re.fullmatch(r"(cat|dog)s? (sat|ran)", t)),
     ({"structured_outputs": {"choice": ["yes", "no", "maybe later"]}}, lambda t: t in ("yes", "no", "maybe later")),
     ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),

@@ -87,7 +87,7 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self.template, self.bos, self.eos = env.from_string(source), bos, eos
+        self.template, self.bos, self.eos, self.source = env.from_string(source), bos, eos, source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
         """The conversation as text; `variables` are what transformers' apply_chat_template passes on (tools=...)."""

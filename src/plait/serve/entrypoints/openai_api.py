@@ -47,6 +47,7 @@ from plait.serve.entrypoints.openai_request import (
 )
 from plait.serve.entrypoints.openai_text import Text, Tokens, chat_logprobs, completion_logprobs, decoder, kept
 from plait.serve.entrypoints.protocol import check_items, loads
+from plait.serve.entrypoints.tool_calls import Reply, whole
 from plait.serve.errors import RequestError
 from plait.serve.service import Completion, Service
 
@@ -100,7 +101,8 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
     async def endpoint(request: Request, chat: bool) -> Response:
         try:
             body, adapter = await body_of(request)
-            if structured(body) is not None:  # a grammar compiles (and llguidance reads the tokenizer once) off the loop
+            if structured(body) is not None or body.get("tools"):  # a grammar compiles off the loop (and llguidance
+                # reads the tokenizer there, once)
                 ask = await asyncio.get_running_loop().run_in_executor(None, parse, service, body, chat, adapter,
                                                                        grammars)
             else:
@@ -150,6 +152,13 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
             return JSONResponse({"prompt": service.served.tokenizer.decode(ids)})
         except Exception as e:
             return error_of(e)
+
+
+def _last(reply: Reply, text: str) -> tuple[str, list]:
+    """What a reply still holds at its end: the last text's content and calls, then what closing it gives."""
+    content, calls = reply.feed(text)
+    rest, more = reply.finish()
+    return content + rest, calls + more
 
 
 def grammars_of(service: Service) -> Grammars | None:
@@ -222,7 +231,13 @@ async def _answer(service: Service, arrived: float, ask: Ask) -> Response:
         reason = "stop" if text.stopped or done.finish_reason == "stop" else "length"
         want_lp = ask.params.logprobs is not None
         if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text.text},
+            message: dict = {"role": "assistant", "content": text.text}
+            if ask.extra.get("tools"):
+                content, calls = whole(text.text, ask.extra["tools"]["mode"])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": index, "message": message,
                       "logprobs": chat_logprobs(show, events) if want_lp else None, "finish_reason": reason}
         else:
             prefix, rows = _echoed(service, ask, jobs[k][2], done.events[0] if done.events else None) if ask.echo \
@@ -249,10 +264,23 @@ async def _stream(service: Service, head: dict, ask: Ask, jobs, include_usage: b
     texts = [Text(decode, ask.stops, ask.params.min_tokens) for _ in jobs]
     counts = [0] * len(jobs)
     want_lp = ask.params.logprobs is not None
+    tools = ask.extra.get("tools")
+    replies = [Reply(tools["mode"]) for _ in jobs] if tools else None
+    called = [0] * len(jobs)  # tool calls sent per choice
 
     def chunk(k: int, text: str | None, events: list, reason: str | None, first: bool = False,
               prompt_rows: list | None = None) -> str:
-        if chat:
+        if chat and replies is not None and not first:
+            text, calls = replies[k].feed(text or "") if reason is None else _last(replies[k], text or "")
+            deltas = [c.as_json(called[k] + i) for i, c in enumerate(calls)]
+            called[k] += len(calls)
+            reason = "tool_calls" if reason == "stop" and called[k] else reason
+            if not (text or deltas or reason or (want_lp and events)):
+                return ""
+            delta = ({"content": text} if text else {}) | ({"tool_calls": deltas} if deltas else {})
+            choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
+                      "finish_reason": reason}
+        elif chat:
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
             choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
                       "finish_reason": reason}
@@ -289,7 +317,9 @@ async def _stream(service: Service, head: dict, ask: Ask, jobs, include_usage: b
                     prefix, rows = _echoed(service, ask, jobs[k][2], extra)
                     yield chunk(k, prefix + value, [extra] if want_lp else [], None, prompt_rows=rows)
                 elif (value or want_lp) and not (texts[k].stopped and not value):
-                    yield chunk(k, value, [extra] if want_lp else [], None)
+                    out = chunk(k, value, [extra] if want_lp else [], None)
+                    if out:
+                        yield out
             elif what == "done":
                 left -= 1
                 yield chunk(k, value, [], extra)

@@ -17,6 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from plait.serve.engine.sampling import InvalidParam, SamplingParams
+from plait.serve.entrypoints.tool_calls import forced_schema, style_of
 from plait.serve.errors import RequestError
 from plait.serve.service import MIN_TEMPERATURE, SURROGATE, Service
 
@@ -29,7 +30,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
           "stop_token_ids", "logit_bias", "skip_special_tokens", "return_tokens_as_token_ids", "response_format",
           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+MAX_TOOLS = 128
 PLAIN_TEMPLATE = "{role}: {content}\n"
 
 
@@ -287,8 +289,52 @@ def structured(body: dict) -> tuple[str, str, object] | None:
     return field, kinds[key], value
 
 
-def _with_grammar(params: SamplingParams, body: dict, grammars) -> SamplingParams:
+def tools_of(service: Service, body: dict) -> dict | None:
+    """{"tools", "mode"} of a chat request that offers tools (tool_choice not "none"), else None. mode: ("auto", the
+    chat template's tool-call format), ("named", function) or ("required",) (plait.serve.entrypoints.tool_calls)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise BadField("tool_choice", "'tool_choice' needs 'tools'")
+        return None
+    ok = isinstance(tools, list) and len(tools) <= MAX_TOOLS and all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str) and isinstance(t["function"].get("parameters", {}), dict)
+        for t in tools)
+    if not ok:
+        raise BadField("tools", f"'tools' is a list of at most {MAX_TOOLS} {{\"type\": \"function\", \"function\": "
+                                "{\"name\": ..., \"parameters\": {...}}} objects")
+    names = [t["function"]["name"] for t in tools]
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise BadField("tool_choice", f"'tool_choice' names a function that is not in 'tools' ({', '.join(names)})")
+        return {"tools": tools, "mode": ("named", name)}
+    if choice == "none":
+        return None
+    if choice == "required":
+        return {"tools": tools, "mode": ("required",)}
+    if choice != "auto":
+        raise BadField("tool_choice", "'tool_choice' is \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}}")
+    style = style_of(service.served.chat.source if service.served.chat is not None else None)
+    if style is None:
+        raise BadField("tool_choice", "this model's chat template shows no tool-call format, so the model's own calls "
+                                      "cannot be read: use tool_choice \"required\" or name a function (plait then "
+                                      "constrains the reply to a call)")
+    return {"tools": tools, "mode": ("auto", style)}
+
+
+def _with_grammar(params: SamplingParams, body: dict, grammars, tools: dict | None = None) -> SamplingParams:
     wanted = structured(body)
+    if tools is not None and tools["mode"][0] != "auto":
+        if wanted is not None:
+            raise BadField(wanted[0], f"'{wanted[0]}' and 'tool_choice' both constrain the output; give one")
+        mode = tools["mode"]
+        parallel = body.get("parallel_tool_calls") is not False
+        wanted = ("tool_choice", "json_schema", forced_schema(tools["tools"], mode[1] if mode[0] == "named"
+                                                              else "required", parallel))
     if wanted is None:
         return params
     field, kind, spec = wanted
@@ -303,10 +349,12 @@ def _with_grammar(params: SamplingParams, body: dict, grammars) -> SamplingParam
 def parse(service: Service, body: dict, chat: bool, adapter: int, grammars=None) -> Ask:
     """The Ask of a decoded body (BadField naming what is wrong); `grammars` compiles structured output's grammars
     (plait.serve.engine.grammar.Grammars; None for a model without a Hugging Face tokenizer)."""
-    extra: dict = {}
-    prompts = [chat_prompt(service, body.get("messages"))] if chat else completion_prompts(service, body.get("prompt"))
+    extra: dict = {"tools": tools_of(service, body)} if chat else {}
+    offered = {"tools": extra["tools"]["tools"]} if extra.get("tools") else {}
+    prompts = ([chat_prompt(service, body.get("messages"), **offered)] if chat
+               else completion_prompts(service, body.get("prompt")))
     params, options = sampling(service, body, chat, max(len(p) for p in prompts))
-    params = _with_grammar(params, body, grammars)
+    params = _with_grammar(params, body, grammars, extra.get("tools"))
     n = _number(body, "n", 1, 1, MAX_N, integer=True)
     best_of = n if chat else _number(body, "best_of", n, 1, MAX_N, integer=True)
     if best_of < n:
