@@ -37,7 +37,8 @@ def llama_dir(d: Path, std: float = 0.15, seed: int = 0, always_eos: bool = Fals
     tok = tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=config.pop("max_position_embeddings", 256),
                       bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), pad_token_id=None,
                       tie_word_embeddings=False, initializer_range=0.05, **config)
     model = LlamaForCausalLM(cfg).eval()

@@ -16,15 +16,72 @@ from plait.train.trainer import train
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
 # what each example is written for (its header comment says so): a new example gets its line here
 PROCESSES = {"cnn-digits.toml": 1, "deepfm-mp.toml": 2, "gpt-3d.toml": 8, "gpt-ddp.toml": 2, "gpt-pp.toml": 2,
-             "gpt-tp.toml": 2, "mlp-digits.toml": 2}
+             "gpt-tp.toml": 2, "mlp-digits.toml": 2, "llama-sft.toml": 1, "llama-lora.toml": 2, "llama-dpo.toml": 2}
+# The recipes that fine-tune a Hugging Face checkpoint (train.init_from, which a user downloads): checked and run here
+# on a tiny random Llama with the same files (config.json, model.safetensors, tokenizer.json and a chat template)
+RECIPES = ("llama-sft.toml", "llama-lora.toml", "llama-dpo.toml")
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from hf_helpers import llama_dir
+
+    return llama_dir(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=2048)
+
+
+def checkpoint_for(path: Path, tiny: Path) -> list[str]:
+    return ["--set", f"train.init_from={tiny}"] if path.name in RECIPES else []
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_config_is_valid(path, tmp_path, capsys):
+def test_example_config_is_valid(path, tmp_path, capsys, monkeypatch, tiny_llama):
+    monkeypatch.chdir(ROOT)  # the recipes' data paths are the repository's examples/data/
     run = tmp_path / "run"
-    assert main(["train", str(path), "--dry-run", "--out", str(run)]) == 0
+    assert main(["train", str(path), "--dry-run", "--out", str(run), *checkpoint_for(path, tiny_llama)]) == 0
     assert f"config valid; {PROCESSES[path.name]} process(es); wrote {run / 'config.toml'}" in capsys.readouterr().out
-    assert Layout.from_config(load_job(path)).world_size == PROCESSES[path.name]
+    overrides = [f"train.init_from={tiny_llama}"] if path.name in RECIPES else []
+    assert Layout.from_config(load_job(path, overrides)).world_size == PROCESSES[path.name]
+
+
+def recipe(name: str, tiny: Path):
+    """The recipe as written on the tiny checkpoint, for 2 steps of rows of 96 tokens (a chat row is padded to
+    model.context: 16 rows of 1024 tokens are seconds of CPU a step even on this model; 128, model.context's default,
+    would take the checkpoint's 2048), its data path made absolute for the pool's ranks."""
+    cfg = load_config(ROOT / "examples" / name, [f"train.init_from={tiny}", "train.steps=2", "model.context=96",
+                                                 "log.progress=false"])
+    cfg.data.path = str(ROOT / cfg.data.path)
+    return cfg
+
+
+def records(run: Path) -> tuple[dict, list[dict]]:
+    return (json.loads((run / "summary.json").read_text()),
+            [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m])
+
+
+def test_the_sft_recipe_runs_as_written_on_a_tiny_checkpoint(tiny_llama, tmp_path):
+    train(recipe("llama-sft.toml", tiny_llama), tmp_path / "sft")
+    summary, steps = records(tmp_path / "sft")
+    assert (summary["steps"], summary["world_size"], len(steps)) == (2, 1, 2)
+    assert summary["data"]["examples"] == 24 and summary["trainable_params"] == summary["params"]
+    assert math.isfinite(summary["val_loss"]) and summary["sample"]
+    assert (tmp_path / "sft" / "hf" / "tokenizer.json").is_file() and (tmp_path / "sft" / "report.html").is_file()
+
+
+@pytest.mark.parametrize("name", ["llama-lora.toml", "llama-dpo.toml"])
+def test_the_two_process_recipes_run_as_written_on_a_tiny_checkpoint(name, tiny_llama, pool2, tmp_path):
+    from helpers import rank0_params
+
+    pool2.run(rank0_params, recipe(name, tiny_llama), tmp_path / "run")
+    summary, steps = records(tmp_path / "run")
+    assert (summary["steps"], summary["world_size"], len(steps)) == (2, 2, 2)
+    assert math.isfinite(summary["val_loss"]) and summary["sample"]
+    if name == "llama-lora.toml":  # rank-8 adapters, r x (in + out) each: q and o 32 -> 32, k and v 32 -> 16 (2 kv
+        # heads of 8), gate, up and down 32 <-> 64, in both blocks
+        assert summary["trainable_params"] == 2 * 8 * (2 * (32 + 32) + 2 * (32 + 16) + 3 * (32 + 64))
+    else:
+        assert summary["parallel"]["strategy"] == "zero3" and summary["preference"]["beta"] == 0.1
+        assert steps[0]["loss"] == pytest.approx(math.log(2)) and "reward_margin" in steps[-1]
 
 
 def test_there_are_examples():

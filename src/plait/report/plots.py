@@ -145,7 +145,7 @@ def preference_rewards(metrics: list[dict], out: Path) -> Path | None:
     acc.plot(steps, [m["reward_accuracy"] for m in rows], ls="--", c="C1", lw=1, label="pairs ranked right")
     acc.set_ylim(0, 1.05)
     acc.set_ylabel("share of pairs ranked right", color="C1")
-    lines = ax.get_lines() + acc.get_lines()
+    lines = [line for line in ax.get_lines() + acc.get_lines() if not line.get_label().startswith("_")]  # not y = 0
     ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
     ax.set_title("preference tuning: the rewards of chosen and rejected completions")
     save(fig, out)
