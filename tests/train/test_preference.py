@@ -241,6 +241,11 @@ def test_layouts_follow_one_process(name, one_process, ckpt, toy, pool2, tmp_pat
     cfg = load_config(None, [*TRAIN, f"train.init_from='{ckpt}'", f"data.path='{toy}'", *SGD, *finetune, *layout])
     got = pool2.run(rank0_params, cfg, tmp_path / "run")[0]
     assert_follows(ref, got, tmp_path / "run", 4, rel=1e-5, atol=1e-5)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["world_size"], summary["parallel"]["strategy"]) == (2, "zero3" if "zero3" in name else "ddp")
+    gaps = [(abs(a - b) / abs(a), abs(g - h) / abs(g)) for (a, g), (b, h) in zip(ref[1], step_losses(tmp_path / "run"))]
+    print(f"{name}: loss {max(x for x, _ in gaps):.1e}, grad norm {max(y for _, y in gaps):.1e} (relative); weights "
+          f"{max(float((ref[0][k] - got[k]).abs().max()) for k in got):.1e}")
 
 
 # ---- refusals
