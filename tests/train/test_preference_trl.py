@@ -1,5 +1,7 @@
 """plait's DPO and IPO give TRL's DPOTrainer's loss at every step, on the same checkpoint and the same pairs in the
-same order (fp32, plain AdamW, no clipping, no dropout): within 1e-4 (measured: a few 1e-7).
+same order (fp32, plain AdamW, no clipping, no dropout): within 1e-4 (measured: a few 1e-7). DPO with LoRA too: peft's
+adapters start from plait's initial A (B is zero on both sides), and TRL's reference is then the base with its
+adapters off, as plait's is.
 
 TRL runs in a venv of its own (it brings datasets and accelerate, which plait does not need), made once:
 
@@ -57,18 +59,37 @@ def pairs(conversations: bool, n: int = 48) -> list[dict]:
     return out
 
 
-RUNS = {"dpo": ("dpo", "sigmoid", False, 0.1, 5e-3), "ipo": ("ipo", "ipo", True, 0.5, 5e-3)}
+RUNS = {"dpo": ("dpo", "sigmoid", False, 0.1, 5e-3), "ipo": ("ipo", "ipo", True, 0.5, 5e-3),
+        "dpo-lora": ("dpo", "sigmoid", False, 0.1, 3e-2)}
+LORA = ["finetune.lora_rank=4", "finetune.lora_alpha=8"]  # the default targets: q_proj, v_proj
 
 
-def plait_run(model: Path, data: Path, objective: str, beta: float, lr: float, out: Path):
-    cfg = load_config(None, [
+def initial_adapters(cfg) -> dict:
+    """plait's starting lora_A of each adapted layer (built as the run builds it), under peft's names for the
+    transformers model: blocks.i.attn.q_proj -> base_model.model.model.layers.i.self_attn.q_proj.lora_A.default."""
+    from plait.runtime import single_process
+    from plait.train.build import model_for
+
+    layout = check_job(cfg)
+    model, _ = model_for(cfg, layout, single_process(), build_data(cfg.data, cfg.model).spec)
+    out = {}
+    for name, value in model.state_dict().items():
+        if name.endswith(".lora_A"):
+            block, rest = name.removeprefix("blocks.").split(".", 1)
+            layer = rest.removesuffix(".lora_A").replace("attn.", "self_attn.")
+            out[f"base_model.model.model.layers.{block}.{layer}.lora_A.default.weight"] = value.tolist()
+    return out
+
+
+def plait_run(model: Path, data: Path, objective: str, beta: float, lr: float, out: Path, lora: bool = False):
+    cfg = load_config(None, [*(LORA if lora else []),
         f"train.init_from='{model}'", "data.name='preference'", f"data.path='{data}'", f"train.objective='{objective}'",
         f"train.dpo_beta={beta}", "parallel.dp=1", f"train.steps={STEPS}", f"train.global_batch_size={BATCH}",
         f"train.micro_batch_size={BATCH // 2}", f"model.context={CONTEXT}", "optim.name='adamw'", f"optim.lr={lr}",
         "optim.betas=[0.9, 0.95]", "optim.eps=1e-8", "optim.weight_decay=0", "optim.grad_clip=0",
         "optim.warmup_steps=0", "optim.schedule='constant'", "log.every=1", "train.eval_samples=0",
         "train.sample_tokens=0", "log.progress=false", "log.report=false", "checkpoint.every=0"])
-    check_job(cfg)  # data.tokenizer from the checkpoint's directory
+    check_job(cfg)  # data.tokenizer from the checkpoint's directory; the LoRA targets resolved
     bundle = build_data(cfg.data, cfg.model)
     sampler = make_sampler(bundle.train, BATCH, cfg.train.seed)
     raw = [ex for _, ex in read_pairs(data)]
@@ -88,10 +109,14 @@ def compared(tmp_path_factory):
     for name, (objective, loss_type, talk, beta, lr) in RUNS.items():
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(p) + "\n" for p in pairs(talk)))
-        cfg, order, losses = plait_run(model, data, objective, beta, lr, root / name)
+        lora = name.endswith("lora")
+        cfg, order, losses = plait_run(model, data, objective, beta, lr, root / name, lora)
         mine[name] = (cfg, order, losses)
         job["runs"].append({"name": name, "loss_type": loss_type, "beta": beta, "lr": lr, "max_length": CONTEXT + 1,
                             "batch": BATCH, "examples": order})
+        if lora:
+            job["runs"][-1]["lora"] = {"r": 4, "alpha": 8, "targets": list(cfg.finetune.lora_targets),
+                                       "A": initial_adapters(cfg)}
     (root / "job.json").write_text(json.dumps(job))
     r = subprocess.run([str(PYTHON), str(Path(__file__).with_name("trl_dpo_peer.py")), str(root / "job.json"),
                         str(root / "answer.json")], capture_output=True, text=True, timeout=300)

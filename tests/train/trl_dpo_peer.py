@@ -5,9 +5,11 @@ the answer:
     .venv-trl/bin/python tests/train/trl_dpo_peer.py job.json answer.json
 
 job.json: {"model": HF dir, "runs": [{"name", "loss_type", "beta", "lr", "max_length", "batch", "examples": [pair,
-...]}]}, each run's examples already in the order its steps take them (steps x batch). answer.json: per run, TRL's
-loss at each step (its own _compute_loss, recorded as the step computes it) and the ids TRL's tokenization gave each
-example (prompt_ids, chosen_ids, rejected_ids).
+...], "lora": {"r", "alpha", "targets", "A": {peft's name: plait's initial lora_A}} (optional)}]}, each run's examples
+already in the order its steps take them (steps x batch). With "lora", TRL trains peft adapters whose A starts as
+plait's did (B starts at zero on both sides), and its reference is the base with the adapters off (use_adapter).
+answer.json: per run, TRL's loss at each step (its own _compute_loss, recorded as the step computes it) and the ids
+TRL's tokenization gave each example (prompt_ids, chosen_ids, rejected_ids).
 """
 
 import json
@@ -48,7 +50,20 @@ def run(model_dir: str, job: dict) -> dict:
                      loss_type=[job["loss_type"]], max_length=job["max_length"], truncation_mode="keep_start",
                      report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, seed=0, bf16=False,
                      fp16=False, dataloader_drop_last=False, disable_tqdm=True)
-    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(job["examples"]), processing_class=tok)
+    lora = job.get("lora")
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["targets"], lora_dropout=0.0,
+                                 bias="none", task_type="CAUSAL_LM")
+    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(job["examples"]), processing_class=tok,
+                      peft_config=peft_config)
+    if lora:
+        params = dict(trainer.model.named_parameters())
+        with torch.no_grad():
+            for name, value in lora["A"].items():
+                params[name].copy_(torch.tensor(value))
     trainer.losses = []
     ids = [{k: list(row[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for row in trainer.train_dataset]
     trainer.train()
