@@ -203,7 +203,7 @@ def test_the_margin_grows_on_a_toy_preference_set(toy_run):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preference"]["objective"] == "dpo" and summary["preference"]["beta"] == 0.5
     assert summary["preference"]["reward_margin"] == margins[-1]
-    assert summary["data"]["pairs"] == 48 and summary["data"]["dropped"] == 0
+    assert summary["data"]["examples"] == 48 and summary["data"]["dropped"] == 0
     page = (run / "report.html").read_text()
     assert 'src="preference.png"' in page and (run / "preference.png").stat().st_size > 1000
 
@@ -246,6 +246,35 @@ def test_layouts_follow_one_process(name, one_process, ckpt, toy, pool2, tmp_pat
     gaps = [(abs(a - b) / abs(a), abs(g - h) / abs(g)) for (a, g), (b, h) in zip(ref[1], step_losses(tmp_path / "run"))]
     print(f"{name}: loss {max(x for x, _ in gaps):.1e}, grad norm {max(y for _, y in gaps):.1e} (relative); weights "
           f"{max(float((ref[0][k] - got[k]).abs().max()) for k in got):.1e}")
+
+
+def test_a_resumed_run_continues_the_trajectory(one_process, ckpt, toy, root):
+    """The reference pass runs on the starting weights before the checkpoint is loaded: steps 3-4 after a resume from
+    step 2 are the uninterrupted run's."""
+    run = root / "resumed"
+    cfg = load_config(None, [*TRAIN, f"train.init_from='{ckpt}'", f"data.path='{toy}'", *SGD, "train.stop_after=2"])
+    params_after(cfg, run)
+    cfg = load_config(None, [*TRAIN, f"train.init_from='{ckpt}'", f"data.path='{toy}'", *SGD])
+    assert_follows(one_process(), params_after(cfg, run, resume=True), run, 4, rel=1e-6, atol=1e-6)
+
+
+def test_long_pairs_are_cut_or_left_out_and_counted(tmp_path):
+    """A sequence longer than model.context + 1 tokens loses its end (TRL's keep_start); a pair whose prompt alone
+    fills that is left out (TRL drops it): summary.json's data counts both."""
+    rows = [{"prompt": "a b", "chosen": " c", "rejected": " d"}] * 8
+    rows += [{"prompt": "a b", "chosen": " " + "c" * 100, "rejected": " d"}, {"prompt": "x" * 70, "chosen": "c",
+                                                                              "rejected": "d"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    cfg = load_config(None, [*CHAR_LLAMA, f"data.path='{path}'", "train.objective='dpo'", "data.val_fraction=0.2"])
+    bundle = build_data(cfg.data, cfg.model)
+    assert {k: bundle.stats[k] for k in ("examples", "truncated", "dropped", "limit_tokens")} == {
+        "examples": 10, "truncated": 1, "dropped": 1, "limit_tokens": 65}
+    assert len(bundle.train) + len(bundle.val) == 9
+    x, y = (torch.cat(t) for t in zip(bundle.train.fetch(torch.arange(len(bundle.train))),
+                                       bundle.val.fetch(torch.arange(len(bundle.val))), strict=True))
+    longest = int((x[:, 1] == 0).logical_not().sum(1).argmax())  # the row with the cut chosen sequence
+    assert int(x[longest, 1, :64].max()) == 63 and int((y[longest, 0] != -100).sum()) == 65 - 3  # less 'a b'
+    assert x.shape[-1] == 64 + 4  # the widest row: 64 chosen inputs, then 'a b d' less its last character
 
 
 # ---- refusals

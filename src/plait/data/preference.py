@@ -167,7 +167,7 @@ def preference_source(data_cfg, model_cfg) -> DataBundle:
     val.source_index = torch.tensor([i for i in sorted(held_out) if encoded[i] is not None])
     spec = DataSpec(name="preference", task="lm", input_shape=[width], vocab_size=tok.vocab_size,
                     tokens_per_sample=width, packed=True, preference=True)
-    stats = {"pairs": len(pairs), "truncated": truncated, "dropped": dropped, "limit_tokens": limit,
+    stats = {"examples": len(pairs), "truncated": truncated, "dropped": dropped, "limit_tokens": limit,
              "rows": {"train": len(train), "val": len(val)}}
     return DataBundle(train, val, spec, tok, stats=stats)
 

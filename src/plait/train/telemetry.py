@@ -407,10 +407,18 @@ class Telemetry:
             if "fewshot" in summary:
                 line += f" on held-out classes ({summary['fewshot']['scratch_val_accuracy']:.3f} from scratch)"
             lines.append(line)
+        pref = summary.get("preference", {})
+        if "reward_margin" in pref:
+            lines.append(f"{pref['objective']}: reward margin {pref['reward_margin']:.4f} (chosen "
+                         f"{pref['reward_chosen']:.4f}, rejected {pref['reward_rejected']:.4f}), "
+                         f"{pref['reward_accuracy']:.0%} of the last pairs ranked right")
         data = summary.get("data", {})
         if data.get("truncated"):
             lines.append(f"data: {data['truncated']} of {data['examples']} examples were longer than "
                          f"{data['limit_tokens']} tokens and were cut (raise model.context to keep them whole)")
+        if data.get("dropped"):
+            lines.append(f"data: {data['dropped']} of {data['examples']} pairs have a prompt of {data['limit_tokens']} "
+                         "tokens or more and were left out (raise model.context to keep them)")
         if summary.get("sample"):
             lines.append("sample:\n" + summary["sample"])
         if run_dir is not None:
