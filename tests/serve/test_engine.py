@@ -188,22 +188,29 @@ def test_paged_attention_gives_the_logits_of_contiguous_attention(name):
     engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=24))
     ps = prompts()
     refs = [model(torch.tensor([p]))[0] for p in ps]
-    for p in ps:
-        engine.submit(p, SamplingParams(max_tokens=1, temperature=0))
+    for p in ps:  # prompt_logprobs: every token's logits are computed (else only each chunk's last one's)
+        engine.submit(p, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     engine._drain_inbox()
     seen = {i: [] for i in range(len(ps))}
     with torch.inference_mode():
         while not engine.scheduler.idle:  # chunked prefills of several sequences in one forward
             step = engine.scheduler.schedule()
-            logits = engine._forward(step)
+            logits, at = engine._forward(step)
             row = 0
             for c in step.chunks:
-                seen[c.seq.id].append(logits[row:row + c.count])
+                seen[c.seq.id].append(logits[at[row]:at[row] + c.count])
                 row += c.count
             engine.scheduler.update(step, {c.seq.id: 0 for c in step.chunks if c.sample})
     assert max(len(v) for v in seen.values()) > 1  # some prompt was split over steps
     for i, ref in enumerate(refs):
         torch.testing.assert_close(torch.cat(seen[i]), ref, atol=1e-5, rtol=1e-5)
+    # without prompt log-probabilities a step computes the head on each sampling chunk's last token only
+    engine.submit(ps[0], SamplingParams(max_tokens=2, temperature=0))
+    engine._drain_inbox()
+    step = engine.scheduler.schedule()
+    with torch.inference_mode():
+        logits, at = engine._forward(step)
+    assert logits.shape[0] == sum(c.sample for c in step.chunks) and list(at) == [step.chunks[0].count - 1]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -177,9 +177,14 @@ class GPT(MoEHooks, nn.Module):
         tokens of many sequences, and attends each to its own cached keys.
         """
         if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
-            x = self.tok_emb(idx) + self.pos_emb(cache.positions)
+            # A later pipeline stage takes hidden states; one before the last returns every token's.
+            x = self.tok_emb(idx) + self.pos_emb(cache.positions) if self.tok_emb is not None else idx
             for name, block in self.blocks.items():
                 x = block(x, cache=cache.layer(name))
+            if self.head is None:
+                return x
+            if cache.rows is not None:  # only the tokens whose logits the engine reads
+                x = x[:, cache.rows]
             return self.head(self.ln_f(x))[..., :self.vocab_size]
         packed = None
         if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions

@@ -209,10 +209,14 @@ class Llama(MoEHooks, nn.Module):
         A pipeline stage without the embedding takes hidden states, one without the head returns them.
         """
         if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
-            x = self.tok_emb(idx)
+            x = self.tok_emb(idx) if self.tok_emb is not None else idx  # a later pipeline stage: hidden states
             rot = self._rotation_once(cache.positions, x)
             for name, block in self.blocks.items():
                 x = block(x, cache=cache.layer(name), pos=cache.positions, rot=rot)
+            if self.head is None:  # a pipeline stage before the last: every token's hidden state goes on
+                return x
+            if cache.rows is not None:  # only the tokens whose logits the engine reads
+                x = x[:, cache.rows]
             return self.head(self.norm(x))[..., :self.vocab_size]
         mask = None
         if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions

@@ -40,6 +40,8 @@ class LoRARouter:
 
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
     count: int = 0  # adapters installed (indices 1..count)
+    tokens: int = 0  # the packed tokens the groups index
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)  # the groups among the rows the head reads
 
 
 class MultiLoRALinear(nn.Module):
@@ -64,6 +66,8 @@ class MultiLoRALinear(nn.Module):
         if not groups:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if x2.shape[0] != self.router.tokens:  # the head, after the engine kept only the rows whose logits it reads
+            groups = self.router.selected
         for index, rows in groups.items():
             adapter = self.adapters.get(index)
             if adapter is None:

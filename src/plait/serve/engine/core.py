@@ -101,7 +101,8 @@ class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, device: torch.device | str | None = None,
                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None,
                  draft: nn.Module | None = None, num_speculative: int = 4, router: LoRARouter | None = None,
-                 tp: int = 1, announce: Callable[[list[int], list, list], None] | None = None):
+                 tp: int = 1, announce: Callable[[list[int], list, list, list | None], None] | None = None,
+                 blocks: int | None = None):
         self.config = (config or EngineConfig()).validate()
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -113,7 +114,8 @@ class Engine:
         # Tensor parallel (plait.serve.engine.tp): this rank's shard of the cache; `announce` tells the other ranks each forward.
         self.tp, self.announce = tp, announce
         self._copies: list[tuple[int, int]] = []  # block copies the other ranks have not been told of yet
-        num_blocks = self.pool_blocks(model, self.config, draft, tp)
+        # `blocks`: the pool's size when it was decided for every process (plait.serve.engine.pp: each stage's the same)
+        num_blocks = blocks or self.pool_blocks(model, self.config, draft, tp)
         self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device, tp)
         self.draft_cache = PagedCache(draft, num_blocks, self.config.block_size, self.device) if draft is not None else None
         self.proposed = 0  # draft tokens proposed, all steps
@@ -218,7 +220,7 @@ class Engine:
                 self.draft_cache.copy(src, dst)
         if self.draft is not None and self._speculate(plan):
             return True
-        logits = self._forward(plan)
+        logits, at = self._forward(plan)
         if self.draft is not None:
             self._draft_follow(plan)
         sampled: dict[int, int] = {}
@@ -230,10 +232,10 @@ class Engine:
             req = self.requests[c.seq.id]
             p = req.params
             if p.prompt_logprobs is not None:
-                self._prompt_logprobs(req, c, logits[row - c.count:row])
+                self._prompt_logprobs(req, c, logits[at[row - c.count]:at[row - 1] + 1])
             if not c.sample:
                 continue
-            last = logits[row - 1]
+            last = logits[at[row - 1]]
             try:
                 scores = req.processors(last) if req.processors is not None else last
                 tok = int(sample(scores, p.temperature, p.top_k, req.generator, p.top_p))
@@ -262,10 +264,20 @@ class Engine:
             self._done(seq)
         return True
 
-    def _forward(self, plan: Step) -> torch.Tensor:
+    def _forward(self, plan: Step) -> tuple[torch.Tensor, dict[int, int]]:
+        """The logits of the step's tokens that are read, and which logits row each token's are: a chunk's last token
+        when it samples, every token of a request that wants its prompt's log-probabilities."""
         ids = [t for c in plan.chunks for t in c.seq.tokens[c.start:c.start + c.count]]
-        view = self.cache.step([(c.seq.blocks, c.start, c.count) for c in plan.chunks])
-        return self._target(ids, view, [(c.seq, c.count) for c in plan.chunks])
+        rows: list[int] = []
+        end = 0
+        for c in plan.chunks:
+            end += c.count
+            if self.requests[c.seq.id].params.prompt_logprobs is not None:
+                rows += range(end - c.count, end)
+            elif c.sample:
+                rows.append(end - 1)
+        view = self.cache.step([(c.seq.blocks, c.start, c.count) for c in plan.chunks], rows)
+        return self._target(ids, view, [(c.seq, c.count) for c in plan.chunks]), {r: i for i, r in enumerate(rows)}
 
     def _target(self, ids: list[int], view, counts: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The served model over the packed tokens, each sequence's tokens through its own adapter; (T, vocab)."""
@@ -278,14 +290,19 @@ class Engine:
                     groups.setdefault(adapter, []).extend(range(row, row + count))
                 row += count
             self.router.groups = {a: torch.tensor(rows, device=self.device) for a, rows in groups.items()}
+            self.router.tokens = row
+            if view.row_list is not None:  # the head sees the selected rows only: their adapters by their new places
+                place = {r: i for i, r in enumerate(view.row_list)}
+                selected = {a: [place[r] for r in rows if r in place] for a, rows in groups.items()}
+                self.router.selected = {a: torch.tensor(rows, device=self.device) for a, rows in selected.items() if rows}
         if self.announce is not None:
-            self.announce(ids, view.chunks, self._copies)
+            self.announce(ids, view.chunks, self._copies, view.row_list)
             self._copies = []
         try:
             logits = self.model(torch.tensor([ids], device=self.device), cache=view)
         finally:
             if self.router is not None:
-                self.router.groups = {}
+                self.router.groups, self.router.selected = {}, {}
         return logits[0].float().cpu()
 
     # ------------------------------------------------------------------ speculative decoding
@@ -301,8 +318,8 @@ class Engine:
             chunks.append((seq.blocks, start, len(tokens) - start))
             ends.append(len(ids) - 1)
             seq.draft_computed = len(tokens)
-        logits = self.draft(torch.tensor([ids], device=self.device), cache=self.draft_cache.step(chunks))
-        return logits[0, ends].float().cpu()
+        logits = self.draft(torch.tensor([ids], device=self.device), cache=self.draft_cache.step(chunks, ends))
+        return logits[0].float().cpu()
 
     def _draft_follow(self, plan: Step) -> None:
         """A plain step: the draft caches what the target just cached, so that it can propose from there."""

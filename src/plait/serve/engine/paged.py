@@ -66,18 +66,23 @@ class PagedCache:
         for pool in (*self.k.values(), *self.v.values()):
             pool[dst * bs:(dst + 1) * bs] = pool[src * bs:(src + 1) * bs]
 
-    def step(self, chunks: Sequence[tuple[list[int], int, int]]) -> PagedStep:
-        """The forward's view of one iteration: chunks of (block table, first position, token count)."""
-        return PagedStep(self, chunks)
+    def step(self, chunks: Sequence[tuple[list[int], int, int]], rows: Sequence[int] | None = None) -> PagedStep:
+        """The forward's view of one iteration: chunks of (block table, first position, token count); `rows`: the
+        tokens whose logits are wanted (None: every token's)."""
+        return PagedStep(self, chunks, rows)
 
 
 class PagedStep:
     """One iteration's positions, slots and attention groups; `layer(name)` is the cache a block is given."""
 
-    def __init__(self, cache: PagedCache, chunks: Sequence[tuple[list[int], int, int]]):
+    def __init__(self, cache: PagedCache, chunks: Sequence[tuple[list[int], int, int]], rows: Sequence[int] | None = None):
         self.cache = cache
         self.chunks = list(chunks)  # what tensor-parallel ranks rebuild this step from (plait.serve.engine.tp)
         device = next(iter(cache.k.values())).device
+        # The model's head runs on these tokens only: a prompt chunk needs the logits of its last token at most,
+        # and the head over every prompt token was the largest product of a prefill step (T x width x vocabulary).
+        self.row_list = None if rows is None else list(rows)
+        self.rows = None if rows is None else torch.tensor(self.row_list, dtype=torch.long, device=device)
         bs = cache.block_size
         positions: list[int] = []
         slots: list[int] = []

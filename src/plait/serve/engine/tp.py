@@ -68,10 +68,10 @@ def worker_main(rank: int, world: int, store_path: str, ref: ModelRef, num_block
             kind, payload = message[0]
             if kind == "stop":
                 break
-            ids, chunks, copies = payload
+            ids, chunks, copies, rows = payload
             for src, dst in copies:
                 cache.copy(src, dst)
-            module(torch.tensor([ids]), cache=cache.step(chunks))
+            module(torch.tensor([ids]), cache=cache.step(chunks, rows))
     dist.destroy_process_group()
 
 
@@ -142,10 +142,11 @@ class TensorParallelGroup:
                 p.kill()
             p.join(timeout=10)
 
-    def announce(self, ids: list[int], chunks: Sequence, copies: list[tuple[int, int]]) -> None:
+    def announce(self, ids: list[int], chunks: Sequence, copies: list[tuple[int, int]],
+                 rows: list[int] | None = None) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([("step", (ids, list(chunks), copies))], src=0)
+        dist.broadcast_object_list([("step", (ids, list(chunks), copies, rows))], src=0)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -118,6 +118,11 @@ def openai_routes(app: FastAPI, service: Service, read_body, limit: int) -> None
     @app.post("/v1/chat/completions", summary="chat completions (OpenAI)")
     async def chat_completions(request: Request):
         return await endpoint(request, chat=True)
+    _token_routes(app, service, body_of)
+
+
+def _token_routes(app: FastAPI, service: Service, body_of) -> None:
+    """vLLM's /tokenize and /detokenize; `body_of(request)` reads and checks a body as the OpenAI routes do."""
 
     @app.post("/tokenize", summary="text or messages to token ids (vLLM)")
     async def tokenize(request: Request):
@@ -253,6 +258,43 @@ async def _answer(service: Service, arrived: float, ask: Ask) -> Response:
         "total_tokens": prompt_tokens + completion_tokens}})
 
 
+class Chunks:
+    """The server-sent chunks of one streamed request: each choice's text, log-probabilities and (chat with tools)
+    tool calls as they close, in OpenAI's chunk objects."""
+
+    def __init__(self, head: dict, ask: Ask, show: Tokens, choices: int):
+        self.head, self.chat, self.show = head, ask.chat, show
+        self.kind = "chat.completion.chunk" if ask.chat else "text_completion"
+        self.want_lp = ask.params.logprobs is not None
+        tools = ask.extra.get("tools")
+        self.replies = [Reply(tools["mode"]) for _ in range(choices)] if tools else None
+        self.called = [0] * choices  # tool calls sent per choice
+
+    def __call__(self, k: int, text: str | None, events: list, reason: str | None, first: bool = False,
+                 prompt_rows: list | None = None) -> str:
+        """One chunk's `data:` line ("" when a choice with tools has nothing to send yet)."""
+        show, want_lp = self.show, self.want_lp
+        if self.chat and self.replies is not None and not first:
+            reply = self.replies[k]
+            text, calls = reply.feed(text or "") if reason is None else _last(reply, text or "")
+            deltas = [c.as_json(self.called[k] + i) for i, c in enumerate(calls)]
+            self.called[k] += len(calls)
+            reason = "tool_calls" if reason == "stop" and self.called[k] else reason
+            if not (text or deltas or reason or (want_lp and events)):
+                return ""
+            delta = ({"content": text} if text else {}) | ({"tool_calls": deltas} if deltas else {})
+            choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
+                      "finish_reason": reason}
+        elif self.chat:
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+            choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
+                      "finish_reason": reason}
+        else:
+            lp = completion_logprobs(show, events, 0, prompt_rows) if want_lp and (events or prompt_rows) else None
+            choice = {"index": k, "text": text or "", "logprobs": lp, "finish_reason": reason}
+        return f"data: {json.dumps(self.head | {'object': self.kind, 'choices': [choice]})}\n\n"
+
+
 async def _stream(service: Service, head: dict, ask: Ask, jobs, include_usage: bool,
                   arrived: float) -> AsyncIterator[str]:
     """Chunks as the tokens come (every choice's interleaved), then the finish reasons, usage and [DONE]."""
@@ -260,34 +302,10 @@ async def _stream(service: Service, head: dict, ask: Ask, jobs, include_usage: b
     kind = "chat.completion.chunk" if chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
     tok = service.served.tokenizer
-    decode, show = decoder(tok, ask.skip_special), Tokens(tok, ask.ids_as_tokens)
-    texts = [Text(decode, ask.stops, ask.params.min_tokens) for _ in jobs]
+    texts = [Text(decoder(tok, ask.skip_special), ask.stops, ask.params.min_tokens) for _ in jobs]
     counts = [0] * len(jobs)
     want_lp = ask.params.logprobs is not None
-    tools = ask.extra.get("tools")
-    replies = [Reply(tools["mode"]) for _ in jobs] if tools else None
-    called = [0] * len(jobs)  # tool calls sent per choice
-
-    def chunk(k: int, text: str | None, events: list, reason: str | None, first: bool = False,
-              prompt_rows: list | None = None) -> str:
-        if chat and replies is not None and not first:
-            text, calls = replies[k].feed(text or "") if reason is None else _last(replies[k], text or "")
-            deltas = [c.as_json(called[k] + i) for i, c in enumerate(calls)]
-            called[k] += len(calls)
-            reason = "tool_calls" if reason == "stop" and called[k] else reason
-            if not (text or deltas or reason or (want_lp and events)):
-                return ""
-            delta = ({"content": text} if text else {}) | ({"tool_calls": deltas} if deltas else {})
-            choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
-                      "finish_reason": reason}
-        elif chat:
-            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-            choice = {"index": k, "delta": delta, "logprobs": chat_logprobs(show, events) if want_lp and events else None,
-                      "finish_reason": reason}
-        else:
-            lp = completion_logprobs(show, events, 0, prompt_rows) if want_lp and (events or prompt_rows) else None
-            choice = {"index": k, "text": text or "", "logprobs": lp, "finish_reason": reason}
-        return f"data: {json.dumps(head | {'object': kind, 'choices': [choice]})}\n\n"
+    chunk = Chunks(head, ask, Tokens(tok, ask.ids_as_tokens), len(jobs))
 
     async def run(k: int):
         _, _, prompt, p = jobs[k]
