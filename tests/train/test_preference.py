@@ -258,25 +258,6 @@ def test_a_resumed_run_continues_the_trajectory(one_process, ckpt, toy, root):
     assert_follows(one_process(), params_after(cfg, run, resume=True), run, 4, rel=1e-6, atol=1e-6)
 
 
-def test_long_pairs_are_cut_or_left_out_and_counted(tmp_path):
-    """A sequence longer than model.context + 1 tokens loses its end (TRL's keep_start); a pair whose prompt alone
-    fills that is left out (TRL drops it): summary.json's data counts both."""
-    rows = [{"prompt": "a b", "chosen": " c", "rejected": " d"}] * 8
-    rows += [{"prompt": "a b", "chosen": " " + "c" * 100, "rejected": " d"}, {"prompt": "x" * 70, "chosen": "c",
-                                                                              "rejected": "d"}]
-    path = write_jsonl(tmp_path / "long.jsonl", rows)
-    cfg = load_config(None, [*CHAR_LLAMA, f"data.path='{path}'", "train.objective='dpo'", "data.val_fraction=0.2"])
-    bundle = build_data(cfg.data, cfg.model)
-    assert {k: bundle.stats[k] for k in ("examples", "truncated", "dropped", "limit_tokens")} == {
-        "examples": 10, "truncated": 1, "dropped": 1, "limit_tokens": 65}
-    assert len(bundle.train) + len(bundle.val) == 9
-    x, y = (torch.cat(t) for t in zip(bundle.train.fetch(torch.arange(len(bundle.train))),
-                                       bundle.val.fetch(torch.arange(len(bundle.val))), strict=True))
-    longest = int((x[:, 1] == 0).logical_not().sum(1).argmax())  # the row with the cut chosen sequence
-    assert int(x[longest, 1, :64].max()) == 63 and int((y[longest, 0] != -100).sum()) == 65 - 3  # less 'a b'
-    assert x.shape[-1] == 64 + 4  # the widest row: 64 chosen inputs, then 'a b d' less its last character
-
-
 # ---- refusals
 
 def test_what_is_refused_before_launch(toy, tmp_path):
@@ -292,21 +273,3 @@ def test_what_is_refused_before_launch(toy, tmp_path):
     assert "tested with data parallel and ZeRO 1-3 only (here tp = 2" in refusal("parallel.tp=2")
     assert "train.loss cannot apply" in refusal("train.loss='focal'")
     assert "must be > 0" in refusal("train.dpo_beta=0")
-
-
-def test_bad_files_are_named_by_line(tmp_path):
-    def refusal(rows: list) -> str:
-        path = write_jsonl(tmp_path / "pairs.jsonl", rows)
-        cfg = load_config(None, [*CHAR_LLAMA, f"data.path='{path}'", "train.objective='dpo'"])
-        with pytest.raises(DataError) as e:
-            build_data(cfg.data, cfg.model)
-        return str(e.value)
-
-    assert "pairs.jsonl:2: a preference pair is" in refusal([{"prompt": "a", "chosen": "b", "rejected": "c"},
-                                                             {"prompt": "a", "chosen": "b"}])
-    talk = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-            "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]}
-    assert "needs a chat template" in refusal([talk] * 3)  # the implicit prompt: the user's turn they share
-    assert "holds 1 pair(s): too few" in refusal([{"prompt": "a", "chosen": "b", "rejected": "c"}])
-    long = {"prompt": "x" * 80, "chosen": "b", "rejected": "c"}
-    assert "0 usable pairs (of 3; 3 with a prompt of model.context = 64 tokens or more)" in refusal([long] * 3)
