@@ -116,3 +116,25 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="x", extra_body={"guided_regex": "a", "guided_choice": ["b"]})
     assert e.value.body["message"] == "'guided_regex' and 'guided_choice' both constrain the output; give one"
+
+
+def test_a_grammar_crosses_to_a_replica_and_compiles_there(byte_llama):
+    """--replicas 2: the request's GrammarRef pickles (its kind and spec), each replica compiles it once for its own
+    engine, and the server builds no engine of its own for it."""
+    import pickle
+
+    from plait.serve.engine.grammar import GrammarRef, Grammars
+    from plait.serve.entrypoints.server import ServerThread
+    from plait.serve.service import ServeOptions
+
+    opts = ServeOptions(name="m", replicas=2, block_size=16, kv_cache_mb=8, max_delay_ms=0)
+    with ServerThread(byte_llama, opts) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.completions.create(model="m", prompt="answer:", max_tokens=20, temperature=1.0, n=4, seed=1,
+                                      extra_body={"guided_choice": ["left", "right"]})
+        assert srv.service._grammar_engine is None
+    assert all(c.text in ("left", "right") and c.finish_reason == "stop" for c in r.choices)
+    tok = srv.service.served.tokenizer
+    ref = Grammars.of_model(tok.to_json(), srv.service.served.vocab_size, srv.service.served.eos_ids).factory(
+        "regex", "[ab]+")
+    assert isinstance(ref, GrammarRef) and len(pickle.dumps(ref)) < 300

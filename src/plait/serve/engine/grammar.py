@@ -1,6 +1,6 @@
 """Structured output: a grammar over the model's tokens (llguidance), applied as a token mask in the sampler.
 
-    grammars = Grammars(tokenizer_json, vocab, eos_ids)       # once per served model
+    grammars = Grammars.of_model(tokenizer_json, vocab, eos_ids)       # once per served model and process
     params = SamplingParams(..., grammar=grammars.factory("json_schema", schema))   # per request: compiled once
     # the engine calls the factory once per sequence and masks each step's logits with its matcher
 
@@ -15,8 +15,10 @@ of 9-36 us per token, well under 1 % of a decode step.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +32,27 @@ INSTALL = f"{install_command('structured')} (llguidance)"
 
 class GrammarError(ValueError):
     """A grammar that does not compile (a bad schema or regex): the message says what."""
+
+
+# The grammars of the models this process serves, by their tokenizer's key: a GrammarRef that crossed a pipe to a
+# replica finds its model's grammars here (the replica registered them when it built its engine).
+_REGISTRY: dict[str, Grammars] = {}
+
+
+@dataclass(frozen=True)
+class GrammarRef:
+    """A compiled grammar as SamplingParams.grammar holds it: picklable (a few strings), so a request with structured
+    output crosses to a replica, which compiles it there once; called, one sequence's matcher."""
+
+    key: str
+    kind: str
+    spec: object
+
+    def __call__(self) -> Constrained:
+        grammars = _REGISTRY.get(self.key)
+        if grammars is None:
+            raise ValueError("structured output: this process serves no model with that tokenizer")
+        return grammars.matcher(self.kind, self.spec)
 
 
 class Constrained:
@@ -58,9 +81,22 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids: frozenset[int], size: int = 256):
         self.tokenizer_json, self.vocab, self.eos_ids, self.size = tokenizer_json, vocab, sorted(eos_ids), size
+        self.key = self.key_of(tokenizer_json, vocab, eos_ids)
         self._tokenizer = None
         self._compiled: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._lock = threading.Lock()  # requests compile from the server's worker threads
+
+    @staticmethod
+    def key_of(tokenizer_json: str, vocab: int, eos_ids: frozenset[int]) -> str:
+        return hashlib.sha256(f"{tokenizer_json}|{vocab}|{sorted(eos_ids)}".encode()).hexdigest()[:24]
+
+    @classmethod
+    def of_model(cls, tokenizer_json: str, vocab: int, eos_ids: frozenset[int]) -> Grammars:
+        """This process's grammars for the model with that tokenizer (made and registered on first use)."""
+        key = cls.key_of(tokenizer_json, vocab, eos_ids)
+        if key not in _REGISTRY:
+            _REGISTRY[key] = cls(tokenizer_json, vocab, eos_ids)
+        return _REGISTRY[key]
 
     def _llg(self):
         try:
@@ -68,14 +104,28 @@ class Grammars:
         except ImportError:
             raise GrammarError(f"structured output needs llguidance: {INSTALL}") from None
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab,
-                                                     eos_token=self.eos_ids or None)
+            try:
+                self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab,
+                                                         eos_token=self.eos_ids or None)
+            except Exception as e:  # llguidance's Rust errors: a tokenizer.json it cannot read token bytes from
+                raise GrammarError(f"structured output cannot read this model's tokenizer.json (llguidance: "
+                                   f"{str(e)[:200]}); it needs a tokenizer with a decoder (byte-level BPE, "
+                                   "SentencePiece)") from None
         return llguidance
 
-    def factory(self, kind: str, spec) -> object:
-        """A callable giving each sequence its own matcher for (kind, spec); GrammarError when it does not compile."""
+    def factory(self, kind: str, spec) -> GrammarRef:
+        """What gives each sequence its own matcher for (kind, spec), compiled here first (GrammarError when it does
+        not compile) and picklable."""
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+        self._template(kind, spec)
+        _REGISTRY.setdefault(self.key, self)
+        return GrammarRef(self.key, kind, spec)
+
+    def matcher(self, kind: str, spec) -> Constrained:
+        return Constrained(self._template(kind, spec).deep_copy())
+
+    def _template(self, kind: str, spec):
         key = json.dumps([kind, spec], sort_keys=True)
         with self._lock:
             template = self._compiled.get(key)
@@ -85,7 +135,7 @@ class Grammars:
                 if len(self._compiled) > self.size:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
-        return lambda: Constrained(template.deep_copy())
+        return template
 
     def _compile(self, kind: str, spec):
         llg = self._llg()

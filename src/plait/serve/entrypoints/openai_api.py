@@ -171,7 +171,7 @@ def grammars_of(service: Service) -> Grammars | None:
     tok = service.served.tokenizer
     if not isinstance(tok, HFTokenizer):
         return None
-    return Grammars(tok.to_json(), service.served.vocab_size, service.served.eos_ids)
+    return Grammars.of_model(tok.to_json(), service.served.vocab_size, service.served.eos_ids)
 
 
 def _jobs(ask: Ask) -> list[tuple[int, int, list[int], SamplingParams]]:

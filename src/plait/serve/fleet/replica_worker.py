@@ -25,8 +25,10 @@ import traceback
 
 import torch
 
+from plait.data.hf_tokenizer import HFTokenizer
 from plait.serve.engine.build import EngineOptions, build_engine
 from plait.serve.engine.core import Engine, Handle, TokenEvent
+from plait.serve.engine.grammar import Grammars
 from plait.serve.executor.runner import Runner
 from plait.serve.executor.tasks import (
     Cancel,
@@ -63,6 +65,8 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: 
         if engine is not None:
             built, _, _ = build_engine(served, ref, EngineOptions.from_dict(engine), runner.device)
             sequences = _Sequences(built, out)
+            if isinstance(served.tokenizer, HFTokenizer):  # structured output's GrammarRefs find this model's grammars
+                Grammars.of_model(served.tokenizer.to_json(), served.vocab_size, served.eos_ids)
         split = None
         if timing is not None:
             split = {"process_s": timing["process_s"], "imports_s": timing["imports_s"],
