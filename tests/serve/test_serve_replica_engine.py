@@ -83,6 +83,11 @@ def test_each_replica_runs_the_engine_and_greedy_tokens_equal_transformers(fleet
     service, pool = fleet.service, fleet.service.executor
     assert isinstance(pool, ReplicaPool) and service.engine is None and service.remote_engine
     assert [s["blocks"] for s in pool.engine_stats()] == [2048, 2048]
+    from plait.serve.entrypoints.server import banner_lines  # the engine's line, not the batcher's, and its routes
+
+    _, how, routes = banner_lines(service, fleet.url)
+    assert how.startswith("  engine: continuous batching · in each of 2 replicas (prefix routing), KV cache 4 MB")
+    assert f"{fleet.url}/v1/chat/completions" in routes
     want = hf_ignoring_eos(hf_dir, ids_of(hf_dir, PROMPT), 12)
     kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})

@@ -247,11 +247,14 @@ def banner_lines(service: Service, url: str) -> list[str]:
     s, opts, engine = service.served, service.opts, service.engine
     head = (f"serving '{service.name}' ({s.registry_name}, {s.spec.task}, checkpoint {s.checkpoint or '-'}) at {url} · "
             f"{service.layout} on {service.device}" + (" · bearer token required" if opts.token else ""))
-    if engine is not None:
-        c, pool = engine.config, engine.pool
-        how = (f"  engine: continuous batching · KV cache {pool.num_blocks} blocks x {c.block_size} tokens "
-               f"({opts.kv_cache_mb:g} MB) · max {c.max_seqs} sequences, {c.max_prefill_tokens} prompt tokens a step · "
-               f"prefix caching {'on' if c.prefix_caching else 'off'} · context {opts.max_model_len or s.context} tokens"
+    if engine is not None or service.remote_engine:
+        c = opts.engine_config
+        where = (f"KV cache {engine.pool.num_blocks} blocks x {c.block_size} tokens ({opts.kv_cache_mb:g} MB)"
+                 if engine is not None else f"in each of {opts.replicas} replicas ({opts.route} routing), KV cache "
+                                            f"{opts.kv_cache_mb:g} MB of {c.block_size}-token blocks")
+        how = (f"  engine: continuous batching · {where} · max {c.max_seqs} sequences, {c.max_prefill_tokens} prompt "
+               f"tokens a step · prefix caching {'on' if c.prefix_caching else 'off'} · context "
+               f"{opts.max_model_len or s.context} tokens"
                + (f" · draft {opts.draft} ({opts.num_speculative_tokens} tokens a step)" if opts.draft else "")
                + (f" · LoRA adapters: {', '.join(service.adapters)}" if service.adapters else "")
                + (f" · tensor parallel over {opts.tp} processes" if opts.tp > 1 else ""))
@@ -259,7 +262,7 @@ def banner_lines(service: Service, url: str) -> list[str]:
         how = (f"  batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue {opts.max_queue}, timeout "
                f"{opts.timeout_ms:g} ms" + service.exactness)
     routes = [f"{url}/v2/models/{service.name}/infer"] + ([f"{url}/v1/generate"] if s.can_generate else [])
-    if engine is not None:
+    if engine is not None or service.remote_engine:
         routes += [f"{url}/v1/completions", f"{url}/v1/chat/completions", f"{url}/v1/models", f"{url}/tokenize",
                    f"{url}/detokenize"]
     return [head, how, "  " + "  ·  ".join(routes + [f"{url}/metrics", f"{url}/docs"])]
