@@ -66,7 +66,7 @@ def test_every_executor_gets_the_resolved_device(gpt_run, monkeypatch):  # noqa:
     """With a fake CUDA, auto resolves to cuda and each executor is handed it; nothing has touched a GPU yet."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     path = str(gpt_run / "model.safetensors")
-    for opts in (ServeOptions(replicas=2), ServeOptions(pp=2)):
+    for opts in (ServeOptions(replicas=2), ServeOptions(pp=2, scheduler="static")):
         service = Service(path, opts)  # executors start their processes in start(), not here
         assert service.device == "cuda" and service.executor.device == "cuda"
         # This process's copy is for metadata only: each replica or stage moves its own.

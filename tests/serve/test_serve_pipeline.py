@@ -26,7 +26,8 @@ def reference(gpt_run):  # noqa: F811
 
 def test_two_stages_answer_like_one_process_then_fail_fast_when_a_stage_dies(gpt_run, reference):  # noqa: F811
     model, tok = reference
-    with ServerThread(gpt_run / "model.safetensors", ServeOptions(pp=2, max_batch_size=8, max_delay_ms=1)) as srv:
+    with ServerThread(gpt_run / "model.safetensors", ServeOptions(pp=2, max_batch_size=8, max_delay_ms=1,
+                                                                       scheduler="static")) as srv:
         pp = srv.service.executor
         assert pp.bounds == [(0, 1), (1, 2)] and len(set(pp.pids)) == 2 and os.getpid() not in pp.pids
         with httpx.Client(base_url=srv.url, timeout=60) as c:

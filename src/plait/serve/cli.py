@@ -77,7 +77,7 @@ def cmd_serve(a) -> int:
                         max_prefill_tokens=a.max_prefill_tokens, max_step_tokens=a.max_step_tokens,
                         prefix_caching=not a.no_prefix_caching,
                         draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
-                        lora=tuple(a.lora or ()), tp=a.tp, max_model_len=a.max_model_len)
+                        lora=tuple(a.lora or ()), tp=a.tp, route=a.route, max_model_len=a.max_model_len)
     return run(str(model), opts.validate())
 
 
@@ -106,7 +106,13 @@ def add_parsers(sub, bench) -> None:
                    help="model name in URLs and the OpenAI API's `model` (default: the registry name, e.g. mlp, gpt or "
                         "llama; the OpenAI API also answers to the path as given)")
     s.add_argument("--replicas", type=int, default=1, help="worker processes each holding the model (1: in-process)")
-    s.add_argument("--pp", type=int, default=1, help="pipeline stages: split the model's blocks over K processes")
+    s.add_argument("--route", choices=["prefix", "least-loaded", "round-robin"], default="prefix",
+                   help="--replicas of a language model: which replica's engine takes a sequence (prefix: the one "
+                        "whose KV cache holds the longest prefix of its prompt; cold prompts to the least loaded)")
+    s.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline stages: the model's blocks split over K processes; a language model runs the engine "
+                        "(the server is stage 0, each stage keeps the KV cache of its own blocks), other models and "
+                        "--scheduler static run static batches")
     s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="language models: tensor-parallel generation over N processes, each with 1/N of the weights "
                         "and of the KV cache")
@@ -132,7 +138,7 @@ def add_parsers(sub, bench) -> None:
                         "and pipeline stages take GPU i mod the GPUs there are (several on one GPU share it)")
     s.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
                    help="language models: continuous batching over a paged KV cache (in one process), or static "
-                        "batches generated together until the longest ends (also what --replicas and --pp do)")
+                        "batches generated together until the longest ends (also what --autoscale does)")
     _add_engine_args(s)
     s.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     s.add_argument("--max-new-tokens", type=int, default=1024, help="the most tokens one generate request may ask for")
@@ -157,14 +163,13 @@ def add_parsers(sub, bench) -> None:
 
 
 # vLLM's flags that have no plait twin: (flag, what plait takes instead). The twins are aliases above
-# (--served-model-name, --tensor-parallel-size, --api-key, --max-num-seqs, --max-num-batched-tokens).
+# (--served-model-name, --tensor-parallel-size, --pipeline-parallel-size, --api-key, --max-num-seqs,
+# --max-num-batched-tokens).
 VLLM_REFUSED = {
     "--gpu-memory-utilization": "plait sizes the KV cache in megabytes: --kv-cache-mb MB",
     "--swap-space": "plait preempts by recomputing, it does not swap: leave it out",
     "--quantization": "plait quantizes weights itself: --quantize int8",
     "--speculative-config": "plait's speculative decoding takes a draft model: --draft DIR --num-speculative-tokens K",
-    "--pipeline-parallel-size": "the OpenAI endpoints run on one process's engine or --tp N; --pp K serves "
-                                "/v1/generate in static batches",
     "--trust-remote-code": "plait never imports a model directory's code; it builds Llama-family and GPT-2 models "
                            "itself",
 }
@@ -212,7 +217,9 @@ def vllm_flags(a) -> Path:
 def _add_engine_args(s) -> None:
     """The continuous-batching engine's flags of `plait serve`."""
     s.add_argument("--block-size", type=int, default=16, help="continuous: tokens per KV-cache block")
-    s.add_argument("--kv-cache-mb", type=float, default=64.0, help="continuous: the KV-cache block pool (all layers)")
+    s.add_argument("--kv-cache-mb", type=float, default=64.0,
+                   help="continuous: the KV-cache block pool, all layers (each process's, of its own layers or heads, "
+                        "under --pp and --tp)")
     s.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=64,
                    help="continuous: sequences in one engine step at most")
     s.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=0,

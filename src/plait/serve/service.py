@@ -27,6 +27,7 @@ from plait.data.tokenizer import CharTokenizer
 from plait.models.gpt import GPT
 from plait.serve.engine.build import EngineOptions, build_engine
 from plait.serve.engine.core import Engine, EngineConfig, SamplingParams, TokenEvent
+from plait.serve.engine.pp import PipelineGroup
 from plait.serve.engine.tp import TensorParallelGroup
 from plait.serve.errors import RequestError, ServeError
 from plait.serve.executor.batcher import Batcher, BatchPolicy, Pending, QueueFull
@@ -139,7 +140,7 @@ class ServeOptions:
         if self.draft is not None and self.scheduler != "continuous":
             raise ServeError("--draft needs the continuous-batching engine; drop --scheduler static")
         if self.draft is not None and (self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
-            raise ServeError("--draft runs in the server's process; drop --replicas, --pp and --autoscale")
+            raise ServeError("--draft needs the whole model in the server's process; drop --replicas, --pp and --autoscale")
         names = [spec.partition("=")[0] for spec in self.lora]
         for spec, name in zip(self.lora, names):
             if "=" not in spec or not name or not spec.partition("=")[2]:
@@ -148,8 +149,8 @@ class ServeOptions:
         if len(set(names)) < len(names) or (self.name is not None and self.name in names):
             raise ServeError(f"--lora names must differ from each other and from the served model's: {', '.join(names)}")
         if self.lora and (self.scheduler != "continuous" or self.replicas > 1 or self.pp > 1 or self.autoscale is not None):
-            raise ServeError("--lora needs the continuous-batching engine in the server's process; drop --scheduler "
-                             "static, --replicas, --pp and --autoscale")
+            raise ServeError("--lora needs the continuous-batching engine with the whole model in the server's process; "
+                             "drop --scheduler static, --replicas, --pp and --autoscale")
         if self.tp < 1:
             raise ServeError(f"--tp = {self.tp} must be >= 1")
         if self.tp > 1:
@@ -215,6 +216,12 @@ class Service:
         self.ongoing = 0  # requests admitted and not yet answered (what the autoscaler follows)
         self._ongoing_peak = 0  # the most at once since the autoscaler last looked
         self.autoscaler: Autoscaler | None = None
+        self.engine: Engine | None = None
+        self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
+        self.tp_group: TensorParallelGroup | None = None
+        self.pp_group: PipelineGroup | None = None  # --pp's stages, started before the executor moves this process's
+        if opts.pp > 1 and opts.scheduler == "continuous" and self.served.can_generate:  # model: it keeps stage 0 alone
+            self.engine, self.adapters, self.pp_group = build_engine(self.served, self.ref, opts, torch_device(self.device))
         self.executor: Executor = self._executor()
         self.batcher: Batcher | None = None
         if opts.autoscale is not None and self.served.backend == "pytorch":
@@ -225,24 +232,22 @@ class Service:
         # Large request bodies are decoded (and large answers encoded) here, off the event loop. One thread: decoding
         # holds the GIL, so more threads would not decode faster, only take more turns from the loop (and memory).
         self.codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-codec")
-        # Continuous batching (plait.serve.engine.core) for a language model in this process, or in each replica
-        # (remote_engine); pipeline stages, --autoscale and --scheduler static generate whole batches through the
+        # Continuous batching (plait.serve.engine.core) for a language model in this process (its stages under --pp),
+        # or in each replica (remote_engine); --autoscale and --scheduler static generate whole batches through the
         # batcher (plait.serve.executor.generate).
-        self.engine: Engine | None = None
         self.remote_engine = isinstance(self.executor, ReplicaPool) and self.executor.engine is not None
         self._grammar_engine: Engine | None = None  # --replicas: for grammars that do not pickle (_sequences_for)
-        self.adapters: list[str] = []  # --lora names; a request's `model` picks one (adapter index = position + 1)
-        self.tp_group: TensorParallelGroup | None = None
         if opts.scheduler == "continuous" and self.served.can_generate and isinstance(self.executor, LocalExecutor):
-            self.engine, self.adapters, self.tp_group = build_engine(self.served, self.ref, opts,
-                                                                     self.executor.runner.device)
+            if self.engine is None:  # (--pp's is built above)
+                self.engine, self.adapters, self.tp_group = build_engine(self.served, self.ref, opts,
+                                                                         self.executor.runner.device)
         elif opts.draft is not None or opts.lora or opts.tp > 1:
             raise ServeError(f"--draft, --lora and --tp: model '{self.name}' does not generate text with the engine "
                              "(they need a language model with a tokenizer)")
 
     def _executor(self) -> Executor:
         pad_to = self.opts.max_batch_size if self.opts.exact_batching else None
-        if self.opts.pp > 1:
+        if self.opts.pp > 1 and self.pp_group is None:  # static batches through stage processes
             return PipelineExecutor(self.ref, self.served, self.opts.pp, self.opts.threads_per(self.opts.pp),
                                     device=self.device)
         if self.opts.autoscale is not None:
@@ -321,8 +326,8 @@ class Service:
         for engine in (self.engine, self._grammar_engine):
             if engine is not None:
                 await asyncio.get_running_loop().run_in_executor(None, engine.stop)
-        if self.tp_group is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.tp_group.close)
+        for close in [group.close for group in (self.tp_group, self.pp_group) if group is not None]:
+            await asyncio.get_running_loop().run_in_executor(None, close)
         self.codec.shutdown(wait=False)
 
     async def off_loop(self, fn, *args, size: int = 0):
@@ -332,7 +337,7 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
 
     def ready(self) -> bool:
-        return self.batcher is not None and self.executor.ready()
+        return self.batcher is not None and self.executor.ready() and (self.pp_group is None or not self.pp_group.down)
 
     # ------------------------------------------------------------------ requests
 
@@ -383,10 +388,10 @@ class Service:
         request that outgrows its context is generated by the static path, which recomputes the last `context`
         tokens at each step: learned positions shift)."""
         self.require_generation()
-        if adapter and not self.engine_fits(len(row.prompt), row.max_new_tokens):
+        if (adapter or self.pp_group is not None) and not self.engine_fits(len(row.prompt), row.max_new_tokens):
             raise RequestError(400, f"the prompt ({len(row.prompt)} tokens) and max_new_tokens ({row.max_new_tokens}) "
-                                    f"exceed the model's context of {self.served.context} positions, which a LoRA "
-                                    "adapter's requests must fit")
+                                    f"exceed the model's context of {self.served.context} positions, which "
+                                    f"{'a LoRA adapter' if adapter else '--pp'}'s requests must fit")
         if (self.engine is not None or self.remote_engine) and self.engine_fits(len(row.prompt), row.max_new_tokens):
             params = SamplingParams(row.max_new_tokens, row.temperature, row.top_k, 1.0, row.seed)
             emit = None if on_token is None else (lambda ev: on_token(ev.index, ev.token))
@@ -414,9 +419,9 @@ class Service:
         the event loop) and why it ended. `stop(events)`, asked after each token, ends it early (a stop string:
         finish reason "stop")."""
         if self.engine is None and not self.remote_engine:
-            raise RequestError(400, "this server generates with --scheduler static (or pipeline stages, --autoscale): "
-                                    "the OpenAI endpoints need the continuous-batching engine; serve the model in one "
-                                    "process or with --replicas, without --scheduler static")
+            raise RequestError(400, "this server generates with --scheduler static (or --autoscale): the OpenAI "
+                                    "endpoints need the continuous-batching engine; serve the model in one process or "
+                                    "with --replicas, --tp or --pp, without --scheduler static")
         finished: asyncio.Future = asyncio.get_running_loop().create_future()  # (finish reason, why)
         events: list[TokenEvent] = []
         m = self.metrics
@@ -454,8 +459,8 @@ class Service:
             raise
         finally:
             self.ongoing -= 1
-        if reason == "error":
-            raise RequestError(500, f"generation failed in the engine: {why}")
+        if reason == "error":  # a 503 once a pipeline stage died (--pp): nothing is answered until a restart
+            raise RequestError(503 if self.pp_group and self.pp_group.down else 500, f"generation failed in the engine: {why}")
         if reason == "invalid":  # the engine refused it (engine.submit's ValueError, here or in a replica)
             raise RequestError(400, why)
         if reason.startswith("failed: "):  # this request alone: the others in the batch go on

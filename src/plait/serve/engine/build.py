@@ -1,5 +1,6 @@
 """The continuous-batching engine of one served language model, built from `plait serve`'s options: its draft
-model (--draft), its LoRA adapters (--lora) and its tensor-parallel ranks (--tp), each checked first.
+model (--draft), its LoRA adapters (--lora), its tensor-parallel ranks (--tp) or its pipeline stages (--pp), each
+checked first.
 
 The server's process builds it from its ServeOptions; a replica process (plait.serve.fleet.replica_worker) from
 `EngineOptions`, the part of them an engine reads, which crosses the pipe as a plain dict."""
@@ -15,6 +16,7 @@ from plait.errors import ConfigError
 from plait.models.protocols import check_tensor_parallel
 from plait.serve.engine.adapters import install_adapters, load_adapter
 from plait.serve.engine.core import Engine, EngineConfig
+from plait.serve.engine.pp import PipelineGroup, pipeline_plan
 from plait.serve.engine.tp import TensorParallelGroup, shard
 from plait.serve.errors import ServeError
 from plait.serve.model.load import DECODERS, ModelRef, ServedModel, load_model
@@ -31,12 +33,13 @@ class EngineOptions:
     lora: tuple[str, ...] = ()
     tp: int = 1
     trust_checkpoint: bool = False
+    pp: int = 1
 
     @classmethod
     def of(cls, opts, threads: int) -> EngineOptions:
         """From a ServeOptions (any object with its fields), for an engine stepping on `threads` threads."""
         return cls(opts.engine_config, threads, opts.draft, opts.num_speculative_tokens, tuple(opts.lora), opts.tp,
-                   opts.trust_checkpoint)
+                   opts.trust_checkpoint, opts.pp)
 
     def to_dict(self) -> dict:
         """Plain values only: a replica unpickles its arguments before torch is imported (fleet.coldstart)."""
@@ -55,9 +58,9 @@ class EngineOptions:
 
 
 def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
-                 ) -> tuple[Engine, list[str], TensorParallelGroup | None]:
-    """(the engine, the --lora names in adapter order, the tensor-parallel group or None); `opts` a ServeOptions or
-    an EngineOptions."""
+                 ) -> tuple[Engine, list[str], TensorParallelGroup | PipelineGroup | None]:
+    """(the engine, the --lora names in adapter order, the tensor-parallel or pipeline group or None); `opts` a
+    ServeOptions or an EngineOptions. Under --pp, `served.module` becomes this process's stage (on `device`)."""
     draft = _draft(served, opts, device) if opts.draft is not None else None
     router, names = None, []
     if opts.lora:
@@ -65,11 +68,13 @@ def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
                     for spec in opts.lora]
         router = install_adapters(served.module, adapters)
         names = [a.name for a in adapters]
-    group = _tensor_parallel(served, ref, opts) if opts.tp > 1 else None
+    group = _tensor_parallel(served, ref, opts) if opts.tp > 1 else _pipeline(served, ref, opts, device) if (
+        opts.pp > 1) else None
     try:
         engine = Engine(served.module, opts.engine_config, device, threads=opts.threads_per(1, in_process=True),
                         draft=draft, num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
-                        announce=group.announce if group is not None else None)
+                        announce=group.announce if group is not None else None,
+                        blocks=group.num_blocks if isinstance(group, PipelineGroup) else None)
     except ValueError as e:
         if group is not None:
             group.abort()
@@ -87,6 +92,19 @@ def _tensor_parallel(served: ServedModel, ref: ModelRef, opts) -> TensorParallel
     group = TensorParallelGroup(ref, opts.tp, num_blocks, opts.block_size, opts.threads_per(opts.tp))
     try:
         served.module = shard(served.module, opts.tp).eval()
+        group.wait_ready()
+    except BaseException:
+        group.abort()
+        raise
+    return group
+
+
+def _pipeline(served: ServedModel, ref: ModelRef, opts, device: torch.device) -> PipelineGroup:
+    """--pp K: start stages 1..K-1, then keep stage 0 of this process's model, on `device`."""
+    bounds, num_blocks = pipeline_plan(served.module, opts.pp, opts.engine_config)  # before any process starts
+    group = PipelineGroup(ref, bounds, num_blocks, opts.block_size, opts.threads_per(opts.pp), device.type)
+    try:
+        served.module = group.first_stage(served.module).to(device)
         group.wait_ready()
     except BaseException:
         group.abort()
