@@ -254,17 +254,24 @@ def train(config: Config | str | Path | None = None, *, model: Ref | None = None
     return Result.from_run_dir(run_dir)
 
 
-def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = False, trust_checkpoint: bool = False,
-           adapters_only: bool = False, batch: str | int | None = None, quantize: str | None = None,
-           aoti: bool = False) -> Path:
-    """Write a run's weights as `plait export` does; returns the file written.
+def export(run_dir: str | Path, out: str | Path | None = None, *, format: str = "safetensors", best: bool = False,
+           trust_checkpoint: bool = False, adapters_only: bool = False, batch: str | int | None = None,
+           quantize: str | None = None, aoti: bool = False) -> Path:
+    """Write a run's weights as `plait export` does; returns the file (or folder) written. The one front door of
+    every export: the CLI calls it.
 
     out: a .safetensors file (default RUN_DIR/model.safetensors), a folder, or an edge export (.onnx, .pt2, .pte,
-    checked against the eager model; batch, quantize and aoti apply to those). best: the checkpoint
-    checkpoint.keep_best kept.
+    checked against the eager model; batch, quantize and aoti apply to those). format="hf": a Hugging Face model
+    directory at `out` (config.json, model.safetensors, the checkpoint's tokenizer and generation files; LoRA merged).
+    best: the checkpoint checkpoint.keep_best kept.
     """
     run_dir = Path(run_dir)
     target = Path(out) if out is not None else None
+    if format not in ("safetensors", "hf"):
+        raise ConfigError(f"format={format!r}: plait exports 'safetensors' (with edge suffixes .onnx, .pt2, .pte) or "
+                          "'hf' (a Hugging Face directory)")
+    if format == "hf":
+        return _export_hf(run_dir, target, best, trust_checkpoint, adapters_only or bool(batch or quantize or aoti))
     if target is not None and target.suffix in (".onnx", ".pt2", ".pte"):
         from plait.edge import check_request, export_edge  # lazily: ONNX and ExecuTorch are optional extras
 
@@ -302,6 +309,20 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, best: bool = F
         checkpoint = link.resolve()
     return export_weights(run_dir, target, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                           adapters_only=adapters_only)
+
+
+def _export_hf(run_dir: Path, out: Path | None, best: bool, trust_checkpoint: bool, other_options: bool) -> Path:
+    if out is None:
+        raise ConfigError("format 'hf' writes a Hugging Face model directory: name it (-o DIR, or out=DIR)")
+    if other_options:
+        raise ConfigError("format 'hf' writes the whole model (adapters merged); drop --batch, --quantize, --aoti and "
+                          "--adapters-only")
+    from plait.export import export_hf  # lazily: `import plait` and plait.Config must not import torch
+
+    best_link = run_dir / "checkpoints" / "best"
+    if best and not best_link.exists():
+        raise ConfigError(f"{run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
+    return Path(export_hf(run_dir, out, best_link if best else None, trust_checkpoint=trust_checkpoint))
 
 
 def load(path: str | Path, *, trust_factory: bool = False, trust_checkpoint: bool = False) -> nn.Module:

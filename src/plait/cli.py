@@ -45,17 +45,11 @@ def cmd_config_show(a) -> int:
 
 def cmd_export(a) -> int:
     if a.format == "hf":
-        if a.output is None:
-            raise ConfigError("--format hf writes a Hugging Face model directory: name it with -o DIR")
-        if a.batch is not None or a.edge_quantize or a.aoti or a.adapters_only:
-            raise ConfigError("--format hf writes the whole model (adapters merged); drop --batch, --quantize, --aoti "
-                              "and --adapters-only")
-        from plait.export import export_hf  # lazily: plait --help must not import torch
+        from plait.api import export  # lazily: plait --help must not import torch
 
-        best = a.run_dir / "checkpoints" / "best"
-        if a.best and not best.exists():
-            raise ConfigError(f"{a.run_dir} has no best checkpoint; train with --set checkpoint.keep_best='val_loss'")
-        print(f"wrote {export_hf(a.run_dir, a.output, best if a.best else None, trust_checkpoint=a.trust_checkpoint)}")
+        out = export(a.run_dir, a.output, format="hf", best=a.best, trust_checkpoint=a.trust_checkpoint,
+                     adapters_only=a.adapters_only, batch=a.batch, quantize=a.edge_quantize, aoti=a.aoti)
+        print(f"wrote {out}")
         return 0
     if a.output is not None and a.output.suffix in (".onnx", ".pt2", ".pte"):
         return cmd_export_edge(a)

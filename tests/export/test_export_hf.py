@@ -90,3 +90,21 @@ def test_the_adapters_alone_carry_the_targets_the_run_recorded(lora_run, tmp_pat
         meta, names = f.metadata(), sorted(f.keys())
     assert json.loads(meta["plait.lora"]) == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj"]}
     assert names == [f"blocks.{i}.attn.{p}.lora_{m}" for i in range(2) for p in ("q_proj", "v_proj") for m in "AB"]
+
+
+def test_the_python_api_is_the_one_front_door_of_the_hf_export(lora_run, tmp_path):
+    """Issue 56 item 5: plait.export(run, out, format="hf") writes what `plait export --format hf` writes; the CLI
+    calls it, so its checks are the API's."""
+    import plait
+    from plait.cli import main
+    from plait.errors import ConfigError
+
+    run, _, _ = lora_run
+    api = plait.export(run, tmp_path / "api", format="hf")
+    assert main(["export", str(run), "-o", str(tmp_path / "cli"), "--format", "hf"]) == 0
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "model-00001-of-00001.safetensors"):
+        assert (api / name).read_bytes() == (tmp_path / "cli" / name).read_bytes()
+    with pytest.raises(ConfigError, match=r"^format 'hf' writes a Hugging Face model directory: name it"):
+        plait.export(run, format="hf")
+    with pytest.raises(ConfigError, match=r"^format='onnx': plait exports 'safetensors'"):
+        plait.export(run, tmp_path / "x", format="onnx")
