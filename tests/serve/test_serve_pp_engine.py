@@ -19,6 +19,7 @@ from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.parallel.split import pipeline_stage
 from plait.serve.engine.paged import PagedCache
+from plait.serve.engine.pp import DATA, FAILED, STOP, decode_step, encode_step, recv, send, stage_step
 from plait.serve.entrypoints.server import ServerThread
 from plait.serve.errors import ServeError
 from plait.serve.model.load import ModelRef, load_model
@@ -54,6 +55,48 @@ def test_paged_stages_chain_to_the_whole_models_logits(arch):
             hidden = stages[0](ids, cache=caches[1].step(chunks))
             assert hidden.shape == (1, ids.shape[1], 32)
             torch.testing.assert_close(stages[1](hidden, cache=caches[2].step(chunks)), want)
+
+
+class Wire:
+    """One rank's end of an in-process stand-in for the stages' ProcessGroupGloo: what rank s sends rank d waits in
+    boxes[s, d] (gloo's order per pair)."""
+
+    def __init__(self, rank: int, boxes: dict):
+        self.rank, self.boxes = rank, boxes
+
+    def send(self, tensors, dst, tag):
+        self.boxes.setdefault((self.rank, dst), []).append(tensors[0].clone())
+        return self
+
+    def recv(self, tensors, src, tag):
+        tensors[0].copy_(self.boxes[src, self.rank].pop(0))
+        return self
+
+    def wait(self):
+        pass
+
+
+def test_a_stage_passes_its_error_on_applies_the_copies_and_stops():
+    """The wire and one stage's loop, in one process: a step's int64s round-trip, a forward that fails sends its error
+    to rank 0 (the step fails, the stage goes on) after the step's block copies, and STOP ends the loop."""
+    chunks, copies = [([3, 1], 0, 5), ([2], 6, 1)], [(0, 1), (2, 3)]
+    assert decode_step(encode_step(chunks, copies, [4, 5])) == (chunks, copies, [4, 5])
+    assert decode_step(encode_step(chunks, [], None)) == (chunks, [], None)
+    torch.manual_seed(0)
+    stage = pipeline_stage(Llama(50, 64, 32, 4, 2, kv_heads=2), [(0, 1), (1, 2)], 1).eval()
+    cache = PagedCache(stage, 4, 4)
+    boxes: dict = {}
+    first, last = Wire(0, boxes), Wire(1, boxes)
+    send(first, 1, DATA, encode_step([([0], 0, 3)], [(0, 2)], None), torch.zeros(1, 3, 16))  # not the width: it fails
+    with torch.inference_mode():
+        cache.k["1"][:4] = 1.0  # block 0
+        assert stage_step(last, 1, 2, stage, cache, torch.device("cpu"))
+    flag, step, text = recv(first, 1)
+    assert flag == FAILED and step is None and bytes(text.tolist()).decode().startswith("pipeline stage 1: RuntimeError")
+    assert (cache.k["1"][8:12] == 1.0).all()  # block 2 := block 0 all the same
+    send(first, 1, STOP)
+    assert not stage_step(last, 1, 2, stage, cache, torch.device("cpu"))  # the last stage sends nothing on
+    assert boxes == {(0, 1): [], (1, 0): []}
 
 
 def test_greedy_text_streamed_and_not_equals_transformers(pp2, hf_dir):  # noqa: F811

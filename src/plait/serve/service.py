@@ -391,7 +391,8 @@ class Service:
         if (adapter or self.pp_group is not None) and not self.engine_fits(len(row.prompt), row.max_new_tokens):
             raise RequestError(400, f"the prompt ({len(row.prompt)} tokens) and max_new_tokens ({row.max_new_tokens}) "
                                     f"exceed the model's context of {self.served.context} positions, which "
-                                    f"{'a LoRA adapter' if adapter else '--pp'}'s requests must fit")
+                                    + ("a LoRA adapter's requests must fit" if adapter else "--pp's requests must fit "
+                                       "(--scheduler static generates past it)"))
         if (self.engine is not None or self.remote_engine) and self.engine_fits(len(row.prompt), row.max_new_tokens):
             params = SamplingParams(row.max_new_tokens, row.temperature, row.top_k, 1.0, row.seed)
             emit = None if on_token is None else (lambda ev: on_token(ev.index, ev.token))
