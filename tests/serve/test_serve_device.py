@@ -153,7 +153,7 @@ def test_whole_path_with_device_cpu(gpt_run, reference):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"replicas": 2}, {"pp": 2}], ids=["replicas", "pp"])
+@pytest.mark.parametrize("layout", [{"replicas": 2}, {"pp": 2, "scheduler": "static"}], ids=["replicas", "pp"])
 def test_replicas_and_stages_with_device_cpu(gpt_run, reference, layout):  # noqa: F811
     with ServerThread(gpt_run / "model.safetensors", ServeOptions(device="cpu", max_delay_ms=0, **layout)) as srv:
         assert srv.service.executor.device == "cpu"
