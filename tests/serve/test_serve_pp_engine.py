@@ -144,6 +144,9 @@ def test_each_process_holds_its_own_blocks_and_their_kv_cache(pp2, hf_dir):  # n
                                  *((f"block {i}", whole.blocks[i]) for i in ("0", "1")))}
     service = pp2.service
     group, engine = service.pp_group, service.engine
+    from plait.serve.entrypoints.server import banner_lines  # the engine's line says where the blocks are
+
+    assert banner_lines(service, pp2.url)[1].endswith(" · blocks split over 2 pipeline stages")
     first, last = group.stages
     assert (first.pid, first.bounds, first.layers) == (os.getpid(), (0, 1), ("0",))
     assert last.pid != os.getpid() and last.pid == group.procs[0].pid and (last.bounds, last.layers) == ((1, 2), ("1",))

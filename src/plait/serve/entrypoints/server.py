@@ -257,7 +257,8 @@ def banner_lines(service: Service, url: str) -> list[str]:
                f"{opts.max_model_len or s.context} tokens"
                + (f" · draft {opts.draft} ({opts.num_speculative_tokens} tokens a step)" if opts.draft else "")
                + (f" · LoRA adapters: {', '.join(service.adapters)}" if service.adapters else "")
-               + (f" · tensor parallel over {opts.tp} processes" if opts.tp > 1 else ""))
+               + (f" · tensor parallel over {opts.tp} processes" if opts.tp > 1 else "")
+               + (f" · blocks split over {opts.pp} pipeline stages" if opts.pp > 1 else ""))
     else:
         how = (f"  batching: max {opts.max_batch_size} rows / {opts.max_delay_ms:g} ms, queue {opts.max_queue}, timeout "
                f"{opts.timeout_ms:g} ms" + service.exactness)
