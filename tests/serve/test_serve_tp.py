@@ -25,10 +25,31 @@ def test_tp2_greedy_text_equals_one_process(hf_dir):  # noqa: F811
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="tiny", prompt=prompts[1], max_tokens=12, temperature=0, stream=True) if c.choices)
         metrics = httpx.get(srv.url + "/metrics").text
+        dead = rank_killed_mid_stream(srv)  # last: it takes the group down
     for p, text in zip(prompts, got):
         want = hf_greedy(hf_dir, hf_dir["tok"].encode(p, add_special_tokens=False).ids, 12)
         assert text == decode(hf_dir, [t for t in want if t != hf_dir["eos"]])
     assert streamed == got[1] and "plait_kv_blocks_used 0.0" in metrics
+    error, after, ready = dead
+    assert error.startswith("generation failed in the engine: TensorParallelDown: --tp 2: rank 1 (pid ")
+    assert error.endswith("restart the server") and after == 503 and ready == 503
+
+
+def rank_killed_mid_stream(srv) -> tuple[str, int, int]:
+    """Kill rank 1 while a stream runs: (the stream's error event, the next request's status, readiness)."""
+    import json
+    import os
+    import signal
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.kill(srv.service.tp_group.procs[0].pid, signal.SIGKILL)
+        last = [line for line in lines if line.startswith("data: ")][-1]
+    error = json.loads(last.removeprefix("data: "))["error"]["message"]
+    after = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    return error, after.status_code, httpx.get(srv.url + "/v2/health/ready").status_code
 
 
 def test_tp_refuses_what_it_cannot_combine_or_split(hf_dir):  # noqa: F811

@@ -32,6 +32,10 @@ from plait.serve.model.load import ModelRef, load_model
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+class TensorParallelDown(ServeError):
+    """A rank of --tp died: no forward can run any more (the server answers 503 and is not ready)."""
+
+
 def shard(module, world: int):
     """The module split over every rank of the default group (its plan's matrices, in place)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,6 +86,7 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         self.world = world
+        self.down: str | None = None  # why no forward can run any more (a rank died)
         self._ready = 0  # ranks holding their shard
         self._dir = tempfile.TemporaryDirectory(prefix="plait-tp-")  # the group's FileStore, removed with the group
         store = os.path.join(self._dir.name, "tp-store")
@@ -146,14 +151,24 @@ class TensorParallelGroup:
                  rows: list[int] | None = None) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([("step", (ids, list(chunks), copies, rows))], src=0)
+        if self.down is not None:
+            raise TensorParallelDown(self.down)
+        try:
+            dist.broadcast_object_list([("step", (ids, list(chunks), copies, rows))], src=0)
+        except RuntimeError as e:  # gloo: a rank's connections closed
+            time.sleep(0.2)  # its process is reaped a moment after its sockets close
+            dead = [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+            self.down = (f"--tp {self.world}: {', '.join(dead) or 'a rank'} died ({str(e).splitlines()[0][:120]}); "
+                         "restart the server")
+            raise TensorParallelDown(self.down) from None
 
     def close(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             try:
-                dist.broadcast_object_list([("stop", None)], src=0)
+                if self.down is None:  # a broken group cannot carry the stop: its ranks are killed below
+                    dist.broadcast_object_list([("stop", None)], src=0)
             finally:
                 dist.destroy_process_group()
         for p in self.procs:

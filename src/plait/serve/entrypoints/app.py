@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from plait.serve.entrypoints.generate_request import gen_row
 from plait.serve.entrypoints.openai_api import OPENAI_PATHS, openai_error, openai_routes
 from plait.serve.entrypoints.protocol import (
     HEADER_LENGTH,
@@ -433,7 +434,7 @@ def _generate_routes(app: FastAPI, service: Service) -> None:
             else:
                 _model_or_404(service, model)
         service.require_generation()
-        row, stream, prompt_tokens = service.gen_row(body)
+        row, stream, prompt_tokens = gen_row(service, body)
         arrived = request.scope["state"]["arrived"]
         if stream:
             return StreamingResponse(_sse(service, row, arrived, adapter), media_type="text/event-stream",
