@@ -44,7 +44,7 @@ from plait.train.continual import Continual
 from plait.train.distill import Distiller
 from plait.train.job import check_job, metric_name
 from plait.train.keys import PREFERENCE_OBJECTIVES
-from plait.train.loss import focal_loss, loss_for, with_extra_loss
+from plait.train.loss import TokenMeanLoss, focal_loss, loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
 from plait.train.preference import PreferenceLoss, preference_loss
 from plait.train.progressive import Freezer
@@ -126,7 +126,10 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     files = run_dir is not None and strategy.evaluates
     ckpt = Checkpointer(run_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_) if files and run_dir else None
     slices = next((c.batch_slices for c in callbacks.items if c.batch_slices is not None), None)
-    loader = StepLoader(bundle.train, sampler_for(cfg, bundle, loss_fn), start,
+    sampler = sampler_for(cfg, bundle, loss_fn)
+    if isinstance(loss_fn, TokenMeanLoss):  # each step's trained tokens per row, from the global batch's indices
+        loss_fn.order = sampler.global_batch
+    loader = StepLoader(bundle.train, sampler, start,
                         stop, rt.axis_rank("batch"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
                         pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices,
                         transform=b.batch_transform())
@@ -229,6 +232,8 @@ def loss_of(cfg: Config, model: nn.Module, bundle, rt: Runtime):
     else:
         loss_fn = (import_object("train.loss", cfg.train.loss) if cfg.train.loss
                    else loss_for(spec, cfg.train.temperature, rt.axis_group("dp")))
+    if cfg.train.loss_normalization == "tokens":  # chat data (the job check): every trained token weighs the same
+        loss_fn = TokenMeanLoss((bundle.train.y != -100).sum(1))
     if isinstance(model, Ensemble):  # each member's gradient is its own loss's
         loss_fn = ensemble_loss(loss_fn, model)
     if cfg.distill.teacher:

@@ -100,6 +100,29 @@ class PreferenceKeys:
                               "data.name = 'preference' and data.path to their JSONL file")
 
 
+LOSS_NORMALIZATIONS = ("sequences", "tokens")  # train.loss_normalization (plait.train.loss)
+
+
+@keys("train")
+class LossNormKeys:
+    loss_normalization: str = opt("sequences", "chat data: sequences (the mean over each row's trained tokens, then "
+                                               "over the rows) or tokens (the mean over every trained token of the "
+                                               "global batch, as TRL's SFTTrainer and torchtune normalise); both "
+                                               "layout-independent", LOSS_NORMALIZATIONS)
+
+    def check(self, cfg) -> None:
+        if self.loss_normalization == "sequences":
+            return
+        if cfg.data.name != "chat" or cfg.train.loss:
+            raise ConfigError(f"train.loss_normalization = 'tokens' normalises the chat loss over the trained tokens; "
+                              f"data.name = {cfg.data.name!r}, train.loss = {cfg.train.loss!r} has none: set "
+                              "data.name = 'chat' and train.loss = '' (or train.loss_normalization = 'sequences')")
+        if cfg.parallel.cp > 1 or cfg.distill.teacher:
+            raise ConfigError("train.loss_normalization = 'tokens' is untested with parallel.cp > 1 and [distill]; "
+                              "set parallel.cp = 1 and distill.teacher = '' (or train.loss_normalization = "
+                              "'sequences')")
+
+
 @keys("train")
 class ContinualKeys:
     ewc: float = opt(0.0, "data.stream: elastic weight consolidation's lambda, the pull of each finished task's "

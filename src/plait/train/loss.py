@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
+from plait.callback import Callback
 from plait.data.spec import DataSpec
 from plait.models.protocols import ExtraLossModel
 
@@ -23,6 +24,33 @@ def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     per = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
     trained = (targets != -100).sum(1)
     return (per.sum(1) / trained.clamp(min=1)).mean()
+
+
+class TokenMeanLoss(Callback):
+    """train.loss_normalization = "tokens": the chat loss as the mean over every trained token of the global batch (TRL's
+    SFTTrainer and torchtune divide the batch's summed cross-entropy by its trained tokens, across accumulation steps
+    and ranks). A micro-batch's loss is its rows' mean summed loss over tau, the global batch's trained tokens per row:
+    the strategies' scaling by the micro-batch's share of the rows then gives sum / tokens whatever the layout. tau
+    depends on the global batch alone, so each step's is computed from the sampler's indices and each sample's count
+    (no collective, the same on every rank); outside a training step (evaluation) a batch is its own global batch."""
+
+    def __init__(self, trained: torch.Tensor):
+        self.trained = trained.double()  # each training sample's trained tokens
+        self.order: Callable[[int], torch.Tensor] | None = None  # step -> the global batch's indices (build_job's)
+        self.tau: float | None = None
+
+    def on_step_begin(self, step: int) -> None:
+        assert self.order is not None, "build_job gives the loss the sampler's order"
+        self.tau = float(self.trained[self.order(step)].mean())
+
+    def on_step_end(self, step: int) -> None:
+        self.tau = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
+        if self.tau is None:
+            return per.sum() / (targets != -100).sum().clamp(min=1)
+        return per.sum(1).mean() / max(self.tau, 1.0)
 
 
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
