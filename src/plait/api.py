@@ -31,7 +31,10 @@ from typing import TYPE_CHECKING, Any
 from plait.config import Config as _Config
 from plait.config import apply_overrides, dump_config, format_config, load_config, validate_config
 from plait.errors import CheckpointError, ConfigError, PlaitError
-from plait.rundir import new_run_dir
+from plait.launch.resume import absolute_paths
+from plait.launch.start import launch_checked, start_run
+from plait.refs import import_object
+from plait.rundir import is_federated_run, new_run_dir
 
 if TYPE_CHECKING:  # `plait.Config` must not import torch
     import torch.nn as nn
@@ -157,8 +160,6 @@ def reference(key: str, obj: Ref) -> str:
         raise ConfigError(f"{key}: {qualname} is defined in the script being run (__main__); the workers are separate "
                           "processes that import it by name: move it into a module (e.g. mycode.py) and import it")
     ref = f"{module}:{qualname}"
-    from plait.data.user import import_object  # lazily: `import plait` and plait.Config must not import torch
-
     if import_object(key, ref) is not obj:
         raise ConfigError(f"{key}: {ref} does not import back as the object given (is it decorated or replaced?); "
                           "pass 'package.module:function' naming the one to call")
@@ -214,8 +215,6 @@ def run_train(config: str | Path | None = None, overrides: Sequence[str] = (), *
               resume: str | Path | None = None, dry_run: bool = False, trust_checkpoint: bool = False) -> int:
     """`plait train` as a function: a new run (CONFIG, --set, --out) or a resumed one (--resume, --out to fork); the
     job checked once, its run directory written, its workers started (or this process one of them). Exit code."""
-    from plait.launch.start import start_run  # lazily: starting a run imports the trainer's checks (torch)
-
     return start_run(config, list(overrides), out=out, resume=resume, dry_run=dry_run,
                      trust_checkpoint=trust_checkpoint)
 
@@ -229,9 +228,6 @@ def train(config: Config | str | Path | None = None, *, model: Ref | None = None
     `reference`). out: the run directory (default runs/<time>). Raises ConfigError before any worker starts,
     TrainingFailed when the workers fail.
     """
-    from plait.launch.resume import absolute_paths  # lazily: plait.Config must not import torch
-    from plait.launch.start import launch_checked  # lazily: as above
-
     cfg = _as_config(config)
     if model is not None:
         cfg.model.factory = reference("model", model)
@@ -286,8 +282,6 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, format: str = 
     if target is not None and target.suffix != ".safetensors":
         raise ConfigError(f"out={str(target)!r}: plait writes .safetensors (weights) or an edge export (.onnx, .pt2, "
                           ".pte); name the file with one of these suffixes")
-    from plait.federated.report import is_federated_run  # lazily: `import plait` and plait.Config must not import torch
-
     if is_federated_run(run_dir):  # its global model is already exported, in the same format
         import shutil
 

@@ -1,4 +1,4 @@
-"""Command line: argument parsing only; each verb calls one public function.
+"""Command line: argument parsing only; each verb names the function that runs it.
 
     plait train [CONFIG] [--set section.key=value ...] [--out DIR] [--resume RUN_DIR] [--dry-run]
     plait config show [CONFIG] [--set ...]
@@ -6,7 +6,9 @@
     plait report RUN_DIR
     plait bench WHAT ...
 
-Errors a user can fix print as one or two lines and exit with status 2.
+Each verb's parser sets `fn` to "package.module:function" (plait.refs), imported only when that verb runs: the
+parsers of every verb are built for each command, so they import no torch (`plait --help` stays light), and a verb
+pays only for its own imports. Errors a user can fix print as one or two lines and exit with status 2.
 """
 
 from __future__ import annotations
@@ -16,16 +18,10 @@ import sys
 from pathlib import Path
 
 from plait.config import format_config, load_config
-from plait.errors import CheckpointError, ConfigError, PlaitError
+from plait.errors import ConfigError, PlaitError
+from plait.exiting import exit_now
 from plait.extras import missing_extra, torchvision_warning
-from plait.rundir import timestamped
-
-
-def cmd_train(a) -> int:
-    from plait.api import run_train  # lazily: plait --help must not import torch
-
-    return run_train(a.config, a.set, out=a.out, resume=a.resume, dry_run=a.dry_run,
-                     trust_checkpoint=a.trust_checkpoint)
+from plait.refs import resolve
 
 
 def _check_sets(sets: list[str]) -> None:
@@ -40,67 +36,6 @@ def cmd_config_show(a) -> int:
     if config and Path(config).is_dir() and (Path(config) / "config.toml").is_file():
         config = Path(config) / "config.toml"  # a run directory: the config it ran with
     print(format_config(load_config(config, a.set)))
-    return 0
-
-
-def cmd_export(a) -> int:
-    if a.format == "hf":
-        from plait.api import export  # lazily: plait --help must not import torch
-
-        out = export(a.run_dir, a.output, format="hf", best=a.best, trust_checkpoint=a.trust_checkpoint,
-                     adapters_only=a.adapters_only, batch=a.batch, quantize=a.edge_quantize, aoti=a.aoti)
-        print(f"wrote {out}")
-        return 0
-    if a.output is not None and a.output.suffix in (".onnx", ".pt2", ".pte"):
-        return cmd_export_edge(a)
-    if a.output is not None and a.output.is_dir():
-        a.output = a.output / "model.safetensors"  # -o exports/: into that folder
-    if a.output is not None and a.output.suffix != ".safetensors":
-        raise ConfigError(f"-o {a.output}: plait writes .safetensors (weights) or an edge export (.onnx, .pt2, .pte); "
-                          "name the file with one of these suffixes")
-    if a.batch is not None or a.edge_quantize or a.aoti:
-        raise ConfigError("--batch, --quantize and --aoti apply to edge exports: pass -o model.onnx or -o model.pt2")
-    from plait.api import export  # lazily: plait --help must not import torch (the flags are checked above)
-
-    out = export(a.run_dir, a.output, best=a.best, trust_checkpoint=a.trust_checkpoint, adapters_only=a.adapters_only)
-    from plait.federated.report import is_federated_run  # its global model is exported as it finishes
-
-    print(f"{out} (a federated run's global model, already exported)" if a.output is None and
-          is_federated_run(a.run_dir) else f"wrote {out}")
-    return 0
-
-
-def cmd_export_edge(a) -> int:
-    from plait.edge import check_request, export_edge  # lazily: plait --help must not import torch or onnx
-
-    check_request(a.output, a.batch, a.edge_quantize, a.aoti)  # flags first, before the model loads
-    report = export_edge(a.run_dir, a.output, batch=a.batch, quantize=a.edge_quantize, aoti=a.aoti,
-                         trust_checkpoint=a.trust_checkpoint)
-    print("\n".join(report.lines()))
-    return 0
-
-
-def cmd_bench_memory(a) -> int:
-    from plait.launch.bench_memory import bench_memory  # lazily: plait --help must not import torch
-
-    base = load_config(a.config, [*a.set, "parallel.zero=0", "parallel.offload='none'"])
-    out = a.out or timestamped("bench-memory")
-    bench_memory(base, out, a.steps)
-    return 0
-
-
-def cmd_report(a) -> int:
-    from plait.federated.report import is_federated_run, write_fed_report  # lazily: plait --help must not import matplotlib
-    from plait.report import write_report  # lazily: as the line above
-    from plait.report.bottleneck import breakdown, format_report  # lazily: as the line above
-
-    if not (a.run_dir / "metrics.jsonl").is_file():
-        raise CheckpointError(f"{a.run_dir} has no metrics.jsonl; pass the --out directory of a training run")
-    if is_federated_run(a.run_dir):  # rounds, not steps: its own report
-        print(f"wrote {write_fed_report(a.run_dir)}")
-        return 0
-    print(format_report(breakdown(a.run_dir)))
-    print(f"wrote {write_report(a.run_dir)}")
     return 0
 
 
@@ -146,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="validate and write the run's config.toml, start nothing")
     t.add_argument("--trust-checkpoint", action="store_true",
                    help="with --resume: accept checkpoints that have no manifest.json (plait 0.1); see docs/security.md")
-    t.set_defaults(fn=cmd_train)
+    t.set_defaults(fn="plait.launch.commands:cmd_train")
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
@@ -172,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers' from_pretrained loads")
     e.add_argument("--adapters-only", action="store_true",
                    help="a LoRA run: write its adapters alone (default: merged into the weights they adapt)")
-    e.set_defaults(fn=cmd_export)
+    e.set_defaults(fn="plait.commands.export:cmd_export")
 
     r = sub.add_parser("report", help="where a run's time went, with a verdict; (re)writes RUN_DIR/report.html")
     r.add_argument("run_dir", type=Path, help="a run directory (plait train --out)")
-    r.set_defaults(fn=cmd_report)
+    r.set_defaults(fn="plait.commands.report:cmd_report")
 
     b = sub.add_parser("bench", help="measure plait on this machine")
     bench = b.add_subparsers(dest="bench_verb", required=True, metavar="WHAT")
@@ -185,14 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     bm.add_argument("--steps", type=int, default=6, help="steps per stage")
     bm.add_argument("--out", type=Path, help="where the runs, memory.json and memory.png go (default: runs/bench-memory-<time>)")
-    bm.set_defaults(fn=cmd_bench_memory)
+    bm.set_defaults(fn="plait.commands.bench_memory:cmd_bench_memory")
     for name in VERB_MODULES:
         _load_verbs(name).add_parsers(sub, bench)
     return p
 
 
 # Subsystems that add their own verbs: each module has add_parsers(sub, bench), where `sub` takes
-# top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`.
+# top-level verbs and `bench` takes `plait bench <what>` verbs; each verb sets `fn`, a "module:function" (or the
+# function itself, for a parser module whose verbs cost nothing to import).
 VERB_MODULES: tuple[str, ...] = ("plait.serve.cli", "plait.bench.cli", "plait.federated.cli", "plait.comm.cli", "plait.plan.cli",
                                   "plait.launch.cli", "plait.audit.cli", "plait.compress.cli",
                                   "plait.report.cli", "plait.cluster.cli", "plait.tune.cli")
@@ -216,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(warning, file=sys.stderr)
     try:
         _check_sets(getattr(a, "set", None) or [])
-        return a.fn(a)
+        return resolve(a.fn)(a)
     except PlaitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -233,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `plait` script: main(), then the process ends without tearing its modules down (plait.exiting)."""
-    from plait.exiting import exit_now  # the entry point only: main() itself returns, for callers in-process
-
     exit_now(main())
 
 

@@ -59,6 +59,11 @@ def check_writable_run_dir(run_dir: Path, flag: str = "--out") -> None:
                           "overwrite them: choose a new or empty folder")
 
 
+def is_federated_run(run_dir: str | Path) -> bool:
+    """A directory `plait fed simulate` or `plait fed server` wrote (it has partition.json, no checkpoints)."""
+    return (Path(run_dir) / "partition.json").is_file() and not (Path(run_dir) / "checkpoints").exists()
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from fed_helpers import coordinator, fed_config, template, update
-from plait.federated.cli import write_private
+from plait.federated.commands import write_private
 from plait.federated.secagg import MaskingClient, P, agree
 from plait.federated.server import cap_weights
 from plait.federated.tensors import encode, flatten

@@ -275,7 +275,7 @@ def test_injected_slowness_is_recorded_where_the_verdict_reads_it(pool2, tiny_te
 
 
 def test_bad_plan_inputs():
-    from plait.plan.cli import parse_rate, parse_size
+    from plait.plan.keys import parse_rate, parse_size
 
     assert parse_size("80GB", "x") == 80e9 and parse_size("16GiB", "x") == 16 * 2**30
     assert parse_rate("400Gbps", "x") == 50e9 and parse_rate("25GB/s", "x") == 25e9
@@ -411,7 +411,7 @@ def test_plans_name_the_calibration_file_they_use(tmp_path, monkeypatch):
     import argparse
 
     import plait.plan.cost as cost
-    from plait.plan.cli import hardware
+    from plait.plan.commands import hardware
 
     profile = tmp_path / "device_profile.json"
     Hardware(name="this machine", flops=5e10).save(profile)

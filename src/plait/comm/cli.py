@@ -1,27 +1,9 @@
-"""`plait bench collectives`: argument parsing only (registered in plait.cli.VERB_MODULES)."""
+"""`plait bench collectives`: argument parsing only (registered in plait.cli.VERB_MODULES); it runs in
+plait.comm.commands."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from plait.rundir import timestamped
-
-
-def cmd_bench_collectives(a) -> int:
-    from plait.comm.bench import BenchOptions, parse_sizes, run_collectives  # lazily: plait --help must not import torch
-
-    opts = BenchOptions(ops=_names(a.ops), algos=_names(a.algos), sizes=parse_sizes(a.sizes, a.factor), ranks=a.ranks,
-                        iters=a.iters, warmup=a.warmup, repeats=a.repeats, max_seconds=a.max_seconds,
-                        local_size=a.local_size,
-                        out=a.out or timestamped("bench-collectives"))
-    for line in opts.validate().left_out():
-        print(line)
-    run_collectives(opts)
-    return 0
-
-
-def _names(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip()]
 
 
 def add_parsers(sub, bench) -> None:
@@ -43,4 +25,4 @@ def add_parsers(sub, bench) -> None:
     c.add_argument("--max-seconds", type=float, default=1.0, help="time budget per trial (at least 2 calls are timed)")
     c.add_argument("--local-size", type=int, default=0, help="hierarchical: ranks per node (0: half the ranks)")
     c.add_argument("--out", type=Path, help="where collectives.csv and .png go (default: runs/bench-collectives-<time>)")
-    c.set_defaults(fn=cmd_bench_collectives)
+    c.set_defaults(fn="plait.comm.commands:cmd_bench_collectives")

@@ -15,7 +15,6 @@ imported by name, never pickled.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -23,25 +22,9 @@ from torch.utils.data import default_collate
 
 from plait.data.spec import SPLIT_SEED, DataBundle, DataSpec
 from plait.errors import ConfigError, DataError, PlaitError
+from plait.refs import import_object  # a user's 'package.module:name' (plait.train.build imports it from here)
 
 CHECKED_SAMPLES = 8  # samples collated before launch, from both ends of each split
-
-
-def import_object(key: str, ref: str) -> Any:
-    """Import 'package.module:name' (name may be dotted: 'mod:Class.method'); ConfigError naming `key` otherwise."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key} = {ref!r} must be 'package.module:name', e.g. 'mydata:make'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{key} = {ref!r}: cannot import module {module_name!r} ({e}); put it on PYTHONPATH or in the "
-                          "working directory") from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise ConfigError(f"{key} = {ref!r}: module {module_name} has no callable {attr!r}")
-    return obj
 
 
 def _is_map_style(obj: Any) -> bool:

@@ -198,11 +198,6 @@ td{{padding-right:1em}} img{{max-width:100%;margin:0.5em 0}}</style></head>
 """
 
 
-def is_federated_run(run_dir: str | Path) -> bool:
-    """A directory `plait fed simulate` or `plait fed server` wrote (it has partition.json, no checkpoints)."""
-    return (Path(run_dir) / "partition.json").is_file() and not (Path(run_dir) / "checkpoints").exists()
-
-
 def write_fed_report(run_dir: str | Path) -> Path:
     """run_dir/report.html from metrics.jsonl, summary.json and partition.json."""
     run_dir = Path(run_dir)

@@ -21,6 +21,15 @@ def parse_size(text: str, what: str) -> float:
     return float(m.group(1)) * UNITS[m.group(2) or ""]
 
 
+def parse_rate(text: str, what: str) -> float:
+    """'400Gbps' -> bytes per second (bits / 8); '50GB/s' -> bytes per second."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]?)(bps|b/s|bit/s)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"{what} = {text!r} is not a rate; write e.g. 400Gbps (bits) or 50GB/s (bytes)")
+    value = float(m.group(1)) * UNITS[m.group(2).lower()]
+    return value if m.group(3) in ("B/s",) else value / 8
+
+
 @keys("parallel")
 class AutoKeys:
     auto: bool = opt(False, "choose the layout at launch (dp, tp, pp, cp, ZeRO stage, micro-batch, activation "

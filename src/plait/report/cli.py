@@ -1,4 +1,5 @@
-"""`plait runs compare RUN... [--out DIR]` (registered by plait.cli through add_parsers)."""
+"""`plait runs compare RUN... [--out DIR]` (registered by plait.cli through add_parsers); it runs in
+plait.report.commands."""
 
 from __future__ import annotations
 
@@ -11,11 +12,4 @@ def add_parsers(sub, bench) -> None:
     c = rsub.add_parser("compare", help="one HTML page: a table of the runs' figures and their loss curves overlaid")
     c.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="two or more run directories")
     c.add_argument("--out", type=Path, help="where compare.html and compare.png go (default: runs/compare-<time>)")
-    c.set_defaults(fn=cmd_compare)
-
-
-def cmd_compare(a) -> int:
-    from plait.report.compare import compare_runs  # lazily: plait --help must not import matplotlib
-
-    print(f"wrote {compare_runs(a.run_dirs, a.out)}")
-    return 0
+    c.set_defaults(fn="plait.report.commands:cmd_compare")
