@@ -214,7 +214,7 @@ def _unreadable(ds, i) -> bool:
 
 
 def test_cli_pack_names_the_source_and_refuses_a_missing_one(tmp_path, capsys):
-    from plait.audit.cli import source_overrides
+    from plait.audit.commands import source_overrides
     from plait.cli import main
 
     arr = torch.cat([torch.randn(40, 3), torch.randint(0, 2, (40, 1)).float()], 1).numpy()

@@ -1,4 +1,5 @@
-"""Parallel layouts: one file per scheme, the ordered list of them (plait.parallel.schemes) and the layout.
+"""Parallel layouts: the layout, and each scheme as a declaration (plait.parallel.schemes.<name>, in the one ordered
+list plait.parallel.schemes) and an implementation (plait.parallel.<name>: DTensor, FSDP2, pipelining, RPC).
 
     check_config(cfg)             # the layout's arithmetic and every scheme's own keys; ConfigError before launch
     strategy = build_strategy(b)  # b: a plait.parallel.scheme.Build; the Strategy that owns the step

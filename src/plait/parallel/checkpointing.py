@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint
 
 from plait.parallel.base import model_blocks
-from plait.parallel.scheme import Scheme
+from plait.parallel.scheme import Build
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
@@ -16,5 +16,5 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-SCHEME = Scheme("activation_checkpointing", applies=lambda layout, keys: layout.activation_checkpointing,
-                transform=lambda model, b: apply_activation_checkpointing(model))
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    return apply_activation_checkpointing(model)

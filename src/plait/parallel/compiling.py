@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from plait.parallel.base import model_blocks
-from plait.parallel.keys import CompileKeys
-from plait.parallel.scheme import Scheme
+from plait.parallel.scheme import Build
 
 
 def apply_compile(model: nn.Module) -> nn.Module:
@@ -16,5 +15,5 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-SCHEME = Scheme("compile", applies=lambda layout, keys: keys.compile, keys=CompileKeys,
-                transform=lambda model, b: apply_compile(model))
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    return apply_compile(model)

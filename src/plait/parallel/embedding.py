@@ -25,12 +25,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.comm.placement import balanced_owners
-from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.gradsync import allreduce_grads, clip_grad_norm
-from plait.parallel.keys import EmbeddingKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 class _ReduceScatterBatch(torch.autograd.Function):
@@ -162,30 +159,11 @@ class _Local:
         self.grad = g.to_local() if g is not None and hasattr(g, "to_local") else g
 
 
-def check(layout: Layout, keys: EmbeddingKeys) -> None:
-    if keys.embedding_sharding == "none":
-        return
-    if layout.dp == 1 or layout.zero:
-        raise ConfigError(f"parallel.embedding_sharding = {keys.embedding_sharding!r} shards over the dp ranks: it needs "
-                          "parallel.dp >= 2 with zero = 0")
-
-
-def check_model(layout: Layout, keys: EmbeddingKeys, model_cfg, model) -> None:
-    if model_cfg.name != "deepfm" or model_cfg.factory:
-        raise ConfigError(f"parallel.embedding_sharding = {keys.embedding_sharding!r} shards deepfm's embedding tables; "
-                          f"model.name is {model_cfg.name!r}: set model.name='deepfm' or embedding_sharding='none'")
-
-
-def applies(layout: Layout, keys: EmbeddingKeys) -> bool:
-    return layout.embedding_sharding != "none" and layout.dp > 1
-
-
 def build(b: Build) -> Strategy:
     model = b.parallelize(b.module)
     return EmbeddingShardStrategy(model, b.module, b.make_optimizer(b.module), b.loss_fn, b.precision, b.local_batch,
                                   rt=b.rt, mode=b.layout.embedding_sharding)
 
 
-SCHEME = Scheme("embedding_sharding", applies=applies, keys=EmbeddingKeys, check=check, check_model=check_model,
-                transform=lambda model, b: apply_embedding_sharding(model, b.layout.embedding_sharding, b.rt.mesh["dp"]),
-                strategy=build)
+def transform(model: nn.Module, b: Build) -> nn.Module:
+    return apply_embedding_sharding(model, b.layout.embedding_sharding, b.rt.mesh["dp"])

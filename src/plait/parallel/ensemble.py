@@ -20,8 +20,7 @@ from plait.parallel import ddp
 from plait.parallel.base import correct_predictions
 from plait.parallel.embedding import gather_over_dp
 from plait.parallel.gradsync import clip_grad_norm
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 class SpreadEnsembleStrategy(ddp.DDPStrategy):
@@ -54,10 +53,6 @@ class SpreadEnsembleStrategy(ddp.DDPStrategy):
         return gather_over_dp(super().full_model_state_dict(), self.member_group, self.members)
 
 
-def applies(layout: Layout, keys) -> bool:
-    return layout.members > 1
-
-
 def keep_member(model: nn.Module, b: Build) -> nn.Module:
     if not isinstance(model, Ensemble):
         raise TypeError(f"a spread ensemble's model is an Ensemble, not {type(model).__name__}")
@@ -71,6 +66,3 @@ def build(b: Build) -> SpreadEnsembleStrategy:
     strategy.members = b.layout.members
     strategy.member_group = b.rt.ensemble_mesh["member"].get_group()
     return strategy
-
-
-SCHEME = Scheme("ensemble_spread", applies=applies, transform=keep_member, strategy=build)

@@ -41,16 +41,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.comm.compression import ratio_metrics
-from plait.errors import ConfigError
-from plait.models import expert_counts
 from plait.models.moe import MoE, moe_layers
 from plait.parallel.base import Strategy
 from plait.parallel.ddp import rebuilt
 from plait.parallel.ddp import transform as ddp_transform
 from plait.parallel.fsdp import apply_fsdp, stop_unsharded
 from plait.parallel.gradsync import allreduce_grads
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 def shard_experts(model: nn.Module, mesh) -> list[str]:
@@ -115,60 +112,6 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def applies(layout: Layout, keys) -> bool:
-    return layout.ep > 1
-
-
-def check(layout: Layout, keys) -> None:
-    if layout.ep == 1:
-        return
-    if layout.dp % layout.ep:
-        raise ConfigError(
-            f"parallel.ep = {layout.ep} must divide parallel.dp = {layout.dp}: expert-parallel groups are made of "
-            f"data-parallel ranks; set parallel.ep to a divisor of {layout.dp} or change parallel.dp")
-    if layout.zero == 1:
-        raise ConfigError(
-            f"parallel.zero = 1 with parallel.ep = {layout.ep}: ZeRO-1's flat buffers would take the experts in; use "
-            "parallel.zero=2 or 3 (FSDP2 shards the dense part) or zero=0")
-    if layout.sync != "allreduce":
-        raise ConfigError(
-            f"parallel.ep = {layout.ep} averages the experts over their replicas by all-reduce; parallel.sync = "
-            f"{layout.sync!r} replaces the all-reduce: set parallel.sync='allreduce' or parallel.ep=1")
-
-
-def check_model(layout: Layout, keys, model_cfg, model) -> None:
-    """The model has mixture-of-experts layers whose expert counts ep divides."""
-    experts = expert_counts(model_cfg)
-    if not experts:
-        raise ConfigError(
-            f"parallel.ep = {layout.ep} spreads mixture-of-experts layers over ranks, but the model has none; set "
-            f"model.moe_experts (a multiple of {layout.ep}) or parallel.ep=1")
-    for e in sorted(set(experts)):
-        if e % layout.ep:
-            raise ConfigError(
-                f"parallel.ep = {layout.ep} must divide model.moe_experts = {e}: each rank holds moe_experts / ep "
-                f"experts; set model.moe_experts to a multiple of {layout.ep} or parallel.ep to a divisor of {e}")
-
-
-def check_experts_tp(model_cfg, layout: Layout, sequence_parallel: bool) -> None:
-    """Tensor parallel splits the dense matrices (attention, dense MLPs) and keeps each MoE block whole on every tp
-    rank: its input is the whole activation (the attention's row-parallel output is all-reduced), so the tp ranks
-    route the same tokens and compute the same expert gradients, as they do a LayerNorm's. Not with sequence
-    parallel (an MoE block would take a shard of each sequence, and capacity is counted per whole sequence) nor
-    with expert parallel."""
-    experts = expert_counts(model_cfg)
-    if not experts:
-        return
-    if sequence_parallel:
-        raise ConfigError(f"model.moe_experts ({experts[0]}) with parallel.sequence_parallel = true: an MoE block "
-                          "routes whole sequences (capacity is counted per sequence) and sequence parallel hands it a "
-                          "shard of each; set parallel.sequence_parallel=false")
-    if layout.ep > 1:
-        raise ConfigError(f"model.moe_experts ({experts[0]}) with parallel.ep = {layout.ep} and parallel.tp = "
-                          f"{layout.tp}: with tp the experts stay whole on every tp rank; set parallel.ep=1 or "
-                          "parallel.tp=1")
-
-
 def transform(model: nn.Module, b: Build) -> nn.Module:
     names = shard_experts(model, b.rt.expert_mesh)
     # DDP (zero = 0, applied after this transform) then averages the dense part alone.
@@ -192,6 +135,3 @@ def build(b: Build) -> Strategy:
     if isinstance(model, DDP):
         strategy.rewrap = lambda module: ddp_transform(module, b)
     return strategy
-
-
-SCHEME = Scheme("expert", applies=applies, check=check, check_model=check_model, transform=transform, strategy=build)

@@ -34,14 +34,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_sta
 from torch.distributed.tensor import DTensor
 
 from plait.comm.compression import BY_HAND, Compression, ratio_metrics
-from plait.errors import ConfigError
 from plait.finetune.lora import shard_nf4_bases
 from plait.parallel.base import DTYPES, Precision, Strategy, model_blocks
 from plait.parallel.fsdp_compress import install as install_compression
 from plait.parallel.gradsync import clip_grads
 from plait.parallel.keys import DDPKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, stage: int, param_dtype: str = "fp32", offload: bool = False,
@@ -246,35 +244,6 @@ def _on_local_shards(optimizer: torch.optim.Optimizer):
             group["params"] = params
 
 
-def shard_init(layout: Layout, enabled: bool, reads_whole_model: bool) -> bool:
-    """Whether the model is built on the meta device and each rank materialises only its own shards.
-
-    ZeRO-2/3 (FSDP shards parameters at rest in both; after sharding), tensor parallelism (after its split;
-    the shards of a 2-D (dp, tp) DTensor are cut the same way), pipeline stages (each stage its own).
-    Expert/embedding layouts, and a run that changes or reads the plain model before it is cut (init_from a run
-    directory, LoRA, distillation, the contrastive head: `reads_whole_model`), keep the whole-model build; a
-    checkpoint file or Hugging Face directory is read in slices instead (plait.train.weights.checkpoint_parts).
-    """
-    return (enabled and (layout.shards_gradients or layout.splits_model) and layout.ep == 1
-            and layout.embedding_sharding == "none" and layout.sync == "allreduce" and not reads_whole_model)
-
-
-def check_zero(layout: Layout, stages: tuple[int, ...]) -> None:
-    """What every ZeRO stage needs: data-parallel ranks to shard over (the optimizer's rule is the optimizer's)."""
-    if layout.zero in stages and layout.replicas == 1:
-        raise ConfigError(f"parallel.zero = {layout.zero} shards over the data-parallel axis, but parallel.dp = 1; "
-                          "set parallel.dp >= 2 (or parallel.cp >= 2) or parallel.zero=0")
-
-
-def check(layout: Layout, keys) -> None:
-    if layout.offload == "params" and layout.zero < 2:
-        raise ConfigError(
-            f"parallel.offload = 'params' moves FSDP's parameter, gradient and optimizer shards to CPU memory and needs "
-            f"parallel.zero = 2 or 3 (it is {layout.zero}); set parallel.zero=3, or parallel.offload='optimizer' "
-            "(optimizer state only) or 'disk'")
-    check_zero(layout, (2, 3))
-
-
 # parallel.compression under ZeRO-2/3: what is reduce-scattered is cast to this dtype (FSDP2's reduce_dtype)
 REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -308,7 +277,3 @@ def build(b: Build) -> Strategy:
     if compression != "none":
         strategy.labels.append(f"{compression} compression")
     return strategy
-
-
-SCHEME = Scheme("fsdp", applies=lambda layout, keys: layout.shards_gradients, check=check,
-                transform=transform, strategy=build)

@@ -32,11 +32,9 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from plait.comm.algorithms import _exchange, group_ranks
-from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.keys import GossipKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme, require_plain_data_parallel
+from plait.parallel.scheme import Build
 
 
 def neighbour_offsets(n: int, topology: str) -> list[int]:
@@ -181,20 +179,7 @@ class GossipStrategy(Strategy):
         return {k: v.cpu() for k, v in self.average_state().items()}
 
 
-def check(layout: Layout, keys: GossipKeys) -> None:
-    if layout.sync != "gossip":
-        return
-    require_plain_data_parallel(layout)
-    if layout.dp < 2:
-        raise ConfigError(f"parallel.sync = 'gossip' needs neighbours to average with: parallel.dp = {layout.dp}; "
-                          "set parallel.dp >= 2")
-
-
 def build(b: Build) -> Strategy:
     keys = b.keys(GossipKeys)
     return GossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
                           b.local_batch, b.rt.axis_group("dp"), keys.gossip_every, keys.gossip_topology)
-
-
-SCHEME = Scheme("gossip", applies=lambda layout, keys: layout.sync == "gossip", keys=GossipKeys, check=check,
-                strategy=build)

@@ -59,12 +59,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from plait.comm import accounting
 from plait.comm.algorithms import group_ranks
-from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.gossip import GossipStrategy, consensus_distance
 from plait.parallel.keys import GossipKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 BYE, REQUEST = 0, 1
 TAG_HEADER, TAG_PARAMS, TAG_REPLY_HEADER, TAG_REPLY = 71, 72, 73, 74
@@ -295,19 +293,8 @@ class AsyncGossipStrategy(GossipStrategy):
         return out
 
 
-def check(layout: Layout, keys: GossipKeys) -> None:
-    if keys.gossip_async and layout.sync == "gossip" and layout.dp % 2:
-        raise ConfigError(f"parallel.gossip_async pairs each active (even) rank with passive (odd) ones and needs an "
-                          f"even parallel.dp: dp = {layout.dp}; set parallel.dp={layout.dp + 1}")
-
-
 def build(b: Build) -> Strategy:
     keys = b.keys(GossipKeys)
     return AsyncGossipStrategy(b.parallelize(b.module), b.module, b.make_optimizer(b.module), b.loss_fn, b.precision,
                                b.local_batch, b.rt.axis_group("dp"), keys.gossip_every, keys.gossip_topology,
                                b.cfg.train.seed, b.cfg.launch.timeout_s)
-
-
-# Before synchronous gossip in the list: it owns the step when gossip is asynchronous.
-SCHEME = Scheme("gossip_async", applies=lambda layout, keys: layout.sync == "gossip" and keys.gossip_async,
-                keys=GossipKeys, check=check, strategy=build)

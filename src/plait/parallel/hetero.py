@@ -20,25 +20,8 @@ import torch
 from plait.callback import Callback
 from plait.errors import ConfigError
 from plait.parallel.keys import HeteroKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
-
-
-def parse(spec: str, dp: int) -> list[float] | None:
-    """'' -> None (off); 'auto' -> [] (measure); '1,3' -> fixed relative speeds, one per dp rank."""
-    if not spec:
-        return None
-    if spec == "auto":
-        return []
-    try:
-        speeds = [float(s) for s in spec.split(",")]
-    except ValueError:
-        raise ConfigError(f"parallel.hetero = {spec!r}: give 'auto' or one relative speed per data-parallel rank, "
-                          f"e.g. '1,3'") from None
-    if len(speeds) != dp or any(s <= 0 for s in speeds):
-        raise ConfigError(f"parallel.hetero = {spec!r}: give {dp} positive relative speeds (one per data-parallel "
-                          f"rank, parallel.dp = {dp}), e.g. '{','.join(['1'] * dp)}'")
-    return speeds
+from plait.parallel.scheme import Build
+from plait.parallel.schemes.hetero import parse
 
 
 def split_counts(total: int, speeds: list[float]) -> list[int]:
@@ -113,18 +96,6 @@ class HeteroShares:
         return [event]
 
 
-def check(layout: Layout, keys: HeteroKeys) -> None:
-    """parallel.hetero: data parallel with all-reduce only."""
-    if not keys.hetero:
-        return
-    parse(keys.hetero, layout.dp)
-    if layout.dp < 2 or not layout.plain_data_parallel or layout.cp > 1:
-        raise ConfigError(f"parallel.hetero = {keys.hetero!r} splits the batch of data-parallel ranks that all-reduce "
-                          f"their gradients: it needs parallel.dp >= 2 with tp = pp = ep = cp = 1, zero = 0, "
-                          f"sync = 'allreduce' (here dp = {layout.dp}, tp = {layout.tp}, pp = {layout.pp}, zero = "
-                          f"{layout.zero}, sync = {layout.sync!r}); set parallel.hetero='' or change the layout")
-
-
 class HeteroCallback(Callback):
     """The shares in the training loop: each rank's compute measured, re-split on schedule, saved in checkpoints."""
 
@@ -157,7 +128,3 @@ def callbacks(b: Build, strategy) -> list:
     shares = HeteroShares(parse(keys.hetero, b.layout.dp) or [], b.layout.dp, b.layout.global_batch, keys.hetero_every,
                           b.rt.axis_group("dp"))
     return [HeteroCallback(shares, b.rt.device)]
-
-
-SCHEME = Scheme("hetero", applies=lambda layout, keys: bool(keys.hetero), keys=HeteroKeys, check=check,
-                callbacks=callbacks)

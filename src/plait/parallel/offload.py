@@ -32,9 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from plait.errors import ConfigError
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 CHUNK_NUMEL = 1 << 20  # elements per chunk: 4 MiB of fp32 per state tensor
 
@@ -277,28 +275,6 @@ def offload_dir(run_dir: Path | None, rank: int) -> Path | None:
     return None if run_dir is None else Path(run_dir) / "offload" / f"rank-{rank}"
 
 
-def check(layout: Layout, keys) -> None:
-    """parallel.offload = "disk" / "optimizer": the layouts they compose with (the optimizer's rule is the optimizer's:
-    layout.elementwise_optimizer_only)."""
-    if layout.offload not in ("disk", "optimizer"):
-        return
-    if layout.offload == "optimizer" and (layout.shards_gradients or not layout.data_parallel_only):
-        raise ConfigError(
-            f"parallel.offload = 'optimizer' works with data parallelism (zero = 0) and ZeRO-1 (zero = 1), where "
-            f"parameters are plain tensors; this layout has zero = {layout.zero}, tp = {layout.tp}, pp = {layout.pp}, "
-            f"sync = {layout.sync!r}, ep = {layout.ep}, embedding_sharding = {layout.embedding_sharding!r}: "
-            + ("use parallel.offload='params' (FSDP2's CPU offload) with zero 2/3, or parallel.offload='disk'"
-               if layout.zero >= 2 else "set parallel.offload='disk' (any all-reduce layout) or 'none'"))
-    if layout.sync != "allreduce" or layout.embedding_sharding != "none":
-        raise ConfigError(
-            f"parallel.offload = {layout.offload!r} wraps the optimizer of an all-reduce layout; this one has sync = "
-            f"{layout.sync!r}, embedding_sharding = {layout.embedding_sharding!r}: set parallel.offload='none'")
-
-
 def wrap(optimizer: torch.optim.Optimizer, b: Build) -> torch.optim.Optimizer:
     """The step owner's optimizer with its state where parallel.offload puts it (RUN_DIR/offload/rank-R for disk)."""
     return offload_optimizer(optimizer, b.layout.offload, b.rt.device, offload_dir(b.run_dir, b.rt.rank), log=b.rt.print)
-
-
-SCHEME = Scheme("offload", applies=lambda layout, keys: layout.offload in ("disk", "optimizer"), check=check,
-                wrap_optimizer=wrap)

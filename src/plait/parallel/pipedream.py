@@ -36,14 +36,11 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.p2p import recv_message, send_tensor
-from plait.errors import ConfigError
 from plait.parallel import pipeline
 from plait.parallel.gradsync import align_grads, average_tensors
-from plait.parallel.keys import PipelineKeys
-from plait.parallel.layout import Layout
 from plait.parallel.pipeline import PipelineStrategy, step_bubble, theoretical_bubble
 from plait.parallel.saved import saved_tensors
-from plait.parallel.scheme import Scheme
+from plait.parallel.scheme import Build
 
 PENDING = "pipedream_pending_grad"  # checkpoint key of the drained step's gradient (plain names)
 ACT, GRAD = 0, 1  # message kinds
@@ -260,23 +257,8 @@ def pipedream_summary(per_rank: list[dict], p: int, m: int) -> dict:
     }
 
 
-def check(layout: Layout, keys: PipelineKeys) -> None:
-    """PipeDream-2BW runs plain pipeline stages (dp x pp, fp32 or bf16) with enough micro-batches to stream."""
-    if keys.pp_schedule != "pipedream" or layout.pp == 1:
-        return
-    refused = [f"{k} = {v!r}" for k, v, bad in (
-        ("parallel.tp", layout.tp, layout.tp > 1), ("parallel.zero", layout.zero, layout.zero > 0),
-        ("parallel.virtual_stages", layout.virtual_stages, layout.virtual_stages > 1),
-        ("precision.dtype", "fp16", layout.loss_scaling)) if bad]
-    if refused:
-        raise ConfigError(f"parallel.pp_schedule = 'pipedream' runs plain pipeline stages (dp x pp, fp32 or bf16); "
-                          f"it does not combine with {', '.join(refused)}: set pp_schedule = '1f1b' or drop them")
-    m = layout.pipeline_microbatches
-    if m < layout.pp:
-        raise ConfigError(f"parallel.pp_schedule = 'pipedream' needs at least parallel.pp ({layout.pp}) micro-batches "
-                          f"per step (it has {m}); set parallel.microbatches={layout.pp}")
-
-
-SCHEME = Scheme("pipedream", applies=lambda layout, keys: layout.pp > 1 and layout.schedule == "pipedream",
-                keys=PipelineKeys, check=check, check_model=pipeline.check_model,
-                strategy=lambda b: pipeline.build(b, PipeDreamStrategy))
+def build(b: Build) -> PipeDreamStrategy:
+    """The pipeline's build with PipeDream's strategy (plait.parallel.pipeline.build cuts the stages)."""
+    strategy = pipeline.build(b, PipeDreamStrategy)
+    assert isinstance(strategy, PipeDreamStrategy)
+    return strategy

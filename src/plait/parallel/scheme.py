@@ -1,30 +1,38 @@
-"""What a parallel scheme is: a small object in its own file, and what it is given to build with.
+"""What a parallel scheme is: a small declaration that names its implementation, and what it is given to build with.
 
-    SCHEME = Scheme(
+    SCHEME = Scheme(                 # plait/parallel/schemes/zero.py
         "zero1",
         applies=lambda layout, keys: layout.shards_optimizer and layout.zero == 1,
         keys=None,                   # or its key group (plait.parallel.keys): check and applies get cfg.keys(it)
         check=check,                 # (layout, keys) -> None, or ConfigError naming the key, before any worker starts
-        strategy=build,              # Build -> Strategy: owns the step when it is the first that applies
+        strategy="plait.parallel.zero:build",  # Build -> Strategy: owns the step when it is the first that applies
     )
+
+The declaration's own fields (applies, keys, check, check_model) are what the job check asks before any
+worker starts. The hooks a worker calls (transform, strategy, serve, ...) are named "package.module:function"
+and imported when first called (plait.refs), so that reading the declarations imports none of the
+implementations (DTensor, FSDP2, pipelining, RPC); a hook may also be the function itself (a test's toy scheme).
 
 `plait.parallel.schemes.SCHEMES` orders every scheme once. That one order decides both things that
 depend on order: module transforms (`transform`) run in list order on every scheme that applies
 (tensor parallel before activation checkpointing before compile before FSDP/DDP, as torchtitan's
 parallelize does), and the step belongs to the first applicable scheme that builds a strategy.
-Adding a scheme is its file, its keys (if it has any) and one line in that list.
+Adding a scheme is its declaration (plait/parallel/schemes/<name>.py), its implementation (plait/parallel/<name>.py),
+its keys (if it has any) and one line in that list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import ConfigError
 from plait.parallel.layout import Layout
+from plait.refs import Ref, resolve
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 def _never(layout: Layout, keys: Any) -> bool:
@@ -44,19 +52,20 @@ class Scheme:
     # (layout, keys, model cfg, model) -> None, or ConfigError: what the layout asks of the model (model None: the
     # registered one the model cfg names)
     check_model: Callable[[Layout, Any, Any, nn.Module | None], None] | None = None
-    transform: Callable[[nn.Module, Build], nn.Module] | None = None  # a module transform, in SCHEMES order
-    strategy: Callable[[Build], Any] | None = None  # Build -> Strategy (the step owner)
-    serve: Callable[[Build, Any], dict] | None = None  # (Build, run_dir) -> summary, for ranks whose role is "server"
+    # The hooks, each a "package.module:function" (plait.refs) or the function:
+    transform: Ref | None = None  # (nn.Module, Build) -> nn.Module: a module transform, in SCHEMES order
+    strategy: Ref | None = None  # Build -> Strategy (the step owner)
+    serve: Ref | None = None  # (Build, run_dir) -> summary, for ranks whose role is "server"
     # (optimizer, Build) -> the optimizer the step uses (offload moves its state out of device memory)
-    wrap_optimizer: Callable[[Any, Build], Any] | None = None
+    wrap_optimizer: Ref | None = None
     # (Build, strategy) -> callbacks for the training loop (plait.train.callbacks.Callback's members), e.g. hetero's shares
-    callbacks: Callable[[Build, Any], list] | None = None
+    callbacks: Ref | None = None
     # Build -> a function of each micro-batch (inputs, targets) before the step sees it (context parallel keeps this
     # rank's tokens); the global batch itself is the sampler's, whatever the schemes
-    batches: Callable[[Build], Callable] | None = None
+    batches: Ref | None = None
     # (loss, Build) -> the loss the step uses, for a scheme whose cut batches need their own (context parallel's
     # masked targets)
-    loss: Callable[[Callable, Build], Callable] | None = None
+    loss: Ref | None = None
 
     def keys_of(self, cfg) -> Any:
         """This scheme's view of its keys in cfg (None when it declares none)."""
@@ -101,12 +110,12 @@ class Build:
         optimizer = self.new_optimizer(module, only)
         for scheme in self.schemes:
             if scheme.wrap_optimizer is not None and self.uses(scheme):
-                optimizer = scheme.wrap_optimizer(optimizer, self)
+                optimizer = resolve(scheme.wrap_optimizer)(optimizer, self)
         return optimizer
 
     def batch_transform(self) -> Callable | None:
         """What every scheme that applies does to a micro-batch before the step, in SCHEMES order (None: nothing)."""
-        fns = [s.batches(self) for s in self.schemes if s.batches is not None and self.uses(s)]
+        fns = [resolve(s.batches)(self) for s in self.schemes if s.batches is not None and self.uses(s)]
         if not fns:
             return None
 
@@ -119,7 +128,8 @@ class Build:
 
     def callbacks(self, strategy: Any) -> list:
         """The loop callbacks every scheme that applies brings, in SCHEMES order."""
-        return [c for s in self.schemes if s.callbacks is not None and self.uses(s) for c in s.callbacks(self, strategy)]
+        return [c for s in self.schemes if s.callbacks is not None and self.uses(s)
+                for c in resolve(s.callbacks)(self, strategy)]
 
     def materialize(self, model: nn.Module) -> dict | None:
         """Shard-only initialisation: fill `model`'s (sharded) meta parameters from meta_init (a replayed
@@ -148,7 +158,7 @@ class Build:
         skip: schemes whose transform the caller applies itself (expert parallel applies FSDP2 with its experts left out)."""
         for scheme in self.schemes:
             if scheme.transform is not None and scheme.name not in skip and self.uses(scheme):
-                model = scheme.transform(model, self)
+                model = resolve(scheme.transform)(model, self)
         return model
 
 

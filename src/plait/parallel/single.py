@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from plait.parallel.base import Strategy
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 def build(b: Build) -> Strategy:
@@ -11,6 +11,3 @@ def build(b: Build) -> Strategy:
                         b.local_batch)
     strategy.tensor_parallel = strategy.sharded = b.rt.axis_size("tp") > 1
     return strategy
-
-
-SCHEME = Scheme("single", applies=lambda layout, keys: True, strategy=build)

@@ -27,14 +27,11 @@ import torch.nn as nn
 
 from plait.comm.compression import BY_HAND, Compression, CompressionState, compressed_average, ratio_metrics
 from plait.comm.placement import balanced_owners
-from plait.errors import ConfigError
 from plait.parallel.base import Strategy
 from plait.parallel.ddp import HALF
-from plait.parallel.fsdp import check_zero
 from plait.parallel.gradsync import clip_grads
 from plait.parallel.keys import DDPKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.parallel.scheme import Build
 
 
 class ZeroOneStrategy(Strategy):
@@ -138,14 +135,6 @@ class ZeroOneStrategy(Strategy):
         self.flat_grads.zero_()  # gradients are views into this buffer: zero it, never drop them
 
 
-def check(layout: Layout, keys) -> None:
-    check_zero(layout, (1,))
-    if layout.zero == 1 and layout.tp > 1:
-        raise ConfigError(
-            f"parallel.zero = 1 does not combine with tensor parallelism (tp = {layout.tp}); use parallel.zero=2 or 3 "
-            "with tp, or zero=0")
-
-
 def build(b: Build) -> Strategy:
     strategy = ZeroOneStrategy(b.module, b.make_optimizer, b.loss_fn, b.precision, b.local_batch, b.rt.axis_group("dp"))
     keys = b.keys(DDPKeys)
@@ -156,7 +145,3 @@ def build(b: Build) -> Strategy:
     if keys.compression != "none":
         strategy.labels.append(f"{keys.compression} compression")
     return strategy
-
-
-SCHEME = Scheme("zero1", applies=lambda layout, keys: layout.shards_optimizer and layout.zero == 1, check=check,
-                strategy=build)

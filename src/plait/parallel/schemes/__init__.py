@@ -1,7 +1,13 @@
-"""The one ordered list of parallel schemes, and what is asked of it.
+"""The one ordered list of parallel schemes, each a declaration, and what is asked of it.
 
     layout = check_config(cfg)    # the layout's arithmetic and every scheme's own rules; ConfigError before launch
     strategy = build_strategy(b)  # b: a plait.parallel.scheme.Build; the Strategy that owns the step
+
+Each scheme is two modules. Its declaration, here (plait.parallel.schemes.<name>): when it applies, its rules
+against the layout and what it asks of the model, and the names of its hooks ("plait.parallel.fsdp:transform").
+Its implementation, beside it (plait.parallel.<name>): the transform, the Strategy, what it does in a worker.
+The job check, the launcher and the planner read the declarations only, so they never import DTensor, FSDP2,
+pipelining or RPC; a worker imports an implementation when it calls one of its hooks.
 
 SCHEMES fixes the order once (see plait.parallel.scheme): module transforms run in this order
 (tensor parallel -> context parallel -> sharded embeddings -> a spread ensemble's member -> activation
@@ -9,12 +15,19 @@ checkpointing -> compile -> FSDP -> DDP), and the step belongs to the first sche
 strategy (PipeDream, then the pipeline over RPC or collectives, then the parameter server and (asynchronous)
 gossip, which replace the all-reduce, then sharded embeddings, expert parallel, a spread ensemble, ZeRO-1, FSDP,
 DDP, and a single replica last). Offload wraps the optimizer of whichever owns the step. Adding a scheme is its
-file and one line here.
+declaration, its implementation and one line here.
 """
 
 from __future__ import annotations
 
-from plait.parallel import (
+import torch
+
+from plait.models import load_factory
+from plait.models.meta import build_on_meta
+from plait.parallel.keys import ShardInitKeys
+from plait.parallel.layout import Layout
+from plait.parallel.scheme import Build, Scheme
+from plait.parallel.schemes import (
     checkpointing,
     compiling,
     context,
@@ -35,9 +48,7 @@ from plait.parallel import (
     tp,
     zero,
 )
-from plait.parallel.keys import ShardInitKeys
-from plait.parallel.layout import Layout
-from plait.parallel.scheme import Build, Scheme
+from plait.refs import resolve
 
 SCHEMES: list[Scheme] = [
     pipedream.SCHEME,
@@ -77,10 +88,6 @@ def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_kno
     asks = [(s, s.check_model) for s in schemes if s.check_model is not None and s.used(layout, cfg)]
     if asks and model_known:
         if model is None and cfg.model.factory:
-            import torch  # lazily: only a factory's model is built here, on the meta device
-
-            from plait.models import load_factory  # lazily: as torch above
-
             with torch.device("meta"):  # no memory, no initialisation cost
                 model = load_factory(cfg.model.factory)(**cfg.model.options)
         for scheme, check_model in asks:
@@ -98,8 +105,6 @@ def build_module(layout: Layout, cfg, reads_whole_model: bool, make, device, log
     """The plain model for this layout: (model, None) built on the device, or (model, InitRecord) on the meta device
     when the layout shards it and parallel.shard_init is on (the scheme that cuts it materialises this rank's shards
     from the record). A model whose initialisation the record cannot replay is built whole, with a note."""
-    from plait.models.meta import build_on_meta  # lazily: only this builder needs the meta-device recorder
-
     if fsdp.shard_init(layout, cfg.keys(ShardInitKeys).shard_init, reads_whole_model):
         model, record = build_on_meta(make)
         if record.supported:
@@ -117,7 +122,7 @@ def serve_rank(b: Build) -> dict | None:
     owner = step_owner(b.cfg, b.schemes or SCHEMES, b.layout)
     if owner.serve is None:
         raise ValueError(f"rank {b.rt.rank} is a server, but the step owner {owner.name!r} serves nothing")
-    return owner.serve(b, b.run_dir)
+    return resolve(owner.serve)(b, b.run_dir)
 
 
 def build_strategy(b: Build):
@@ -126,10 +131,10 @@ def build_strategy(b: Build):
         b.schemes = SCHEMES
     for scheme in b.schemes:
         if scheme.loss is not None and b.uses(scheme):
-            b.loss_fn = scheme.loss(b.loss_fn, b)
+            b.loss_fn = resolve(scheme.loss)(b.loss_fn, b)
     build = step_owner(b.cfg, b.schemes, b.layout).strategy
     assert build is not None, "step_owner picks a scheme that builds a strategy"
-    return build(b)
+    return resolve(build)(b)
 
 
 __all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config", "serve_rank",
