@@ -74,6 +74,7 @@ def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
         engine = Engine(served.module, opts.engine_config, device, threads=opts.threads_per(1, in_process=True),
                         draft=draft, num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
                         announce=group.announce if group is not None else None,
+                        broken=group.broken if isinstance(group, TensorParallelGroup) else None,
                         blocks=group.num_blocks if isinstance(group, PipelineGroup) else None)
     except ValueError as e:
         if group is not None:

@@ -102,7 +102,7 @@ class Engine:
                  clock: Callable[[], float] = time.perf_counter, threads: int | None = None,
                  draft: nn.Module | None = None, num_speculative: int = 4, router: LoRARouter | None = None,
                  tp: int = 1, announce: Callable[[list[int], list, list, list | None], None] | None = None,
-                 blocks: int | None = None):
+                 blocks: int | None = None, broken: Callable[[BaseException], BaseException | None] | None = None):
         self.config = (config or EngineConfig()).validate()
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -113,6 +113,7 @@ class Engine:
             raise ValueError(f"--num-speculative-tokens = {num_speculative} must be >= 1")
         # Tensor parallel (plait.serve.engine.tp): this rank's shard of the cache; `announce` tells the other ranks each forward.
         self.tp, self.announce = tp, announce
+        self.broken = broken  # a failed forward's error -> the group's own (a rank died), or None
         self._copies: list[tuple[int, int]] = []  # block copies the other ranks have not been told of yet
         # `blocks`: the pool's size when it was decided for every process (plait.serve.engine.pp: each stage's the same)
         num_blocks = blocks or self.pool_blocks(model, self.config, draft, tp)
@@ -300,6 +301,11 @@ class Engine:
             self._copies = []
         try:
             logits = self.model(torch.tensor([ids], device=self.device), cache=view)
+        except RuntimeError as e:  # under --tp a rank's death surfaces in a collective: the group names it
+            why = self.broken(e) if self.broken is not None else None
+            if why is None:
+                raise
+            raise why from None
         finally:
             if self.router is not None:
                 self.router.groups, self.router.selected = {}, {}

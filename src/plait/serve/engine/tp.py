@@ -156,11 +156,20 @@ class TensorParallelGroup:
         try:
             dist.broadcast_object_list([("step", (ids, list(chunks), copies, rows))], src=0)
         except RuntimeError as e:  # gloo: a rank's connections closed
-            time.sleep(0.2)  # its process is reaped a moment after its sockets close
-            dead = [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-            self.down = (f"--tp {self.world}: {', '.join(dead) or 'a rank'} died ({str(e).splitlines()[0][:120]}); "
-                         "restart the server")
-            raise TensorParallelDown(self.down) from None
+            raise self.broken(e) or e from None
+
+    def broken(self, error: BaseException) -> TensorParallelDown | None:
+        """After a collective failed: TensorParallelDown naming the rank that died (the group is down from then
+        on), or None when every rank is alive (the error is the step's own)."""
+        deadline = time.monotonic() + 2.0  # a rank's process is reaped a moment after its sockets close
+        while not (dead := [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+        if self.down is None:
+            ranks = ", ".join(f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in dead)
+            self.down = f"--tp {self.world}: {ranks} died ({str(error).splitlines()[0][:120]}); restart the server"
+        return TensorParallelDown(self.down)
 
     def close(self) -> None:
         import torch.distributed as dist
