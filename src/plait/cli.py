@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="validate and write the run's config.toml, start nothing")
     t.add_argument("--trust-checkpoint", action="store_true",
                    help="with --resume: accept checkpoints that have no manifest.json (plait 0.1); see docs/security.md")
-    t.set_defaults(fn="plait.launch.commands:cmd_train")
+    t.set_defaults(fn="plait.launch.start:cmd_train")
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_verb", required=True, metavar="ACTION")

@@ -36,7 +36,10 @@ from pathlib import Path
 from plait.cluster.policies import JobView, Params, decide
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
+from plait.launch.resume import absolute_paths
+from plait.launch.slurm import SlurmJob, check_name, check_run_path, job_config, parse_time, sbatch_script
 from plait.parallel.layout import Layout, dedicated_servers, replica_procs, resized
+from plait.report.plots import plt, save
 from plait.rundir import check_writable_run_dir
 
 JOB_KEYS = {"name", "config", "set", "arrival", "min_procs", "max_procs"}
@@ -301,8 +304,6 @@ class LocalCluster:
 
 def gantt(cluster: LocalCluster, out: Path) -> Path:
     """Which job held which slot when."""
-    from plait.report.plots import plt, save  # lazily: matplotlib only for the picture
-
     fig, ax = plt.subplots(figsize=(8, 0.6 * cluster.slots + 1.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, j in enumerate(cluster.jobs.values()):
@@ -372,8 +373,6 @@ class SlurmQueue(LocalCluster):
     each holds, so slots are node counts here. `time` is each submission's --time."""
 
     def __init__(self, *args, time_limit: str = "01:00:00", partition: str = "", **kwargs):
-        from plait.launch.slurm import check_name, check_run_path, parse_time  # lazily: the Slurm front end
-
         super().__init__(*args, **kwargs)
         parse_time(time_limit)  # --time and --partition go into #SBATCH lines: checked before anything is submitted
         check_name("--partition", partition)
@@ -383,9 +382,6 @@ class SlurmQueue(LocalCluster):
         self.time_limit, self.partition = time_limit, partition
 
     def _start(self, j: _Job, procs: int, free: list[int], now: float) -> None:
-        from plait.launch.resume import absolute_paths  # lazily: only a Slurm queue's start needs these
-        from plait.launch.slurm import SlurmJob, job_config, sbatch_script  # lazily: as the line above (the Slurm front end)
-
         j.slots, free[:] = free[:procs], free[procs:]
         j.procs = procs
         j.run_dir.mkdir(parents=True, exist_ok=True)

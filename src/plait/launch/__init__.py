@@ -18,16 +18,16 @@ from pathlib import Path
 from plait.config import Config
 from plait.launch.env import ClusterEnv, ClusterEnvError, resolve
 from plait.launch.exits import DISTRIBUTED_FAILURE_EXIT, USER_ERROR_EXIT
+from plait.refs import resolve as implementation
 
-__all__ = ["ClusterEnv", "ClusterEnvError", "DISTRIBUTED_FAILURE_EXIT", "USER_ERROR_EXIT", "launch", "resolve"]
+__all__ = ["LAUNCHERS", "ClusterEnv", "ClusterEnvError", "DISTRIBUTED_FAILURE_EXIT", "USER_ERROR_EXIT", "launch",
+           "resolve"]
+
+# launch.launcher -> what runs the job's workers on this node, (cfg, run_dir, resume) -> exit code; imported when a
+# job launches (torch's elastic agent; Ray, an optional extra, only for "ray")
+LAUNCHERS = {"torchrun": "plait.launch.torchrun:launch_torchrun", "ray": "plait.launch.raytrain:launch_ray"}
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     """Run the job's workers on this node to completion with launch.launcher; returns the CLI's exit code."""
-    if cfg.launch.launcher == "ray":
-        from plait.launch.raytrain import launch_ray  # lazily: Ray is an optional extra (plait[ray])
-
-        return launch_ray(cfg, run_dir, resume)
-    from plait.launch.torchrun import launch_torchrun  # lazily: plait --help must not import torch
-
-    return launch_torchrun(cfg, run_dir, resume)
+    return implementation(LAUNCHERS[cfg.launch.launcher])(cfg, run_dir, resume)

@@ -107,4 +107,4 @@ def add_parsers(sub, bench) -> None:
     la.add_argument("--out", type=Path, help="run directory for config.toml and logs (default: runs/launch-<time>)")
     la.add_argument("rest", nargs=argparse.REMAINDER, metavar="[CONFIG] script.py [args...]",
                     help="an optional config, your script and its own arguments")
-    la.set_defaults(fn="plait.launch.commands:cmd_launch")
+    la.set_defaults(fn="plait.launch.script:cmd_launch")

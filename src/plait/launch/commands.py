@@ -1,5 +1,7 @@
-"""What the launch verbs do (their parsers: plait.launch.cli): `plait train`, `plait env`, `plait slurm`, `plait k8s`
-and `plait launch`. Imported when one of them runs; nothing here imports torch (the job check and the workers do).
+"""What `plait env`, `plait slurm` and `plait k8s` do (their parsers: plait.launch.cli); none imports torch.
+
+`plait train` runs plait.launch.start.cmd_train (the launcher, torch-free until the job check) and `plait launch`
+plait.launch.script.cmd_launch (torch's elastic agent).
 """
 
 from __future__ import annotations
@@ -14,15 +16,7 @@ from plait.launch import k8s
 from plait.launch.env import format_env, resolve
 from plait.launch.follow import follow_launch, pinned_dp
 from plait.launch.role import describe, job_role
-from plait.launch.script import check_script_job, launch_script, split_args
 from plait.launch.slurm import SlurmJob, submit, write_job
-from plait.launch.start import start_run
-from plait.rundir import timestamped
-
-
-def cmd_train(a) -> int:
-    return start_run(a.config, list(a.set), out=a.out, resume=a.resume, dry_run=a.dry_run,
-                     trust_checkpoint=a.trust_checkpoint)
 
 
 def cmd_env(a) -> int:
@@ -54,14 +48,6 @@ def cmd_slurm(a) -> int:
     else:
         print(f"submit it with: sbatch {script}")
     return 0
-
-
-def cmd_launch(a) -> int:
-    config, script, args = split_args(a.rest)
-    cfg = load_config(config, a.set)
-    check_script_job(cfg)  # before the run dir exists: a bad layout leaves nothing behind
-    out = a.out or timestamped("launch")
-    return launch_script(cfg, out, script, args)
 
 
 def cmd_k8s(a) -> int:

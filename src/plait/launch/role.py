@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from plait.config import Config, validate_config
 from plait.launch.env import ClusterEnv, ClusterEnvError, resolve
+from plait.parallel.layout import Layout
 
 
 @dataclass
@@ -66,8 +67,6 @@ def launcher_per_task(cfg: Config, env: ClusterEnv) -> Config:
 
 def node_launcher(cfg: Config, env: ClusterEnv) -> Config:
     """A Kubeflow pod: the operator decides the nodes, this pod's index, processes per node and the rendezvous."""
-    from plait.parallel.layout import Layout  # lazily: plait env resolves without torch
-
     new = copy.deepcopy(cfg)
     lc = new.launch
     lc.nnodes = env.nnodes

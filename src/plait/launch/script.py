@@ -13,8 +13,15 @@ import os
 import sys
 from pathlib import Path
 
-from plait.config import Config, dump_config
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+
+from plait.config import Config, dump_config, load_config, validate_config
 from plait.errors import ConfigError
+from plait.launch.forkserver import worker_env
+from plait.launch.torchrun import _quiet_agent, launch_config, report_failure
+from plait.parallel.schemes import check_config
+from plait.rundir import timestamped
 
 CONFIG_ENV = "PLAIT_CONFIG"
 RUN_DIR_ENV = "PLAIT_RUN_DIR"
@@ -42,9 +49,6 @@ def refuse_roles(cfg: Config) -> None:
 
 def check_script_job(cfg: Config):
     """The layout's arithmetic and every scheme's keys, before any process starts; the model is the script's."""
-    from plait.config import validate_config  # lazily: `plait launch --help` must not import torch
-    from plait.parallel import check_config  # lazily: `plait launch --help` must not import torch
-
     validate_config(cfg)
     refuse_roles(cfg)
     return check_config(cfg, model_known=False)
@@ -52,12 +56,6 @@ def check_script_job(cfg: Config):
 
 def launch_script(cfg: Config, run_dir: Path, script: str, args: list[str]) -> int:
     """Write run_dir/config.toml and run the script in the layout's processes; returns the CLI's exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    from plait.launch.forkserver import worker_env  # lazily: as torch above
-    from plait.launch.torchrun import _quiet_agent, launch_config, report_failure  # lazily: as torch above
-
     check_script_job(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
@@ -72,3 +70,12 @@ def launch_script(cfg: Config, run_dir: Path, script: str, args: list[str]) -> i
     except ChildFailedError as e:
         return report_failure(e)
     return 0
+
+
+def cmd_launch(a) -> int:
+    """`plait launch`'s verb (its parser: plait.launch.cli)."""
+    config, script, args = split_args(a.rest)
+    cfg = load_config(config, a.set)
+    check_script_job(cfg)  # before the run dir exists: a bad layout leaves nothing behind
+    out = a.out or timestamped("launch")
+    return launch_script(cfg, out, script, args)

@@ -15,11 +15,17 @@ from pathlib import Path
 
 from plait.config import Config, auto_notes, dump_config, load_config
 from plait.errors import ConfigError
-from plait.launch import forkserver
+from plait.launch import forkserver, launch
 from plait.launch.resume import absolute_paths, check_resume_overrides, fork_run
 from plait.launch.role import Role, job_role
 from plait.parallel.layout import Layout
 from plait.rundir import TRUST_ENV, check_writable_run_dir, timestamped, write_checked_config
+
+
+def cmd_train(a) -> int:
+    """`plait train`'s verb (its parser: plait.cli)."""
+    return start_run(a.config, list(a.set), out=a.out, resume=a.resume, dry_run=a.dry_run,
+                     trust_checkpoint=a.trust_checkpoint)
 
 
 def start_run(config: str | Path | None = None, overrides: list[str] | None = None, *, out: str | Path | None = None,
@@ -74,8 +80,6 @@ def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int
         say(f"run it with: torchrun --nproc_per_node {layout.procs_per_node(cfg.max_nodes, cfg.launch.nproc_per_node)} "
             f"-m plait.worker {run_dir}")
         return 0
-    from plait.launch import launch  # lazily: plait --help must not import torch
-
     return launch(cfg, run_dir, resume=bool(resume))
 
 
@@ -146,7 +150,6 @@ def _new(config: str | Path | None, overrides: list[str], out: str | Path | None
 
 def launch_checked(cfg: Config, run_dir: Path) -> int:
     """Check a job made in code whole, write its checked config.toml into run_dir and run its workers to the end."""
-    from plait.launch import launch  # lazily: launching imports torch.distributed
     from plait.train.job import check_job  # lazily: it imports torch (this module must not: see _load_job)
 
     layout = check_job(cfg)

@@ -5,13 +5,15 @@
     plait plan [CONFIG] --calibrate [--world 2]       # measure this machine; later plans use it
     plait simulate [CONFIG] --devices 1024 [--set-layout tp=8,pp=1] [...hardware flags]
 
-The parsers only; the verbs run in plait.plan.commands (the cost model and the search, which import torch).
+The parsers of plan, simulate, compat and whatif only; the verbs run in plait.plan.commands (the cost model and
+the search, which import torch), plait.plan.compat and plait.plan.whatif.
 """
 
 from __future__ import annotations
 
-from plait.plan.compat import add_parsers as compat_parsers
-from plait.plan.whatif import add_parsers as whatif_parsers
+from pathlib import Path
+
+from plait.plan.whatif import CHANGES
 
 
 def _hardware_flags(p, what: str) -> None:
@@ -30,8 +32,15 @@ SET_HELP = "override a config key, as for plait train (repeatable)"
 
 
 def add_parsers(sub, bench) -> None:
-    compat_parsers(sub)
-    whatif_parsers(sub)
+    c = sub.add_parser("compat", help="which technique composes with which layout: the matrix plait's own checks give")
+    c.add_argument("--markdown", action="store_true", help="print a Markdown table (docs/compat.md is its output)")
+    c.set_defaults(fn="plait.plan.compat:cmd_compat")
+    w = sub.add_parser("whatif", help="predict a change's step time from a profiled step, without running it")
+    w.add_argument("run_dir", type=Path, help="a run trained with log.profile_steps")
+    w.add_argument("--change", action="append", required=True, metavar="CHANGE",
+                   help=f"what to simulate: {', '.join(CHANGES)} (repeat for several)")
+    w.add_argument("--rank", type=int, default=0, help="whose trace (default: 0)")
+    w.set_defaults(fn="plait.plan.whatif:cmd_whatif")
     p = sub.add_parser("plan", help="rank every layout for N devices by predicted step time and memory")
     p.add_argument("config", nargs="?", help=CONFIG_HELP)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)

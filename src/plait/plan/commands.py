@@ -1,5 +1,8 @@
 """What `plait plan` and `plait simulate` do (their parsers: plait.plan.cli): the hardware the flags describe, the
 model's shape, the ranked layouts and the scaling table. Imported when one of them runs.
+
+The calibration file's path and the calibration are read from their modules when a verb runs (cost.PROFILE_PATH,
+calibrate.calibrate), not bound here: a test points them elsewhere.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from rich.table import Table
 from plait.config import load_config
 from plait.data import build_data
 from plait.errors import ConfigError
-from plait.plan.calibrate import calibrate
-from plait.plan.cost import PROFILE_PATH, Hardware
+from plait.plan import calibrate, cost
 from plait.plan.keys import parse_rate, parse_size
 from plait.plan.memory import Shape
 from plait.plan.search import COLUMNS, explain_no_fit, percent, plan, plan_up_to, plot, table
@@ -26,13 +28,13 @@ def hardware(a):
     flags = [f for f, v in (("--device-memory", a.device_memory), ("--device-flops", a.device_flops),
                             ("--link-bandwidth", a.link_bandwidth), ("--devices-per-node", a.devices_per_node)) if v]
     if a.profile:
-        hw, source = Hardware.load(Path(a.profile)), f"the profile {a.profile} (--profile)"
-    elif PROFILE_PATH.is_file() and not any((a.device_memory, a.device_flops, a.link_bandwidth)):
-        hw = Hardware.load(PROFILE_PATH)
-        source = (f"the calibration file {PROFILE_PATH} (written by `plait plan --calibrate`; --profile FILE "
+        hw, source = cost.Hardware.load(Path(a.profile)), f"the profile {a.profile} (--profile)"
+    elif cost.PROFILE_PATH.is_file() and not any((a.device_memory, a.device_flops, a.link_bandwidth)):
+        hw = cost.Hardware.load(cost.PROFILE_PATH)
+        source = (f"the calibration file {cost.PROFILE_PATH} (written by `plait plan --calibrate`; --profile FILE "
                   "or the hardware flags choose other figures)")
     else:
-        hw = Hardware()
+        hw = cost.Hardware()
         source = ("datasheet figures (80 GB, 989 TFLOP/s, 400 Gbps in a node, 25 Gbps across; no calibration file "
                   "is used)")
     if flags:
@@ -66,7 +68,7 @@ def cmd_plan(a) -> int:
     if a.calibrate:
         with Console(stderr=True).status(f"calibrating {a.world} local processes: matmuls, the model, collectives, "
                                          "sharded layers, the optimizer (a minute or two) ..."):
-            hw = calibrate(cfg.model, shape.vocab, cfg.train.micro_batch_size, a.world)
+            hw = calibrate.calibrate(cfg.model, shape.vocab, cfg.train.micro_batch_size, a.world)
         path = hw.save(Path(a.profile)) if a.profile else hw.save()
         print(f"{hw.name}: {hw.flops / 1e9:.1f} GFLOP/s per process (fp32 matmul), model efficiency "
               f"{hw.efficiency:.2f}, optimizer {hw.optimizer_s_per_param * 1e9:.2f} ns/parameter")

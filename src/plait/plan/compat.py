@@ -19,6 +19,7 @@ from pathlib import Path
 
 from plait.config import dump_config, load_config
 from plait.errors import ConfigError
+from plait.train.job import check_job
 
 # (name, --set overrides): what a user adds to a job to use the technique
 TECHNIQUES: list[tuple[str, tuple[str, ...]]] = [
@@ -65,8 +66,6 @@ class Cell:
 
 def cell(layout: tuple[str, ...], technique: tuple[str, ...], base: tuple[str, ...] = ()) -> Cell:
     """The job check on the default job with these overrides."""
-    from plait.train.job import check_job  # lazily: plait --help must not import torch
-
     try:
         check_job(load_config(None, [*base, *layout, *technique]), user_data=False)
     except ConfigError as e:
@@ -133,13 +132,8 @@ def text(cells: dict[tuple[str, str], Cell]) -> str:
     return "\n".join(out) + "\n"
 
 
-def add_parsers(sub) -> None:
-    c = sub.add_parser("compat", help="which technique composes with which layout: the matrix plait's own checks give")
-    c.add_argument("--markdown", action="store_true", help="print a Markdown table (docs/compat.md is its output)")
-    c.set_defaults(fn=cmd_compat)
-
-
 def cmd_compat(a) -> int:
+    """`plait compat`'s verb (its parser: plait.plan.cli)."""
     cells = matrix()
     print(markdown(cells) if a.markdown else text(cells), end="")
     return 0

@@ -251,16 +251,8 @@ def _dp(cfg_file: Path) -> int:
     return int(tomllib.loads(cfg_file.read_text()).get("parallel", {}).get("dp", 1))
 
 
-def add_parsers(sub) -> None:
-    w = sub.add_parser("whatif", help="predict a change's step time from a profiled step, without running it")
-    w.add_argument("run_dir", type=Path, help="a run trained with log.profile_steps")
-    w.add_argument("--change", action="append", required=True, metavar="CHANGE",
-                   help=f"what to simulate: {', '.join(CHANGES)} (repeat for several)")
-    w.add_argument("--rank", type=int, default=0, help="whose trace (default: 0)")
-    w.set_defaults(fn=cmd_whatif)
-
-
 def cmd_whatif(a) -> int:
+    """`plait whatif`'s verb (its parser: plait.plan.cli)."""
     got = predict(a.run_dir, a.change, a.rank)
     print(f"traced step: {got['traced_step_s'] * 1e3:.2f} ms (mean of {got['steps']} profiled steps, rank {a.rank})")
     print(f"{'change':<20} {'predicted ms':>12} {'vs traced':>9}")

@@ -4,6 +4,8 @@
 rank 0 at the end of a run needs matplotlib.
 """
 
+import importlib
+
 from plait.report.runfiles import read_metrics
 
 __all__ = ["read_metrics", "write_report"]
@@ -11,7 +13,5 @@ __all__ = ["read_metrics", "write_report"]
 
 def __getattr__(name: str):
     if name == "write_report":
-        from plait.report.html import write_report  # lazily (PEP 562)
-
-        return write_report
+        return importlib.import_module("plait.report.html").write_report
     raise AttributeError(f"module 'plait.report' has no attribute {name!r}")

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from plait.report.html import STYLE
+from plait.report.plots import plt
 
 MIN_FOR_IMPORTANCE = 3  # finished trials before parameter importance means anything
 
@@ -15,8 +16,6 @@ MIN_FOR_IMPORTANCE = 3  # finished trials before parameter importance means anyt
 def _plots(study, out: Path) -> list[tuple[str, str]]:
     import optuna.visualization.matplotlib as ovm
     from optuna.trial import TrialState
-
-    from plait.report.plots import plt  # lazily: matplotlib only when the report is written
 
     made = []
     finished = sum(t.state == TrialState.COMPLETE for t in study.trials)

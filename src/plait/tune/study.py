@@ -27,8 +27,11 @@ from pathlib import Path
 
 from plait.config import load_config
 from plait.errors import ConfigError, PlaitError
+from plait.launch import forkserver
 from plait.tune.pareto import front, worse_than_median
+from plait.tune.report import write_report
 from plait.tune.space import Dim, as_override
+from plait.tune.warm import WarmTrial, applies, can_fork
 
 PRUNERS = ("asha", "hyperband", "median", "none")
 
@@ -234,8 +237,6 @@ class Tuner:
     def _start(self, trial, sets: list[str], run: Path, log, log_path: Path):
         """The trial's run: forked warm when it is one process here (plait.tune.warm), else `plait train`."""
         if self.o.warm:
-            from plait.tune.warm import WarmTrial, applies, can_fork  # lazily: the launcher's modules
-
             try:
                 warm = can_fork() and applies(load_config(self.o.config, sets))
             except PlaitError:
@@ -278,8 +279,6 @@ class Tuner:
               f"pruner {self.o.pruner}, {self.o.metric} every {self.eval_every} steps; study in {self.out}",
               flush=True)
         if todo:
-            from plait.launch import forkserver  # lazily: the warm trials' fork server, started by the first
-
             try:
                 study.optimize(self.objective, n_trials=todo, n_jobs=self.o.concurrency, catch=(TrialFailed,))
             finally:
@@ -330,8 +329,6 @@ class Tuner:
             link.symlink_to(Path("trials") / Path(run_dir).name)  # inside the study's folder, whatever the journal says
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         write_trials_csv(trials, self.out / "trials.csv")
-        from plait.tune.report import write_report  # lazily: matplotlib only when the report is written
-
         write_report(study, summary, self.out)
         return summary
 

@@ -27,12 +27,16 @@ from typing import Any
 
 from plait.config import Config, dump_config, load_config
 from plait.errors import PlaitError
+from plait.launch.forkserver import _main_is_plait, warm, worker_env
+from plait.launch.job import worker_process
+from plait.launch.resume import absolute_paths
+from plait.parallel.layout import Layout
+from plait.rundir import check_writable_run_dir, write_checked_config
+from plait.train.job import check_job
 
 
 def applies(cfg: Config) -> bool:
     """Whether a trial of this job can run warm: one process on this machine, torchrun's launcher, no auto layout."""
-    from plait.parallel.layout import Layout  # lazily: the layout's arithmetic (no torch)
-
     return (cfg.launch.launcher == "torchrun" and cfg.max_nodes == 1 and not cfg.parallel.auto
             and Layout.from_config(cfg).world_size == 1)
 
@@ -40,8 +44,6 @@ def applies(cfg: Config) -> bool:
 def can_fork() -> bool:
     """Whether this process may fork trials: `plait tune` itself, not a user's script (its __main__ would run again
     in every child multiprocessing starts)."""
-    from plait.launch.forkserver import _main_is_plait  # lazily: the launcher's modules (no torch)
-
     return _main_is_plait()
 
 
@@ -58,11 +60,6 @@ class WarmTrial:
     def __init__(self, config: str | None, sets: list[str], run: Path, log: Path, env: dict[str, str] | None,
                  name: str):
         import multiprocessing
-
-        from plait.launch.forkserver import warm, worker_env  # lazily: the launcher's modules
-        from plait.launch.resume import absolute_paths  # lazily: with them
-        from plait.rundir import check_writable_run_dir, write_checked_config  # lazily: with them
-        from plait.train.job import check_job  # lazily: torch, imported once for the whole study
 
         cfg = load_config(config, sets)
         absolute_paths(cfg)
@@ -106,8 +103,6 @@ def trial_main(run: str, log: str, env: dict[str, Any]) -> None:
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
-    from plait.launch.job import worker_process  # lazily: the fork server imported it (plait.launch.forkserver)
-
     try:
         code = worker_process(Path(run))
     except PlaitError as e:  # worker_process prints its own; this is the belt for anything raised around it
