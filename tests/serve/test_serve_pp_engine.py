@@ -89,11 +89,11 @@ def test_a_stage_passes_its_error_on_applies_the_copies_and_stops():
     first, last = Wire(0, boxes), Wire(1, boxes)
     send(first, 1, DATA, encode_step([([0], 0, 3)], [(0, 2)], None), torch.zeros(1, 3, 16))  # not the width: it fails
     with torch.inference_mode():
-        cache.k["1"][:4] = 1.0  # block 0
+        cache.k["1"][:, :4] = 1.0  # block 0
         assert stage_step(last, 1, 2, stage, cache, torch.device("cpu"))
     flag, step, text = recv(first, 1)
     assert flag == FAILED and step is None and bytes(text.tolist()).decode().startswith("pipeline stage 1: RuntimeError")
-    assert (cache.k["1"][8:12] == 1.0).all()  # block 2 := block 0 all the same
+    assert (cache.k["1"][:, 8:12] == 1.0).all()  # block 2 := block 0 all the same
     send(first, 1, STOP)
     assert not stage_step(last, 1, 2, stage, cache, torch.device("cpu"))  # the last stage sends nothing on
     assert boxes == {(0, 1): [], (1, 0): []}

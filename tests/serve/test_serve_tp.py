@@ -18,7 +18,7 @@ def test_tp2_greedy_text_equals_one_process(hf_dir):  # noqa: F811
         service = srv.service
         assert service.engine.tp == 2 and service.tp_group is not None and len(service.tp_group.procs) == 1
         # this rank's pool holds kv_heads / 2 = 1 head per block slot (the model has 2 kv heads)
-        assert next(iter(service.engine.cache.k.values())).shape[1] == 1
+        assert next(iter(service.engine.cache.k.values())).shape[0] == 1
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
                for p in prompts]

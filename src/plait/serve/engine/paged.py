@@ -1,8 +1,10 @@
 """The paged KV cache's tensors and paged attention (PagedAttention, vLLM, SOSP 2023), in plain torch.
 
 Each block of each layer holds `block_size` tokens' keys and values; the pool is one tensor per layer,
-(num_blocks * block_size, kv_heads, head_dim) for keys and the same for values, so a token's slot is
-`block * block_size + offset` and a sequence's cache is wherever its block table points.
+(kv_heads, num_blocks * block_size, head_dim) for keys and the same for values, so a token's slot is
+`block * block_size + offset` and a sequence's cache is wherever its block table points. Heads first: a gather of
+blocks is then (kv_heads, keys, head_dim) with each head's keys and dimensions contiguous, as the attention reads
+them (the slots-first layout handed the attention a transposed view, which it copied: twice the decode attention).
 
 One engine iteration is one forward over every scheduled token of every sequence, packed into a single row
 (1, T): prefill chunks and decodes together, each token with its own position (`PagedStep.positions`). The
@@ -57,29 +59,33 @@ class PagedCache:
         self.window = int(getattr(model, "sliding_window", 0) or 0)
         self.bytes_per_block = bytes_per_block(model, block_size, tp)
         with torch.inference_mode():
-            self.k = {n: torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device) for n in names}
+            self.k = {n: torch.zeros(kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device) for n in names}
             self.v = {n: torch.zeros_like(self.k[n]) for n in names}
         self._scratch: list[torch.Tensor | None] = [None, None]  # gathered keys and values, kept from layer to layer
 
     def gather(self, pool: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
-        """The rows `blocks` of a (blocks, width) view of a pool, into the kept buffer `which` (0 keys, 1 values).
+        """The blocks `blocks` of a layer's pool, (kv_heads, len(blocks) * block_size, head_dim), in the kept buffer
+        `which` (0 keys, 1 values).
 
         The buffer is reused by every layer and every step (grown when a step needs more): a fresh tensor of this
         size each time paid its page faults, a 31 MB gather 16 ms fresh against 4 ms into a kept buffer on this CPU,
         most of a decode step's attention."""
-        rows, width = blocks.numel(), pool.shape[1]
+        heads, _, d = pool.shape
+        by_block = pool.view(heads, -1, self.block_size * d)
+        size = heads * blocks.numel() * self.block_size * d
         if not torch.is_inference_mode_enabled():  # a kept buffer is an inference tensor: outside, a fresh one
-            return pool.index_select(0, blocks)
+            return by_block.index_select(1, blocks).view(heads, -1, d)
         buf = self._scratch[which]
-        if buf is None or buf.numel() < rows * width or buf.dtype != pool.dtype:
-            buf = self._scratch[which] = torch.empty(rows * width * 5 // 4, dtype=pool.dtype, device=pool.device)
-        return torch.index_select(pool, 0, blocks, out=buf[:rows * width].view(rows, width))
+        if buf is None or buf.numel() < size or buf.dtype != pool.dtype:
+            buf = self._scratch[which] = torch.empty(size * 5 // 4, dtype=pool.dtype, device=pool.device)
+        out = buf[:size].view(heads, blocks.numel(), self.block_size * d)
+        return torch.index_select(by_block, 1, blocks, out=out).view(heads, -1, d)
 
     def copy(self, src: int, dst: int) -> None:
         """Block dst := block src in every layer (copy-on-write)."""
         bs = self.block_size
         for pool in (*self.k.values(), *self.v.values()):
-            pool[dst * bs:(dst + 1) * bs] = pool[src * bs:(src + 1) * bs]
+            pool[:, dst * bs:(dst + 1) * bs] = pool[:, src * bs:(src + 1) * bs]
 
     def step(self, chunks: Sequence[tuple[list[int], int, int]], rows: Sequence[int] | None = None) -> PagedStep:
         """The forward's view of one iteration: chunks of (block table, first position, token count); `rows`: the
@@ -167,29 +173,24 @@ class PagedLayer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d), k and v (1, kv_heads, T, d) of the step's tokens -> attention output (1, heads, T, d)."""
         s = self.step
-        bs = s.cache.block_size
-        self.k_pool.index_copy_(0, s.slots, k[0].transpose(0, 1).to(self.k_pool.dtype))
-        self.v_pool.index_copy_(0, s.slots, v[0].transpose(0, 1).to(self.v_pool.dtype))
-        # Whole blocks gathered with index_select (about 4x faster than advanced indexing on a CPU), viewed as
-        # (sequences, keys, kv_heads, d) and handed to the attention transposed, without another copy.
-        width = bs * self.k_pool.shape[1] * self.k_pool.shape[2]
-        kb, vb = self.k_pool.view(-1, width), self.v_pool.view(-1, width)
-        kv_shape = self.k_pool.shape[1:]
+        self.k_pool.index_copy_(1, s.slots, k[0].to(self.k_pool.dtype))
+        self.v_pool.index_copy_(1, s.slots, v[0].to(self.v_pool.dtype))
         gqa = k.shape[1] != q.shape[1]
         y = torch.empty_like(q)
         for rows, blocks, mask in s.decode_groups:
             n = len(rows)
             qd = q[0][:, rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
-            kd = s.cache.gather(kb, blocks, 0).view(n, -1, *kv_shape).transpose(1, 2)  # (n, kv_heads, keys, d)
-            vd = s.cache.gather(vb, blocks, 1).view(n, -1, *kv_shape).transpose(1, 2)
+            # (kv_heads, n * keys, d) -> (n, kv_heads, keys, d): each head's keys and dimensions stay contiguous
+            kd = s.cache.gather(self.k_pool, blocks, 0).view(self.k_pool.shape[0], n, -1, k.shape[-1]).transpose(0, 1)
+            vd = s.cache.gather(self.v_pool, blocks, 1).view(self.v_pool.shape[0], n, -1, v.shape[-1]).transpose(0, 1)
             out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
             y[0][:, rows] = out[:, :, 0].transpose(0, 1)
         for first, stop, blocks, keys, mask in s.prefills:
             if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
                 kp, vp = k[:, :, first:stop], v[:, :, first:stop]
             else:
-                kp = s.cache.gather(kb, blocks, 0).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
-                vp = s.cache.gather(vb, blocks, 1).view(-1, *kv_shape)[:keys].transpose(0, 1)[None].to(q.dtype)
+                kp = s.cache.gather(self.k_pool, blocks, 0)[:, :keys][None].to(q.dtype)
+                vp = s.cache.gather(self.v_pool, blocks, 1)[:, :keys][None].to(q.dtype)
             y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
                                                                  enable_gqa=gqa)
         return y
