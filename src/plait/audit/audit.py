@@ -97,7 +97,7 @@ def _fold_config(cfg: Config, path: Path, steps: int) -> Config:
 
 def fit_predict(cfg: Config, x_train, y_train, x_test, classes: int, epochs: float, work: Path) -> np.ndarray:
     """Train the configured model with plait's trainer on (x_train, y_train); softmax probabilities of x_test."""
-    from plait.train.trainer import train  # lazily: the verb's parser must not import the trainer
+    from plait.train.trainer import train  # lazily: `plait data pack` imports this module and trains nothing
 
     work.mkdir(parents=True, exist_ok=True)
     path = work / "fold.pt"
