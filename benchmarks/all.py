@@ -25,10 +25,14 @@ The groups (a group's sides are measured once per repeat and feed all its rows):
     llm        plait serve vs vLLM's CPU build on one random HF Llama (10 M and 100 M parameters), streamed
                /v1/completions, mixed / shared-prefix / long prompts at three Poisson rates
                (serve_vs_vllm.py, after its same-token check): output tok/s >= 1, TTFT p99 <= 1, ITL p99 <= 1.2
+    finetune   full / LoRA / QLoRA fine-tuning of one random HF Llama on the same chat rows, 1 and 2 processes (ZeRO-3,
+               the peers' FSDP): plait over TRL's SFTTrainer and torchtune's recipes, each in its own venv
+               (finetune_vs_peers.py): tokens/s >= 1, peak RSS <= 1
 
 A group whose peer is not installed is skipped with the reason (`pip install -e '.[bench]'` brings them). vLLM needs
-a venv of its own, `.venv-vllm`, which the llm group makes when it is missing. Flower's comparison
-(fed_vs_flower.py) needs its own venv and is not run here.
+a venv of its own, `.venv-vllm`, which the llm group makes when it is missing; the finetune group's peers live in
+`.venv-trl` and `.venv-torchtune` (finetune_vs_peers.py's PEERS has the commands), skipped when both are missing.
+Flower's comparison (fed_vs_flower.py) needs its own venv and is not run here.
 
 Writes OUT/all.json (every measurement) and OUT/all.md (the table, for docs/benchmarks.md).
 """
@@ -280,6 +284,33 @@ def _llm() -> Group:
     return Group("llm", ["vllm", "plait"], rows, measure, setup, needs={"vllm": sv.INSTALL} if why else {})
 
 
+def _finetune() -> Group:
+    import finetune_vs_peers as fp
+
+    peers = [s for s in fp.SIDES[1:] if not fp.missing(s)]
+    methods, worlds = ["full", "lora-all", "qlora"], [1, 2]
+    rows = []
+    for peer in peers:
+        for m in methods:
+            for w in worlds:
+                if fp.runs(peer, w):
+                    rows += [Row(f"finetune {m} dp{w}: tokens/s, plait / {peer}", "plait", peer, f"tok_s@{m}/dp{w}",
+                                 "higher", 1.0),
+                             Row(f"finetune {m} dp{w}: peak RSS, plait / {peer}", "plait", peer, f"rss@{m}/dp{w}",
+                                 "lower", 1.0)]
+
+    def setup(a, tmp: Path):
+        # --quick, known only now, measures full and LoRA alone, each at 1 and 2 processes
+        chosen = ["full", "lora-all"] if a.quick else methods
+        rows[:] = [r for r in rows if r.metric.split("@")[1].split("/")[0] in chosen]
+        args = fp.args(["--methods", ",".join(chosen), "--steps", "8" if a.quick else "12"])
+        return fp.setup(args, tmp)
+
+    # no peer venv: skipped (a module that is never there), with their commands
+    needs = {} if peers else {"finetune_peer_venvs": "; ".join(str(fp.missing(s)) for s in fp.SIDES[1:])}
+    return Group("finetune", ["plait", *peers], rows, fp.measure, setup, needs=needs)
+
+
 GROUPS: dict[str, Callable[[], Group]] = {
     "own-loop": _own_loop,
     "small-step": lambda: _overhead("mlp", ("ddp",), 1.02),
@@ -288,6 +319,7 @@ GROUPS: dict[str, Callable[[], Group]] = {
     "tune": _tune,
     "deepspeed": _deepspeed,
     "llm": _llm,
+    "finetune": _finetune,
 }
 
 

@@ -79,7 +79,7 @@ def test_all_refuses_an_unknown_group(capsys):
     with pytest.raises(SystemExit):
         _all().main(["--only", "own-loop,nope"])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
-        "--only nope: no such group (the groups: own-loop, small-step, gpt, serve, tune, deepspeed, llm)")
+        "--only nope: no such group (the groups: own-loop, small-step, gpt, serve, tune, deepspeed, llm, finetune)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
