@@ -21,11 +21,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from plait.config import Config, load_config
-from plait.data import build_data
 from plait.errors import ConfigError, PlaitError
 from plait.launch.env import ClusterEnv, resolve
 from plait.launch.exits import USER_ERROR_EXIT
 from plait.parallel.layout import Layout, resized
+from plait.plan.auto import vocab_size
 from plait.plan.replan import describe, layout_of, replan
 from plait.rundir import checked_config
 from plait.train.job import check_job
@@ -47,14 +47,6 @@ def fit_to_world(cfg: Config, world: int) -> Config:
             "continue at this size (choose a micro batch size that divides the batch at every size)")
     check_job(new)
     return new
-
-
-def vocab_size(cfg: Config) -> int:
-    """The model's vocabulary: as configured, else the data's (what the model will be built with)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-
-    return build_data(cfg.data, cfg.model).spec.vocab_size
 
 
 def fit(cfg: Config, env: ClusterEnv) -> Config:

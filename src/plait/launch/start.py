@@ -98,8 +98,7 @@ def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Conf
     from plait.train.job import check_job  # lazily: torch, which the fork server imports meanwhile on the other core
 
     if cfg.parallel.auto:
-        from plait.launch.job import vocab_size  # lazily: the data's vocabulary (torch)
-        from plait.plan.auto import choose, needs_plan  # lazily: the planner (torch)
+        from plait.plan.auto import choose, needs_plan, vocab_size  # lazily: the planner (torch)
 
         if needs_plan(cfg):
             cfg = choose(cfg, vocab_size(cfg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plait.config import Config
+from plait.data import build_data
 from plait.errors import ConfigError
 from plait.parallel.layout import Layout
 from plait.plan.cost import PROFILE_PATH, Hardware
@@ -32,6 +33,13 @@ def optimizer_bytes(cfg: Config) -> int:
     (none without momentum), 8-bit AdamW two 1-byte moments."""
     o = cfg.optim
     return {"adamw": 8, "lamb": 8, "lars": 4, "adamw8bit": 2}.get(o.name, 4 if o.momentum else 0)
+
+
+def vocab_size(cfg: Config) -> int:
+    """The model's vocabulary: as configured, else the data's (what the model will be built with, and planned for)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    return build_data(cfg.data, cfg.model).spec.vocab_size
 
 
 def needs_plan(cfg: Config) -> bool:
