@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from serve.test_engine import adapter_file
-from serve.test_serve_openai import PROMPT, hf_dir  # noqa: F401
+from serve.test_serve_openai import PROMPT  # noqa: F401
 
 pytest.importorskip("torchao")
 openai = pytest.importorskip("openai")

@@ -12,7 +12,7 @@ import torch
 
 from plait.serve.entrypoints.server import ServerThread
 from plait.serve.service import ServeOptions
-from serve.test_serve_openai import PROMPT, decode, hf_dir, hf_greedy  # noqa: F401
+from serve.test_serve_openai import PROMPT, decode, hf_greedy  # noqa: F401
 
 pytest.importorskip("transformers")
 BLOCK_BYTES = 2 * 2 * 8 * 2 * 8 * 4  # layers x (k, v) x block_size x kv_heads x head_dim x float32

@@ -2,7 +2,6 @@
 greedy text equal to transformers' generate, streamed equal to not streamed, chat through the model's template,
 stop strings, n and seeds, logprobs equal to the model's, errors in OpenAI's shape."""
 
-import json
 
 import httpx
 import pytest
@@ -20,32 +19,6 @@ CORPUS = ("the cat sat on the mat and the dog ran to the park where a bird sang 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TOKEN = "sk-test-0123"
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """LlamaForCausalLM with every weight drawn at random, a BPE tokenizer trained here, a chat template and an
-    end-of-sequence id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]))
-    vocab = tok.get_vocab_size()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tok.token_to_id("</s>"), bos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.15)
-    model.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
-    return {"dir": d, "model": model, "tok": tok, "eos": tok.token_to_id("</s>")}
 
 
 @pytest.fixture(scope="module")

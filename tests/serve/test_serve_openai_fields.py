@@ -10,7 +10,7 @@ import torch
 
 from plait.serve.entrypoints.server import ServerThread
 from plait.serve.service import ServeOptions
-from serve.test_serve_openai import PROMPT, TOKEN, hf_dir  # noqa: F401
+from serve.test_serve_openai import PROMPT, TOKEN  # noqa: F401
 
 openai = pytest.importorskip("openai")
 

@@ -24,7 +24,7 @@ from plait.serve.entrypoints.server import ServerThread
 from plait.serve.errors import ServeError
 from plait.serve.model.load import ModelRef, load_model
 from plait.serve.service import ServeOptions, Service
-from serve.test_serve_openai import PROMPT, decode, hf_dir, hf_greedy  # noqa: F401
+from serve.test_serve_openai import PROMPT, decode, hf_greedy  # noqa: F401
 
 openai = pytest.importorskip("openai")
 OPTS = {"name": "tiny", "block_size": 8, "kv_cache_mb": 1, "max_delay_ms": 0}

@@ -23,7 +23,7 @@ from plait.serve.executor.sequences import EngineSequences
 from plait.serve.executor.tasks import Cancel, Complete, CompleteOutput, Done, Stats, Submit, Token
 from plait.serve.fleet.replicas import ReplicaPool
 from plait.serve.service import ServeOptions
-from serve.test_serve_openai import CORPUS, PROMPT, TOKEN, decode, hf_dir, hf_greedy  # noqa: F401
+from serve.test_serve_openai import CORPUS, PROMPT, TOKEN, decode, hf_greedy  # noqa: F401
 
 openai = pytest.importorskip("openai")
 WORDS = sorted(set(CORPUS.split()))

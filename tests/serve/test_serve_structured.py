@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-import torch
 
 pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
@@ -24,32 +23,6 @@ SCHEMA = {"type": "object", "properties": {
 
 
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
-
-
-@pytest.fixture(scope="module")
-def byte_llama(tmp_path_factory):
-    """A LlamaForCausalLM with random weights and a byte-level BPE tokenizer (every string is some tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("bytes") / "llama"
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    text = '{"name": "ann", "age": 31, "tags": ["red"], "ok": true} the cat sat on the mat 2024-05-17 ' * 40
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=tok.token_to_id("</s>"), bos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.15)
-    model.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -118,23 +91,28 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(client):
     assert e.value.body["message"] == "'guided_regex' and 'guided_choice' both constrain the output; give one"
 
 
-def test_a_grammar_crosses_to_a_replica_and_compiles_there(byte_llama):
-    """--replicas 2: the request's GrammarRef pickles (its kind and spec), each replica compiles it once for its own
-    engine, and the server builds no engine of its own for it."""
+def test_a_grammar_ref_pickles_and_compiles_in_another_process(byte_llama):
+    """--replicas: the request's GrammarRef crosses the pipe (its kind and spec, a few hundred bytes); a replica that
+    registered its model's grammars compiles it there (fleet.replica_worker does at start; the pool sends a
+    picklable grammar to a replica: tests/serve/test_serve_replica_engine.py)."""
     import pickle
+    import subprocess
+    import sys
 
+    from plait.data.hf_tokenizer import HFTokenizer
     from plait.serve.engine.grammar import GrammarRef, Grammars
-    from plait.serve.entrypoints.server import ServerThread
-    from plait.serve.service import ServeOptions
 
-    opts = ServeOptions(name="m", replicas=2, block_size=16, kv_cache_mb=8, max_delay_ms=0)
-    with ServerThread(byte_llama, opts) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = client.completions.create(model="m", prompt="answer:", max_tokens=20, temperature=1.0, n=4, seed=1,
-                                      extra_body={"guided_choice": ["left", "right"]})
-        assert srv.service._grammar_engine is None
-    assert all(c.text in ("left", "right") and c.finish_reason == "stop" for c in r.choices)
-    tok = srv.service.served.tokenizer
-    ref = Grammars.of_model(tok.to_json(), srv.service.served.vocab_size, srv.service.served.eos_ids).factory(
-        "regex", "[ab]+")
-    assert isinstance(ref, GrammarRef) and len(pickle.dumps(ref)) < 300
+    tok = HFTokenizer.from_file(byte_llama / "tokenizer.json")
+    eos = frozenset({tok.tokenizer.token_to_id("</s>")})
+    ref = Grammars.of_model(tok.to_json(), tok.vocab_size, eos).factory("choice", ["left", "right"])
+    blob = pickle.dumps(ref)
+    assert isinstance(ref, GrammarRef) and len(blob) < 300
+    code = ("import pickle, sys, torch; from plait.data.hf_tokenizer import HFTokenizer; "
+            "from plait.serve.engine.grammar import Grammars; "
+            f"tok = HFTokenizer.from_file({str(byte_llama / 'tokenizer.json')!r}); "
+            f"Grammars.of_model(tok.to_json(), tok.vocab_size, frozenset({sorted(eos)!r})); "
+            "m = pickle.loads(sys.stdin.buffer.read())(); ok = m.allowed(tok.vocab_size); "
+            "print(sorted(tok.decode([int(i)]) for i in ok.nonzero()))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True).stdout.decode()
+    allowed = eval(out)  # noqa: S307 -- the list our own subprocess printed
+    assert allowed and all("left".startswith(t) or "right".startswith(t) for t in allowed)

@@ -10,7 +10,6 @@ import json
 import pytest
 
 from plait.serve.entrypoints.tool_calls import StreamParser, parse
-from serve.test_serve_structured import byte_llama  # noqa: F401
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -36,10 +35,17 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-def server_with(d, template: str):
+def server_with(shared, template: str):
+    """A server of a copy of the shared byte-level Llama with this chat template (the shared one stays as it is)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     from plait.serve.entrypoints.server import ServerThread
     from plait.serve.service import ServeOptions
 
+    d = Path(tempfile.mkdtemp(prefix="plait-tools-")) / "llama"
+    shutil.copytree(shared, d)
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
     return ServerThread(d, ServeOptions(name="m", block_size=16, kv_cache_mb=16, max_delay_ms=0))
 

@@ -7,7 +7,7 @@ import pytest
 from plait.serve.entrypoints.server import ServerThread
 from plait.serve.errors import ServeError
 from plait.serve.service import ServeOptions, Service
-from serve.test_serve_openai import PROMPT, decode, hf_dir, hf_greedy  # noqa: F401
+from serve.test_serve_openai import PROMPT, decode, hf_greedy  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
