@@ -35,6 +35,7 @@ from plait.launch.resume import absolute_paths
 from plait.launch.start import launch_checked, start_run
 from plait.refs import import_object
 from plait.rundir import is_federated_run, new_run_dir
+from plait.train.job import check_job
 
 if TYPE_CHECKING:  # `plait.Config` must not import torch
     import torch.nn as nn
@@ -78,8 +79,6 @@ class Config:
 
     def validate(self) -> Config:
         """Check the whole job as `plait train` does before it launches (model, data, layout); raises ConfigError."""
-        from plait.train.job import check_job  # lazily: the model and layout checks import torch
-
         check_job(self._cfg)
         return self
 

@@ -33,11 +33,12 @@ import torch
 
 from plait.data.hf_tokenizer import tokenizer_from_json
 from plait.data.images import PackedImages
+from plait.data.packmeta import FORMAT, is_remote, read_meta
+from plait.data.packmeta import source_name as source_name  # re-exported, as it was
 from plait.data.spec import DataBundle, DataSpec
 from plait.errors import DataError
 from plait.files import json_objects
 
-FORMAT = "plait-packed/1"
 SPLITS = ("train", "val")
 
 
@@ -125,10 +126,6 @@ def pack(bundle, out: str | Path, shard_bytes: int = 64 << 20, source: dict | No
 
 
 # --------------------------------------------------------------------------- reading
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 # what `plait data pack` writes: numpy arrays (with or without LitData's header) and encoded image bytes. LitData
@@ -263,37 +260,11 @@ class PackedSplit:
         return x, y
 
 
-def read_meta(path: str) -> dict:
-    meta_file = Path(path) / "plait.json"
-    if not meta_file.is_file():
-        raise DataError(f"data.path = {path!r} has no plait.json: it is not a packed dataset; write one with "
-                        "`plait data pack SOURCE -o DIR`")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except ValueError as e:
-        raise DataError(f"{meta_file} is not valid JSON ({e}); re-run `plait data pack`") from None
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{meta_file}: format {meta.get('format')!r} is not {FORMAT!r}; re-pack with this plait")
-    return meta
-
-
-def source_name(data_cfg) -> str:
-    """data.name, or for packed data the name of the source it was packed from (what model checks need)."""
-    if getattr(data_cfg, "factory", ""):
-        return "factory"
-    if data_cfg.name != "packed" or not data_cfg.path or _is_remote(data_cfg.path):
-        return data_cfg.name
-    try:
-        return str(read_meta(data_cfg.path).get("source", {}).get("name") or "packed")
-    except DataError:
-        return "packed"  # reading the data says what is wrong with it
-
-
 def packed_source(data_cfg, model_cfg):
     """data.name = "packed": the train and validation splits of a folder written by `plait data pack`."""
     if not data_cfg.path:
         raise DataError("data.name = 'packed' needs data.path = the folder `plait data pack` wrote")
-    if _is_remote(data_cfg.path):
+    if is_remote(data_cfg.path):
         raise DataError(f"data.path = {data_cfg.path!r}: object-store URLs are not supported by this version of plait's "
                         "packed source; copy the folder to a local or shared filesystem")
     meta = read_meta(data_cfg.path)

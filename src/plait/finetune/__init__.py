@@ -15,8 +15,8 @@ from typing import Any
 _FROM = {"LoRALinear": "lora", "adapter_state_dict": "lora", "apply_lora": "lora", "lora_layers": "lora",
          "merge_lora": "lora", "usual_targets": "lora", "freeze": "freezing", "trainable_params": "freezing",
          "ProgressiveFreeze": "progressive",
-         "freeze_steps": "progressive", "check_progressive": "progressive", "active": "transforms",
-         "apply_finetune": "transforms", "base_model": "transforms", "check_layout": "transforms", "AdapterLinear": "adapters",
+         "freeze_steps": "progressive", "check_progressive": "progressive", "active": "keys",
+         "apply_finetune": "transforms", "base_model": "transforms", "check_layout": "keys", "AdapterLinear": "adapters",
          "adapter_layers": "adapters", "adapters_state_dict": "adapters", "apply_adapters": "adapters",
          "targets_of": "adapters"}
 __all__ = sorted(_FROM)

@@ -15,41 +15,11 @@ import contextlib
 
 import torch.nn as nn
 
-from plait.errors import ConfigError
 from plait.finetune.adapters import AdapterLinear, adapter_layers, adapters_state_dict, apply_adapters, targets_of
 from plait.finetune.freezing import freeze, trainable_params
+from plait.finetune.keys import active, check_layout  # torch-free: the job check reads them (re-exported)
 from plait.finetune.lora import LoRALinear, adapter_state_dict, apply_lora, lora_layers, merge_lora
 from plait.finetune.progressive import ProgressiveFreeze, freeze_steps
-
-
-def active(cfg) -> bool:
-    f = cfg.finetune
-    return bool(f.freeze) or f.lora_rank > 0 or f.progressive_freeze or bool(f.adapters)
-
-
-def check_layout(cfg, layout) -> None:
-    """The layouts freezing, LoRA and progressive freezing are tested with: data, tensor, pipeline (not progressive),
-    context and expert parallel and ZeRO 1-3 (the keys' own rules are
-    plait.finetune.keys'). Under ZeRO-2/3 a QLoRA base's 4-bit codes and scales are sharded with the rest
-    (plait.finetune.lora.shard_nf4_bases); under ZeRO-1 each rank holds them whole (an eighth of fp32)."""
-    f = cfg.finetune
-    # a fixed finetune.freeze only turns requires_grad off: tensor parallel's DTensors take it as they are; a LoRA
-    # layer splits its adapter as its weight is split (plait.finetune.lora.tp_styles)
-    tp_ok = not f.adapters  # an nf4 base splits along its blocks (plait.finetune.lora.tp_styles checks them)
-    sharded_ok = layout.sync == "allreduce" and layout.embedding_sharding == "none"
-    if active(cfg) and not sharded_ok:
-        raise ConfigError(f"finetune.freeze / lora_rank / adapters / progressive_freeze are supported with data, "
-                          f"tensor, pipeline, context and expert parallel and ZeRO 1-3 (sync = 'allreduce', no "
-                          f"embedding_sharding); here sync = {layout.sync!r}, embedding_sharding = "
-                          f"{layout.embedding_sharding!r}: change the layout or drop the [finetune] keys")
-    if active(cfg) and layout.tp > 1 and not tp_ok:
-        raise ConfigError(f"finetune.adapters with parallel.tp = {layout.tp} is not supported (tensor parallel splits "
-                          "frozen, LoRA and QLoRA layers, not bottleneck adapters); set parallel.tp=1 or use "
-                          "finetune.lora_rank / finetune.freeze")
-    if f.progressive_freeze and layout.zero >= 2 and cfg.model.moe_experts:
-        raise ConfigError(f"finetune.progressive_freeze with model.moe_experts and parallel.zero = {layout.zero}: a "
-                          "frozen MoE block's load-balancing loss still reaches back into it, where FSDP2 has not "
-                          "gathered the parameters again; use parallel.zero=0 or a fixed finetune.freeze")
 
 
 def apply_finetune(model: nn.Module, ft) -> nn.Module:

@@ -20,6 +20,7 @@ from plait.launch.resume import absolute_paths, check_resume_overrides, fork_run
 from plait.launch.role import Role, job_role
 from plait.parallel.layout import Layout
 from plait.rundir import TRUST_ENV, check_writable_run_dir, timestamped, write_checked_config
+from plait.train.job import check_job
 
 
 def cmd_train(a) -> int:
@@ -84,9 +85,10 @@ def _start(config, overrides: list[str], out, resume, dry_run: bool, say) -> int
 
 
 def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Config:
-    """load_job, with the workers' fork server started between reading the job and checking it (both take seconds,
-    on two cores at once) when this process is the one that will launch them. A dry run (warm False) calls no
-    data.factory: it starts nothing, the user's data code included."""
+    """load_job, with the workers' fork server started between reading the job and checking it when this process is
+    the one that will launch them: its imports (torch, the trainer: seconds) run on the other core while the job is
+    checked (declarations only, unless the check builds a model). A dry run (warm False) calls no data.factory: it
+    starts nothing, the user's data code included."""
     cfg = load_config(path, overrides)
     if warm and cfg.launch.launcher == "torchrun":
         try:
@@ -95,8 +97,6 @@ def _load_job(path: Path | str | None, overrides: list[str], warm: bool) -> Conf
                 forkserver.warm(cfg)
         except Exception:  # noqa: BLE001 (an unchecked job: check_job, next, names what is wrong with it)
             pass
-    from plait.train.job import check_job  # lazily: torch, which the fork server imports meanwhile on the other core
-
     if cfg.parallel.auto:
         from plait.plan.auto import choose, needs_plan, vocab_size  # lazily: the planner (torch)
 
@@ -149,8 +149,6 @@ def _new(config: str | Path | None, overrides: list[str], out: str | Path | None
 
 def launch_checked(cfg: Config, run_dir: Path) -> int:
     """Check a job made in code whole, write its checked config.toml into run_dir and run its workers to the end."""
-    from plait.train.job import check_job  # lazily: it imports torch (this module must not: see _load_job)
-
     layout = check_job(cfg)
     write_checked_config(run_dir, dump_config(cfg), layout.world_size)
     return launch(cfg, run_dir)

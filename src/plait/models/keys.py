@@ -1,10 +1,15 @@
-"""The [model] section: the registry's names and each registered model's keys. Torch-free.
+"""The [model] section: the registry's names, what each registered model can do, and each one's keys. Torch-free.
 
 MODELS names every registered model and where its builder lives ('module:function', imported when
 one is built, plait.models.registry); model.name's description and error messages list these names.
+CAPABILITIES and DATA_FOR say what each can do and train on, and check_config checks the section
+against them: the job check reads them without importing torch (a user's factory is asked in
+plait.models.registry, which builds it on the meta device).
 """
 
 from __future__ import annotations
+
+import math
 
 from plait.config import keys, opt
 from plait.errors import ConfigError
@@ -12,6 +17,71 @@ from plait.errors import ConfigError
 MODELS = {"gpt": "plait.models.gpt:build_gpt", "mlp": "plait.models.mlp:build_mlp", "cnn": "plait.models.cnn:build_cnn",
           "deepfm": "plait.models.deepfm:build_deepfm", "llama": "plait.models.llama:build_llama",
           "vlm": "plait.models.vlm:build_vlm"}
+
+# What the registered models can do beyond data parallelism (a user's model is asked: plait.models.registry.capabilities).
+CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
+                                           "llama": frozenset({"pipeline", "tensor_parallel"}),
+                                           "deepfm": frozenset({"pipeline", "tensor_parallel"})}
+# The data each registered model trains on.
+DATA_FOR = {"gpt": ("stdlib-text", "text", "chat", "preference"), "llama": ("stdlib-text", "text", "chat", "preference"),
+            "deepfm": ("clicks",),
+            "vlm": ("digit-captions",)}
+
+
+def check_config(model_cfg, data_name: str) -> None:
+    """The [model] section against the registry and the data it would train on; ConfigError naming the fix."""
+    if model_cfg.factory:
+        if ":" not in model_cfg.factory:
+            raise ConfigError(f"model.factory = {model_cfg.factory!r} must be 'package.module:function'")
+        return
+    if model_cfg.name not in MODELS:
+        raise ConfigError(
+            f"model.name = {model_cfg.name!r} is not a registered model; choose one of: {', '.join(sorted(MODELS))}, "
+            "or set model.factory = 'package.module:function'")
+    if model_cfg.name in ("gpt", "llama"):
+        for key in ("layers", "heads", "width", "context"):
+            if getattr(model_cfg, key) < 1:
+                raise ConfigError(f"model.{key} = {getattr(model_cfg, key)} must be >= 1; set --set model.{key}=<value >= 1>")
+        if model_cfg.width % model_cfg.heads:
+            raise ConfigError(
+                f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
+                f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
+        if model_cfg.name == "llama" and model_cfg.kv_heads and model_cfg.heads % model_cfg.kv_heads:
+            raise ConfigError(f"model.heads ({model_cfg.heads}) must be a multiple of model.kv_heads "
+                              f"({model_cfg.kv_heads}): each kv head serves a group of query heads")
+        check_moe(model_cfg)
+    elif model_cfg.moe_experts:
+        raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
+                          f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
+                          "use plait.models.moe.MoE through model.factory)")
+    token_data = data_name in ("stdlib-text", "text", "chat", "preference")
+    text = "a text source (stdlib-text, text or chat)"
+    wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'", "vlm": "data.name = 'digit-captions'"}.get(
+        model_cfg.name, "digits, synthetic or tensors")
+    own = ("clicks", "digit-captions")  # data only their own model reads
+    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name not in own
+    if not fits:
+        raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
+                          "change model.name or data.name")
+
+
+def check_moe(model_cfg) -> None:
+    """The gpt's mixture-of-experts keys (model.moe_*)."""
+    m = model_cfg
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts = {m.moe_experts} must be >= 0 (0: dense blocks)")
+    for key in ("moe_capacity_factor", "moe_aux_weight"):
+        value = getattr(m, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"model.{key} = {value} must be a finite number >= 0")
+    if not m.moe_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = {m.moe_experts}; "
+                          f"set --set model.moe_top_k={min(max(1, m.moe_top_k), m.moe_experts)}")
+    if not 1 <= m.moe_every <= m.layers:
+        raise ConfigError(f"model.moe_every = {m.moe_every} must be between 1 and model.layers = {m.layers} (every "
+                          "k-th block is a mixture of experts); set --set model.moe_every=1")
 
 
 @keys("model")

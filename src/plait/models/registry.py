@@ -9,7 +9,6 @@ later sharding can work per block without knowing the model.
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -20,7 +19,11 @@ import torch.nn as nn
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.contrastive import Contrastive
+from plait.models.keys import CAPABILITIES
+from plait.models.keys import DATA_FOR as DATA_FOR  # re-exported, as the two below: `from plait.models import DATA_FOR`
 from plait.models.keys import MODELS as BUILDERS
+from plait.models.keys import check_config as check_config  # the registry's declarations, torch-free in models.keys
+from plait.models.keys import check_moe as check_moe
 from plait.models.moe import moe_layers
 from plait.models.protocols import is_transformers_model, pipeline_parts, tensor_parallel_plan
 from plait.models.protocols import megatron_plan as megatron_plan  # re-exported: `from plait.models import megatron_plan`
@@ -149,16 +152,6 @@ def _contrastive(model_cfg, spec: DataSpec) -> nn.Module:
     return Contrastive(encoder, out.shape[1], model_cfg.projection_dim)
 
 
-# What the registered models can do beyond data parallelism (a user's model is asked, see `capabilities`).
-CAPABILITIES: dict[str, frozenset[str]] = {"gpt": frozenset({"pipeline", "tensor_parallel"}),
-                                           "llama": frozenset({"pipeline", "tensor_parallel"}),
-                                           "deepfm": frozenset({"pipeline", "tensor_parallel"})}
-# The data each registered model trains on.
-DATA_FOR = {"gpt": ("stdlib-text", "text", "chat", "preference"), "llama": ("stdlib-text", "text", "chat", "preference"),
-            "deepfm": ("clicks",),
-            "vlm": ("digit-captions",)}
-
-
 def capabilities(model_cfg) -> frozenset[str]:
     """"pipeline" (it has pipeline cut points) and "tensor_parallel" (a TP plan), where the model has them.
 
@@ -175,62 +168,6 @@ def capabilities(model_cfg) -> frozenset[str]:
     if tensor_parallel_plan(model) is not None:
         found.add("tensor_parallel")
     return frozenset(found)
-
-
-def check_config(model_cfg, data_name: str) -> None:
-    """The [model] section against the registry and the data it would train on; ConfigError naming the fix."""
-    if model_cfg.factory:
-        if ":" not in model_cfg.factory:
-            raise ConfigError(f"model.factory = {model_cfg.factory!r} must be 'package.module:function'")
-        return
-    if model_cfg.name not in MODELS:
-        raise ConfigError(
-            f"model.name = {model_cfg.name!r} is not a registered model; choose one of: {', '.join(sorted(MODELS))}, "
-            "or set model.factory = 'package.module:function'")
-    if model_cfg.name in ("gpt", "llama"):
-        for key in ("layers", "heads", "width", "context"):
-            if getattr(model_cfg, key) < 1:
-                raise ConfigError(f"model.{key} = {getattr(model_cfg, key)} must be >= 1; set --set model.{key}=<value >= 1>")
-        if model_cfg.width % model_cfg.heads:
-            raise ConfigError(
-                f"model.width ({model_cfg.width}) must be divisible by model.heads ({model_cfg.heads}); "
-                f"change one of them (e.g. width={model_cfg.heads * max(1, round(model_cfg.width / model_cfg.heads))})")
-        if model_cfg.name == "llama" and model_cfg.kv_heads and model_cfg.heads % model_cfg.kv_heads:
-            raise ConfigError(f"model.heads ({model_cfg.heads}) must be a multiple of model.kv_heads "
-                              f"({model_cfg.kv_heads}): each kv head serves a group of query heads")
-        check_moe(model_cfg)
-    elif model_cfg.moe_experts:
-        raise ConfigError(f"model.moe_experts = {model_cfg.moe_experts} makes the gpt's blocks mixtures of experts; "
-                          f"model.name = {model_cfg.name!r} has none: set model.moe_experts=0 (a model of your own can "
-                          "use plait.models.moe.MoE through model.factory)")
-    token_data = data_name in ("stdlib-text", "text", "chat", "preference")
-    text = "a text source (stdlib-text, text or chat)"
-    wants = {"gpt": text, "llama": text, "deepfm": "data.name = 'clicks'", "vlm": "data.name = 'digit-captions'"}.get(
-        model_cfg.name, "digits, synthetic or tensors")
-    own = ("clicks", "digit-captions")  # data only their own model reads
-    fits = data_name in DATA_FOR[model_cfg.name] if model_cfg.name in DATA_FOR else not token_data and data_name not in own
-    if not fits:
-        raise ConfigError(f"model.name = {model_cfg.name!r} cannot train on data.name = {data_name!r}: it needs {wants}; "
-                          "change model.name or data.name")
-
-
-def check_moe(model_cfg) -> None:
-    """The gpt's mixture-of-experts keys (model.moe_*)."""
-    m = model_cfg
-    if m.moe_experts < 0:
-        raise ConfigError(f"model.moe_experts = {m.moe_experts} must be >= 0 (0: dense blocks)")
-    for key in ("moe_capacity_factor", "moe_aux_weight"):
-        value = getattr(m, key)
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"model.{key} = {value} must be a finite number >= 0")
-    if not m.moe_experts:
-        return
-    if not 1 <= m.moe_top_k <= m.moe_experts:
-        raise ConfigError(f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = {m.moe_experts}; "
-                          f"set --set model.moe_top_k={min(max(1, m.moe_top_k), m.moe_experts)}")
-    if not 1 <= m.moe_every <= m.layers:
-        raise ConfigError(f"model.moe_every = {m.moe_every} must be between 1 and model.layers = {m.layers} (every "
-                          "k-th block is a mixture of experts); set --set model.moe_every=1")
 
 
 def expert_counts(model_cfg) -> list[int]:

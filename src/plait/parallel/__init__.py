@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_FROM = {"SCHEMES": "schemes", "build_strategy": "schemes", "check_config": "schemes", "step_owner": "schemes",
+_FROM = {"SCHEMES": "schemes", "build_strategy": "assemble", "check_config": "schemes", "step_owner": "schemes",
          "Build": "scheme", "Scheme": "scheme", "Layout": "layout", "Precision": "base", "Strategy": "base"}
 __all__ = sorted(_FROM)
 

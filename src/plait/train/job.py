@@ -6,50 +6,57 @@
 plait.config checks each section on its own; what needs a model or a scheme (can this model be
 cut into pipeline stages, does ZeRO-1 combine with tensor parallel) is asked of the model
 registry and of each scheme here, so the CLI, the launcher, the planner and train() agree.
+
+It reads declarations only (plait.models.keys, plait.parallel.schemes, plait.finetune.keys, plait.data.packmeta):
+importing this module imports no torch, and neither does checking a job that builds no model to check it. A job
+that does (a model.factory asked for its cut points, LoRA's targets, a Hugging Face directory) imports torch then.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from plait import data, finetune, models
 from plait.config import Config, load_config, validate_config
-from plait.data import build_data
-from plait.data.augment import two_views
-from plait.data.packed import source_name
-from plait.data.user import import_object
+from plait.data.packmeta import source_name
 from plait.errors import ConfigError
-from plait.finetune import active as finetune_active
-from plait.finetune import apply_finetune, check_layout, check_progressive, usual_targets
-from plait.models import build_model, load_factory
-from plait.models import check_config as check_model
-from plait.models.hf import apply_hf_config, hf_native_parts, is_hf_dir
+from plait.finetune.keys import active as finetune_active
+from plait.finetune.keys import check_layout
 from plait.models.hf_auto import FACTORY as HF_CLASS_FACTORY
-from plait.parallel import check_config as check_layout_config
+from plait.models.keys import check_config as check_model
 from plait.parallel.layout import Layout
+from plait.parallel.schemes import check_config as check_layout_config
+from plait.refs import import_object
 from plait.train.keys import DTENSOR_OPTIMIZERS, ELEMENTWISE_OPTIMIZERS, PREFERENCE_OBJECTIVES
-from plait.train.preference import check_preference
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_job(cfg: Config, user_data: bool = True) -> Layout:
     """Validate cfg for training; returns its Layout. A Hugging Face train.init_from sets cfg.model from its config.json."""
     if cfg.model.hf_class:
         use_hf_class(cfg)
-    elif cfg.train.init_from and is_hf_dir(cfg.train.init_from):
-        apply_hf_config(cfg.model, cfg.data, cfg.train.init_from)
+    elif cfg.train.init_from:
+        from plait.models.hf import apply_hf_config, is_hf_dir  # lazily: only a run from weights reads them (torch)
+
+        if is_hf_dir(cfg.train.init_from):
+            apply_hf_config(cfg.model, cfg.data, cfg.train.init_from)
     validate_config(cfg)
     check_model(cfg.model, source_name(cfg.data))  # packed data: the source it was packed from
     if cfg.model.factory:
-        load_factory(cfg.model.factory)  # one that does not import fails here, once, not in every worker
+        models.load_factory(cfg.model.factory)  # one that does not import fails here, once, not in every worker
     layout = check_layout_config(cfg)
     check_objective(cfg, layout)
     check_layout(cfg, layout)
     if finetune_active(cfg):
         check_finetune(cfg)
     if cfg.model.patch_size:  # the patches against the images' size, before any worker starts
+        import torch
+
         with torch.device("meta"):
-            build_model(cfg.model, build_data(cfg.data, cfg.model).spec)
+            models.build_model(cfg.model, data.build_data(cfg.data, cfg.model).spec)
     check_composition(cfg, layout)
     check_user_code(cfg, layout, user_data)
     check_optimizer(cfg, layout)
@@ -65,22 +72,24 @@ def check_job(cfg: Config, user_data: bool = True) -> Layout:
 def check_finetune(cfg: Config) -> None:
     """[finetune]'s patterns against the model's names (on the meta device) before any worker starts; an empty
     finetune.lora_targets becomes the model's usual ones here, so that config.toml records what the run adapts."""
-    model = shapes_only(cfg.model, build_data(cfg.data, cfg.model).spec)
+    model = shapes_only(cfg.model, data.build_data(cfg.data, cfg.model).spec)
     if cfg.finetune.lora_rank and not cfg.finetune.lora_targets:
-        cfg.finetune.lora_targets = usual_targets(model)
-    check_progressive(cfg, apply_finetune(model, cfg.finetune))
+        cfg.finetune.lora_targets = finetune.usual_targets(model)
+    finetune.check_progressive(cfg, finetune.apply_finetune(model, cfg.finetune))
 
 
 def shapes_only(model_cfg, spec) -> torch.nn.Module:
     """The model on the meta device, for its names and shapes. A model.factory that loads weights (transformers'
     from_pretrained refuses the meta device) is built on the CPU instead: it works, at the cost of one more read."""
+    import torch
+
     try:
         with torch.device("meta"):
-            return build_model(model_cfg, spec)
+            return models.build_model(model_cfg, spec)
     except RuntimeError as e:
         if not (model_cfg.factory and "from_pretrained" in str(e)):
             raise
-    return build_model(model_cfg, spec)
+    return models.build_model(model_cfg, spec)
 
 
 def check_init_factory(cfg: Config) -> None:
@@ -100,6 +109,10 @@ def use_hf_class(cfg: Config) -> None:
     """model.hf_class: the model is that transformers class, built from train.init_from's config.json by
     plait.models.hf_auto (as model.factory), its classification head sized to the data's classes; the directory's
     tokenizer.json is the data's."""
+    import torch
+
+    from plait.models.hf import hf_native_parts, is_hf_dir  # lazily: only a transformers class reads them (torch)
+
     m, source = cfg.model, cfg.train.init_from
     if not source or not is_hf_dir(source):
         raise ConfigError(f"model.hf_class = {m.hf_class!r} is built from a Hugging Face directory's config.json; set "
@@ -110,13 +123,13 @@ def use_hf_class(cfg: Config) -> None:
     tok = Path(source) / "tokenizer.json"
     if tok.is_file() and not cfg.data.tokenizer:
         cfg.data.tokenizer = str(tok)
-    spec = build_data(cfg.data, cfg.model).spec
+    spec = data.build_data(cfg.data, cfg.model).spec
     own = {k: v for k, v in m.options.items() if k not in ("hf_class", "path", "num_labels")}
     m.factory = HF_CLASS_FACTORY
     m.options = {**own, "hf_class": m.hf_class, "path": str(source),
                  **({"num_labels": spec.num_classes} if spec.task == "classification" else {})}
     with torch.device("meta"):  # the checkpoint's names and shapes against the model, before any worker starts
-        hf_native_parts(source, build_model(m, spec))
+        hf_native_parts(source, models.build_model(m, spec))
 
 
 def check_composition(cfg: Config, layout: Layout) -> None:
@@ -150,7 +163,7 @@ def check_user_code(cfg: Config, layout: Layout, user_data: bool = True) -> None
     user_data=False leaves the data to the caller, which builds it next anyway (the trainer: once per worker, not twice).
     """
     if user_data and (cfg.data.factory or cfg.data.name == "table"):
-        build_data(cfg.data, cfg.model)  # a dataset without __len__, samples that do not collate, a missing column
+        data.build_data(cfg.data, cfg.model)  # a dataset without __len__, samples that do not collate, a missing column
     if cfg.train.loss and cfg.train.loss != "focal":
         import_object("train.loss", cfg.train.loss)
     for ref in cfg.train.eval_metrics:
@@ -194,6 +207,8 @@ def check_objective(cfg: Config, layout: Layout) -> None:
     if cfg.train.objective == "meta":
         check_meta(cfg, layout)
     if cfg.train.objective in PREFERENCE_OBJECTIVES:
+        from plait.train.preference import check_preference  # lazily: the preference loss's module (torch)
+
         check_preference(cfg, layout)
     if cfg.train.objective != "contrastive":
         return
@@ -206,9 +221,13 @@ def check_objective(cfg: Config, layout: Layout) -> None:
                           f"tp = pp = 1, sync = 'allreduce' and no embedding_sharding (here tp = {layout.tp}, pp = "
                           f"{layout.pp}, sync = {layout.sync!r}); change the layout or train.objective")
     if cfg.model.factory:  # a user's model must output one embedding per sample: ask it on the meta device
-        spec = two_views(build_data(cfg.data, cfg.model), cfg.data, cfg.train.seed).spec
+        import torch
+
+        from plait.data.augment import two_views  # lazily: the augmentations (torch)
+
+        spec = two_views(data.build_data(cfg.data, cfg.model), cfg.data, cfg.train.seed).spec
         with torch.device("meta"):
-            build_model(cfg.model, spec)
+            models.build_model(cfg.model, spec)
     if layout.grad_accum != 1:
         raise ConfigError(
             f"train.objective = 'contrastive' takes its negatives from the whole global batch, which must be one "

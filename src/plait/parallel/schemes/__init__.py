@@ -20,11 +20,10 @@ declaration, its implementation and one line here.
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import Any
 
-from plait.models import load_factory
-from plait.models.meta import build_on_meta
-from plait.parallel.keys import ShardInitKeys
+from plait import models
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Build, Scheme
 from plait.parallel.schemes import (
@@ -48,7 +47,6 @@ from plait.parallel.schemes import (
     tp,
     zero,
 )
-from plait.refs import resolve
 
 SCHEMES: list[Scheme] = [
     pipedream.SCHEME,
@@ -88,8 +86,10 @@ def check_config(cfg, schemes: list[Scheme] | None = None, model=None, model_kno
     asks = [(s, s.check_model) for s in schemes if s.check_model is not None and s.used(layout, cfg)]
     if asks and model_known:
         if model is None and cfg.model.factory:
+            import torch  # only a factory's model is built here: torch, on the meta device
+
             with torch.device("meta"):  # no memory, no initialisation cost
-                model = load_factory(cfg.model.factory)(**cfg.model.options)
+                model = models.load_factory(cfg.model.factory)(**cfg.model.options)
         for scheme, check_model in asks:
             check_model(layout, scheme.keys_of(cfg), cfg.model, model)
     return layout
@@ -101,40 +101,15 @@ def step_owner(cfg, schemes: list[Scheme] | None = None, layout: Layout | None =
     return next(s for s in (SCHEMES if schemes is None else schemes) if s.strategy is not None and s.used(layout, cfg))
 
 
-def build_module(layout: Layout, cfg, reads_whole_model: bool, make, device, log=print, reseed=lambda: None):
-    """The plain model for this layout: (model, None) built on the device, or (model, InitRecord) on the meta device
-    when the layout shards it and parallel.shard_init is on (the scheme that cuts it materialises this rank's shards
-    from the record). A model whose initialisation the record cannot replay is built whole, with a note."""
-    if fsdp.shard_init(layout, cfg.keys(ShardInitKeys).shard_init, reads_whole_model):
-        model, record = build_on_meta(make)
-        if record.supported:
-            return model, record
-        log(f"note: parallel.shard_init: {record.unsupported}; every rank builds the whole model")
-        reseed()  # the recording drew from the generator: start again from the seed
-    return make().to(device), None
+# What a worker asks of the list (plait.parallel.assemble: the rank's model and the Strategy that owns its step),
+# imported on first use (PEP 562): the job check needs the declarations only.
+_WORKER = ("build_module", "build_strategy", "serve_rank")
 
 
-def serve_rank(b: Build) -> dict | None:
-    """A rank whose role is to hold state for the others (a parameter server) serves here and returns its summary;
-    None for a rank that trains."""
-    if b.rt.role != "server":
-        return None
-    owner = step_owner(b.cfg, b.schemes or SCHEMES, b.layout)
-    if owner.serve is None:
-        raise ValueError(f"rank {b.rt.rank} is a server, but the step owner {owner.name!r} serves nothing")
-    return resolve(owner.serve)(b, b.run_dir)
-
-
-def build_strategy(b: Build):
-    """Parallelize b.module as the layout says and build the optimizer and the Strategy that owns the step."""
-    if not b.schemes:
-        b.schemes = SCHEMES
-    for scheme in b.schemes:
-        if scheme.loss is not None and b.uses(scheme):
-            b.loss_fn = resolve(scheme.loss)(b.loss_fn, b)
-    build = step_owner(b.cfg, b.schemes, b.layout).strategy
-    assert build is not None, "step_owner picks a scheme that builds a strategy"
-    return resolve(build)(b)
+def __getattr__(name: str) -> Any:
+    if name in _WORKER:
+        return getattr(importlib.import_module("plait.parallel.assemble"), name)
+    raise AttributeError(f"module 'plait.parallel.schemes' has no attribute {name!r}")
 
 
 __all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config", "serve_rank",

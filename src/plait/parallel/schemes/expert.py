@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from plait import models
 from plait.errors import ConfigError
-from plait.models import expert_counts
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Scheme
 
@@ -31,7 +31,7 @@ def check(layout: Layout, keys) -> None:
 
 def check_model(layout: Layout, keys, model_cfg, model) -> None:
     """The model has mixture-of-experts layers whose expert counts ep divides."""
-    experts = expert_counts(model_cfg)
+    experts = models.expert_counts(model_cfg)  # a factory's: built on the meta device
     if not experts:
         raise ConfigError(
             f"parallel.ep = {layout.ep} spreads mixture-of-experts layers over ranks, but the model has none; set "
@@ -49,7 +49,7 @@ def check_experts_tp(model_cfg, layout: Layout, sequence_parallel: bool) -> None
     route the same tokens and compute the same expert gradients, as they do a LayerNorm's. Not with sequence
     parallel (an MoE block would take a shard of each sequence, and capacity is counted per whole sequence) nor
     with expert parallel."""
-    experts = expert_counts(model_cfg)
+    experts = models.expert_counts(model_cfg)  # a factory's: built on the meta device
     if not experts:
         return
     if sequence_parallel:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
-from plait.models import capabilities
-from plait.models.protocols import is_transformers_model, pipeline_blocks
+from plait.models.keys import CAPABILITIES
 from plait.parallel.keys import PipelineKeys
 from plait.parallel.layout import Layout
 from plait.parallel.scheme import Scheme
@@ -46,7 +45,7 @@ def check_model(layout: Layout, keys: PipelineKeys, model_cfg, model: nn.Module 
                           "in their stage) or parallel.pp=1")
     stages = layout.stages
     if model is None:
-        if "pipeline" not in capabilities(model_cfg):
+        if "pipeline" not in CAPABILITIES.get(model_cfg.name, frozenset()):
             raise ConfigError(
                 f"parallel.pp = {layout.pp} cuts the model into stages, but model.name = {model_cfg.name!r} has no "
                 "pipeline cut points (an nn.Sequential, or a `pipeline_parts()` method naming its blocks, see "
@@ -56,6 +55,8 @@ def check_model(layout: Layout, keys: PipelineKeys, model_cfg, model: nn.Module 
                 f"parallel.pp ({layout.pp}) * parallel.virtual_stages ({layout.virtual_stages}) = {stages} "
                 f"stages but model.layers = {model_cfg.layers}: every stage needs a block; lower pp or raise layers")
         return
+    from plait.models.protocols import is_transformers_model, pipeline_blocks  # only for a model object (torch)
+
     what = model_cfg.factory or type(model).__name__
     blocks = pipeline_blocks(model)
     if blocks is None and is_transformers_model(model):
