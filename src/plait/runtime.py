@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -162,12 +161,3 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued accelerator work so that wall-clock timings are true."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
-
-
-def under_torchrun() -> bool:
-    """True inside a process started by torchrun's agent (plait's launcher or a plain torchrun)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()

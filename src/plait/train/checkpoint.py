@@ -398,12 +398,6 @@ class Checkpointer:
             prune(self.root, self.keep)
 
 
-def save_checkpoint(strategy, run_dir: str | Path, step: int, trainer_state: dict, rt, keep: int) -> Path:
-    """Write and publish a checkpoint of `step` synchronously (see Checkpointer)."""
-    Checkpointer(run_dir, rt, keep).save(strategy, step, trainer_state)
-    return checkpoint_dir(run_dir) / step_name(step)
-
-
 def prune(root: Path, keep: int) -> None:
     """Delete all but the newest `keep` published checkpoints (never the ones `latest` and `best` name)."""
     named = {os.readlink(root / n) for n in ("latest", "best") if (root / n).is_symlink()}
