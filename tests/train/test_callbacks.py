@@ -103,3 +103,13 @@ def test_a_resumed_run_keeps_its_best_checkpoint_and_its_patience(tmp_path):
     assert ref["best"] == resumed["best"] == {"metric": "val_loss", "step": 6, "value": vals[2][1]}
     assert os.readlink(whole / "checkpoints" / "best") == os.readlink(split / "checkpoints" / "best") == "step_0000006"
     assert resumed["steps"] == ref["steps"] == 12
+
+
+def test_features_are_registered_in_the_order_their_callbacks_run():
+    """Issue 56 item 5: the trainer's features are a list, as the schemes are; build.py only walks it."""
+    from plait.train.features import FEATURES
+
+    names = [f.name for f in FEATURES]
+    assert names[0] == "learning rate" and names.index("slow device") < names.index("schemes")
+    assert names.index("schemes") < names.index("keep best") < names.index("early stop") < names.index("time to target")
+    assert len(set(names)) == len(names)

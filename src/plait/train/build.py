@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from plait.callback import Callback, Callbacks
+from plait.callback import Callbacks
 from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
@@ -29,8 +29,7 @@ from plait.data.sampler import make_sampler
 from plait.data.stream import StreamSampler, stream_bundle
 from plait.data.user import import_object
 from plait.errors import ConfigError
-from plait.faults import SlowDevice
-from plait.finetune import ProgressiveFreeze, apply_finetune
+from plait.finetune import apply_finetune
 from plait.models import build_model
 from plait.models.ensemble import Ensemble, ensemble_loss
 from plait.models.hf import is_hf_dir
@@ -38,17 +37,14 @@ from plait.parallel import SCHEMES, Build, Layout, Precision, Strategy, build_st
 from plait.parallel.saved import codec_for
 from plait.parallel.schemes import build_module, serve_rank
 from plait.runtime import Runtime, seed_all
-from plait.train.callbacks import DropoutSeed, EarlyStopping, KeepBest, LearningRate, PatchSteps
 from plait.train.checkpoint import Checkpointer, find_resumable, load_checkpoint, read_trainer_state
-from plait.train.continual import Continual
 from plait.train.distill import Distiller
+from plait.train.features import callbacks_for
 from plait.train.job import check_job, metric_name
 from plait.train.keys import PREFERENCE_OBJECTIVES
 from plait.train.loss import TokenMeanLoss, focal_loss, loss_for, with_extra_loss
 from plait.train.optim import build_optimizer
 from plait.train.preference import PreferenceLoss, preference_loss
-from plait.train.progressive import Freezer
-from plait.train.target import TimeToTarget
 from plait.train.telemetry import Telemetry
 from plait.train.weights import checkpoint_parts, init_from
 
@@ -241,35 +237,6 @@ def loss_of(cfg: Config, model: nn.Module, bundle, rt: Runtime):
         distiller.attach(model)
         loss_fn = distiller.loss(loss_fn)
     return loss_fn
-
-
-def callbacks_for(cfg: Config, b: Build, strategy: Strategy, bundle, loss_fn=None) -> list:
-    """The loop's callbacks, in the order they run: the schedule, then what changes the step, then what decides."""
-    t, rt, spec = cfg.train, b.rt, bundle.spec
-    found: list[Callback] = [LearningRate(strategy, cfg.optim, t.steps, t.global_batch_size)]
-    if cfg.model.dropout > 0:
-        found.append(DropoutSeed(t.seed, rt.rank))
-    if cfg.model.patch_size:
-        found.append(PatchSteps(strategy.module, t.seed))
-    if cfg.finetune.progressive_freeze:
-        found.append(Freezer(ProgressiveFreeze(strategy.module, t.steps, cfg.finetune.progressive_freeze_start,
-                                               whole=b.module), strategy))
-    found.append(SlowDevice(rt.rank))  # before the schemes' callbacks: hetero measures the slowed compute
-    found += b.callbacks(strategy)
-    if cfg.data.stream:  # the forgetting table, EWC
-        sampler = StreamSampler([len(tr) for tr, _ in bundle.tasks], t.global_batch_size, t.seed, t.steps)
-        found.append(Continual(strategy, cfg, rt, bundle, sampler.boundaries(), loss_for(spec), b.run_dir))
-    if isinstance(loss_fn, Callback):  # a loss that reports its own figures (a preference objective's rewards)
-        found.append(loss_fn)
-    if cfg.checkpoint.keep_best:
-        found.append(KeepBest(cfg.checkpoint.keep_best))
-    if t.early_stop:
-        found.append(EarlyStopping(t.early_stop, log=rt.print))
-    if t.target:
-        per_sample = spec.tokens_per_sample if spec.task == "lm" else None
-        found.append(TimeToTarget(t.target, t.global_batch_size, per_sample, rt.world_size,
-                                  cfg.launch.device_hour_cost, log=rt.print))
-    return found
 
 
 def resume_from(strategy: Strategy, run_dir: Path, rt: Runtime, callbacks: Callbacks) -> int:
