@@ -209,7 +209,7 @@ def test_seeded_samples_are_the_same_after_a_restart(hf_dir, client):  # noqa: F
 
 def test_vllm_flags_map_onto_plaits_or_are_refused_naming_plaits(hf_dir, monkeypatch, capsys):  # noqa: F811
     from plait import cli
-    from plait.serve.entrypoints import server
+    from plait.serve import commands as server  # the verb runs plait.serve.commands.run
 
     seen = {}
     monkeypatch.setattr(server, "run", lambda path, opts: seen.update(path=path, opts=opts) or 0)

@@ -176,7 +176,7 @@ def test_pp_refuses_what_it_cannot_join_before_any_process_starts(hf_dir, monkey
         Service(str(hf_dir["dir"]), ServeOptions(pp=3))
     assert multiprocessing.active_children() == before
     from plait import cli
-    from plait.serve.entrypoints import server
+    from plait.serve import commands as server  # the verb runs plait.serve.commands.run
 
     seen = {}
     monkeypatch.setattr(server, "run", lambda path, opts: seen.update(opts=opts) or 0)

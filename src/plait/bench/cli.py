@@ -5,36 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.errors import ConfigError
 from plait.serve.cli import DefaultsFormatter
-
-
-def cmd_bench_serve(a) -> int:
-    if a.generate:
-        from plait.bench.serve_generate import GenerateOptions, parse_range, run_generate  # lazily: imports torch
-
-        if a.requests < 1 or a.rate < 0:
-            raise ConfigError(f"--requests {a.requests} must be >= 1 and --rate {a.rate:g} >= 0")
-        return run_generate(str(a.model), GenerateOptions(
-            requests=a.requests, rate=a.rate or 8.0, out=a.out, serve_args=["--max-batch-size", str(a.max_batch_size)],
-            prompt_tokens=parse_range(a.prompt_tokens, "--prompt-tokens"), new_tokens=parse_range(a.new_tokens,
-                                                                                                  "--new-tokens")))
-    if a.pattern == "burst":
-        from plait.bench.serve_burst import BurstOptions, run_burst  # lazily: plait --help must not import torch
-        from plait.serve.fleet.autoscale import AutoscaleConfig  # lazily: plait --help must not import numpy (via protocol)
-
-        lo, hi = AutoscaleConfig.parse(a.autoscale)
-        AutoscaleConfig(lo, hi).validate()
-        if a.burst_s <= 0 or a.idle_s < 0:
-            raise ConfigError(f"--burst-s {a.burst_s:g} must be > 0 and --idle-s {a.idle_s:g} >= 0")
-        return run_burst(str(a.model), BurstOptions(clients=max(a.concurrency), burst_s=a.burst_s, idle_s=a.idle_s,
-                                                    autoscale=a.autoscale, max_batch_size=a.max_batch_size,
-                                                    max_delay_ms=a.max_delay_ms, out=a.out))
-    from plait.bench.serve import BenchOptions, run_bench  # lazily: plait --help must not import torch or matplotlib
-
-    opts = BenchOptions(concurrency=a.concurrency, rate=a.rate, duration_s=a.duration, max_batch_size=a.max_batch_size,
-                        max_delay_ms=a.max_delay_ms, replicas=a.replicas, out=a.out, warmup_s=a.warmup)
-    return run_bench(str(a.model), opts)
 
 
 def _ints(text: str) -> list[int]:
@@ -76,4 +47,4 @@ def add_parsers(sub, bench) -> None:
     b.add_argument("--requests", type=int, default=64, help="--generate: requests per configuration")
     b.add_argument("--prompt-tokens", default="8:256", metavar="LO:HI", help="--generate: prompt lengths (uniform)")
     b.add_argument("--new-tokens", default="4:128", metavar="LO:HI", help="--generate: tokens asked for (uniform)")
-    b.set_defaults(fn=cmd_bench_serve)
+    b.set_defaults(fn="plait.bench.commands:cmd_bench_serve")

@@ -52,35 +52,6 @@ def exposure_warning(host: str, token: str | None) -> str | None:
             f"the model; pass --token-file FILE (or ${TOKEN_ENV}) and put TLS in front (docs/security.md)")
 
 
-def cmd_serve(a) -> int:
-    from plait.serve.executor.runner import strict_blas  # lazily: plait --help must not import torch
-
-    strict_blas(exact=not a.no_exact_batching)  # before the first matrix product: MKL's path (runner.strict_blas)
-    from plait.serve.entrypoints.server import run  # lazily: plait --help must not import torch or FastAPI
-    from plait.serve.service import ServeOptions  # lazily: as above (it imports torch)
-
-    model = vllm_flags(a)
-    token = serve_token(a)
-    warning = exposure_warning(a.host, token)
-    if warning:
-        print(warning, file=sys.stderr)
-    opts = ServeOptions(name=a.name, host=a.host, port=a.port, replicas=a.replicas, pp=a.pp,
-                        max_batch_size=a.max_batch_size, max_delay_ms=a.max_delay_ms, max_queue=a.max_queue,
-                        timeout_ms=a.timeout_ms, token=token, quantize=a.quantize, max_body_mb=a.max_body_mb,
-                        max_new_tokens=a.max_new_tokens, exact_batching=not a.no_exact_batching, threads=a.threads,
-                        max_prompt_chars=a.max_prompt_chars, read_timeout_s=a.read_timeout_s,
-                        max_connections=a.max_connections, trust_factory=a.trust_factory,
-                        trust_checkpoint=a.trust_checkpoint, device=a.device, autoscale=a.autoscale,
-                        target_ongoing=a.target_ongoing, upscale_delay_s=a.upscale_delay_s,
-                        downscale_delay_s=a.downscale_delay_s, scale_to_zero_after_s=a.scale_to_zero_after_s,
-                        scheduler=a.scheduler, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb, max_seqs=a.max_seqs,
-                        max_prefill_tokens=a.max_prefill_tokens, max_step_tokens=a.max_step_tokens,
-                        prefix_caching=not a.no_prefix_caching,
-                        draft=None if a.draft is None else str(a.draft), num_speculative_tokens=a.num_speculative_tokens,
-                        lora=tuple(a.lora or ()), tp=a.tp, route=a.route, max_model_len=a.max_model_len)
-    return run(str(model), opts.validate())
-
-
 class DefaultsFormatter(argparse.HelpFormatter):
     """--help that ends each option's line with its default, unless the text says it already or there is none."""
 
@@ -159,7 +130,7 @@ def add_parsers(sub, bench) -> None:
                    help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
                         "(MKL_CBWR=AUTO,STRICT on Intel), no padding rows (plait.serve.executor.runner)")
     _add_vllm_args(s)
-    s.set_defaults(fn=cmd_serve)
+    s.set_defaults(fn="plait.serve.commands:cmd_serve")
 
 
 # vLLM's flags that have no plait twin: (flag, what plait takes instead). The twins are aliases above
