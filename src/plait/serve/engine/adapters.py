@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.export import load_run_checkpoint
+from plait.finetune.lora import lora_layers
 from plait.serve.errors import ServeError
 
 
@@ -84,13 +86,9 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def load_adapter(name: str, path: str | Path, base: nn.Module, trust_checkpoint: bool = False) -> Adapter:
     """The adapter at `path` (a LoRA run directory or an adapters-only .safetensors), checked against `base`."""
-    from plait.finetune import lora_layers  # lazily: only --lora needs the fine-tuning modules
-
     path = Path(path)
     where = f"--lora {name}={path}"
     if path.is_dir():
-        from plait.export import load_run_checkpoint  # lazily: as above
-
         try:
             _, _, model, _ = load_run_checkpoint(path, trust_checkpoint=trust_checkpoint)
         except Exception as e:
