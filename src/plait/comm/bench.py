@@ -31,6 +31,7 @@ from pathlib import Path
 
 from plait.comm import algorithms as alg
 from plait.errors import ConfigError
+from plait.report.plots import plt, save
 from plait.testing import RankPool
 
 # op -> algorithms available for it
@@ -274,8 +275,6 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from plait.report.plots import plt, save  # lazily: the ranks import this module and need no matplotlib
-
     ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from plait.data.datasets import split_tensors
+from plait.data.hf_tokenizer import HFTokenizer
 from plait.data.spec import DataBundle, DataSpec
 from plait.errors import ConfigError, DataError
 from plait.extras import install_command
@@ -148,8 +149,6 @@ def _targets(data_cfg, path: Path, header: list[str], rows: list[list], first_li
 def _text_table(data_cfg, model_cfg, path: Path, header: list[str], rows: list[list]) -> DataBundle:
     """data.text_column: each row's text encoded with data.tokenizer (its special tokens, e.g. [CLS] ... [SEP]) to
     model.context ids, then its attention mask (1 real, 0 padding): inputs (rows, 2, context)."""
-    from plait.data.hf_tokenizer import HFTokenizer  # lazily: the tokenizers library, only for text tables
-
     column = data_cfg.text_column
     if column not in header:
         raise DataError(f"{path} has no column {column!r} (data.text_column); its columns: {', '.join(header)}")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from plait.edge.archive import check_pt2
 from plait.errors import CheckpointError, ConfigError
 from plait.extras import install_command
 
@@ -155,7 +156,6 @@ def load_pt2(path: Path, trust: bool = False) -> tuple[EdgeModule, dict]:
     Unless `trust`, the archive is inspected first and refused if torch would run code from it (plait.edge.archive)."""
     import zipfile
 
-    from plait.edge.archive import check_pt2  # lazily, like the runtimes: only .pt2 reading needs it
 
     if not trust:
         check_pt2(path)

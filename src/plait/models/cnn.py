@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
+from plait.models.patchgd import PatchCNN
 
 
 class CNN(nn.Module):
@@ -40,8 +41,6 @@ def build_cnn(cfg, spec: DataSpec) -> CNN:
 
 
 def _patch_cnn(cfg, spec: DataSpec) -> nn.Module:
-    from plait.models.patchgd import PatchCNN  # lazily: only patch gradient descent builds it
-
     c, h, w = spec.input_shape
     p = cfg.patch_size
     if h % p or w % p:

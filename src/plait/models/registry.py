@@ -19,6 +19,8 @@ import torch.nn as nn
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
 from plait.models.contrastive import Contrastive
+from plait.models.ensemble import build_ensemble
+from plait.models.fewshot import MetaLearner
 from plait.models.keys import CAPABILITIES
 from plait.models.keys import DATA_FOR as DATA_FOR  # re-exported, as the two below: `from plait.models import DATA_FOR`
 from plait.models.keys import MODELS as BUILDERS
@@ -89,7 +91,6 @@ def _ensemble(model_cfg, spec: DataSpec) -> nn.Module:
     """model.ensemble = K: K members of the model, member k from the seed set last + k (plait.models.ensemble)."""
     import dataclasses
 
-    from plait.models.ensemble import build_ensemble  # lazily: only an ensemble needs it
 
     if spec.task not in ("classification", "lm"):
         raise ConfigError(f"model.ensemble = {model_cfg.ensemble} averages the members' class probabilities; this "
@@ -103,7 +104,6 @@ def _fewshot(model_cfg, spec: DataSpec) -> nn.Module:
     to each episode (plait.models.fewshot)."""
     import dataclasses
 
-    from plait.models.fewshot import MetaLearner  # lazily: only meta-learning needs it
 
     e = spec.episode
     one = dataclasses.replace(spec, task="classification", num_classes=e["ways"], input_shape=e["input_shape"],

@@ -41,6 +41,7 @@ from plait.parallel.gradsync import align_grads, average_tensors
 from plait.parallel.pipeline import PipelineStrategy, step_bubble, theoretical_bubble
 from plait.parallel.saved import saved_tensors
 from plait.parallel.scheme import Build
+from plait.report.pipeline import plot_timeline
 
 PENDING = "pipedream_pending_grad"  # checkpoint key of the drained step's gradient (plain names)
 ACT, GRAD = 0, 1  # message kinds
@@ -185,8 +186,6 @@ class PipeDreamStrategy(PipelineStrategy):
         summary = pipedream_summary(reports, self.pp, self.microbatches)
         summary["stage_blocks"] = [[a, z] for a, z in self.bounds]
         if run_dir is not None:
-            from plait.report.pipeline import plot_timeline  # lazily: only rank 0 plots, at the end (matplotlib)
-
             plot_timeline(reports, summary, run_dir / "pipeline.png")
         return {"pipeline": summary}
 

@@ -37,6 +37,7 @@ from plait.parallel.saved import saved_tensors
 from plait.parallel.scheme import Build
 from plait.parallel.split import pipeline_stage, stage_bounds
 from plait.parallel.stage_zero1 import StageOwners
+from plait.report.pipeline import plot_timeline
 
 KEEP_STEPS = 32  # steps whose slots each rank keeps for the bubble's analysis (the latest)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -372,8 +373,6 @@ class PipelineStrategy(Strategy):
         summary = pipeline_summary(reports, self.schedule_name, self.pp, self.microbatches, self.virtual)
         summary["stage_blocks"] = [[a, z] for a, z in self.bounds]  # [start, stop) per stage
         if run_dir is not None:
-            from plait.report.pipeline import plot_timeline  # lazily: only rank 0 at the end needs matplotlib
-
             plot_timeline(reports, summary, run_dir / "pipeline.png")
         return {"pipeline": summary}
 

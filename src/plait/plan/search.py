@@ -11,6 +11,7 @@ from plait.parallel import check_config
 from plait.parallel.layout import Layout
 from plait.plan.cost import Hardware, predict
 from plait.plan.memory import Shape
+from plait.report.plots import plt, save
 
 GB = 1e9
 
@@ -151,8 +152,6 @@ def table(preds: list[dict], top: int = 10) -> list[list[str]]:
 
 
 def plot(preds: list[dict], out: Path, top: int = 10) -> Path:
-    from plait.report.plots import plt, save  # lazily: the workers import the planner (replan) and draw nothing
-
     chosen = preds[:top]
     labels = [p["layout"].label() for p in chosen]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(chosen) + 1.5), sharey=True)

@@ -33,6 +33,7 @@ import torch.distributed.rpc as rpc
 
 from plait.ps.policy import Piece, StalenessPolicy, piece_key, staleness_summary
 from plait.ps.rpc import worker_name
+from plait.report.plots import plt, save
 
 
 class PSError(RuntimeError):
@@ -254,7 +255,6 @@ def plot_staleness(log: list[tuple[int, int, int]], out: Path, mode: str) -> Pat
     """Staleness of every update against its order, one colour per worker, and its histogram."""
     if not log:
         return None
-    from plait.report.plots import plt, save  # lazily: only server 0 at the end needs matplotlib
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for w in sorted({w for w, _, _ in log}):

@@ -1,15 +1,30 @@
-"""Matplotlib figures of a run (PNG files, headless backend)."""
+"""Matplotlib figures of a run (PNG files, headless backend).
+
+`plt` is matplotlib.pyplot imported on first use (with the Agg backend): the ranks, the workers and the planner import
+this module's users and most of them draw nothing, so they import it at the top and pay for matplotlib (0.3-0.5 s)
+only when they plot.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from plait.report.bottleneck import row_split
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
-from plait.report.bottleneck import row_split  # noqa: E402
+class _Pyplot:
+    """matplotlib.pyplot, imported headless when an attribute of it is first read."""
+
+    def __getattr__(self, name: str):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+
+        return getattr(matplotlib.pyplot, name)
+
+
+plt = _Pyplot()
 
 
 def save(fig, out: Path) -> Path:

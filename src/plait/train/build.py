@@ -46,7 +46,7 @@ from plait.train.loss import TokenMeanLoss, focal_loss, loss_for, with_extra_los
 from plait.train.optim import build_optimizer
 from plait.train.preference import PreferenceLoss, preference_loss
 from plait.train.telemetry import Telemetry
-from plait.train.weights import checkpoint_parts, init_from
+from plait.train.weights import checkpoint_parts, init_from, load_run_model
 
 
 @dataclass
@@ -191,8 +191,6 @@ def sampler_for(cfg: Config, bundle, loss_fn):
 def loss_scores(run_dir: str, dataset, loss_fn, batch: int = 64) -> torch.Tensor:
     """Each training sample's loss under a trained run's model (data.curriculum.score = 'loss'), on the CPU: every
     rank computes the same scores."""
-    from plait.train.weights import load_run_model  # lazily: only a loss curriculum reads another run
-
     if not (Path(run_dir) / "config.toml").is_file():
         raise ConfigError(f"data.curriculum.score = 'loss' scores by a run's model; {run_dir} is not a run directory "
                           "(set data.curriculum.model to the --out of a training run)")

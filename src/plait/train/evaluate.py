@@ -8,6 +8,8 @@ import torch.distributed as dist
 from plait.data import DataBundle
 from plait.data.datasets import eval_batches
 from plait.models import build_model
+from plait.models.fewshot import episode_accuracy
+from plait.models.vlm import zero_shot_accuracy
 
 
 def evaluate(strategy, dataset, cfg, rt, task: str) -> dict:
@@ -103,7 +105,6 @@ def fewshot_from_scratch(bundle: DataBundle, cfg, rt) -> dict | None:
     instead of the meta-learned one (the baseline meta-learning must beat), on rank 0, with the episode settings."""
     if bundle.spec.task != "fewshot" or not rt.is_main:
         return None
-    from plait.models.fewshot import episode_accuracy  # lazily: only meta-learning runs
 
     e = bundle.spec.episode
     torch.manual_seed(cfg.train.seed + 1)  # not the meta-learned model's initialisation
@@ -121,7 +122,6 @@ def multimodal_figures(strategy, bundle: DataBundle, cfg, rt) -> dict | None:
     module = whole_model_on_main(strategy, bundle, cfg, rt)
     if module is None:
         return None
-    from plait.models.vlm import zero_shot_accuracy  # lazily: only a vision-language run
 
     trainable = sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
     return {"connector": cfg.model.connector, "frozen": list(cfg.finetune.freeze), "trainable_params": trainable,

@@ -31,6 +31,7 @@ from plait.comm.fingerprint import Fingerprinter
 from plait.config import config_to_dict, dump_config
 from plait.finetune.lora import nf4_storage
 from plait.models.protocols import WindowMetricsModel
+from plait.report.html import write_report
 from plait.train.carried import carry
 from plait.train.checkpoint import step_name
 from plait.train.evaluate import evaluate, fewshot_from_scratch, linear_probe, multimodal_figures
@@ -383,8 +384,6 @@ class Telemetry:
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             if cfg.log.report:
-                from plait.report import write_report  # lazily: only rank 0 at the end needs matplotlib
-
                 write_report(run_dir)
 
     def _print_summary(self, summary: dict) -> None:

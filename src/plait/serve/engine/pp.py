@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from plait.comm.p2p import DTYPES, MAX_DIMS
+from plait.parallel.split import pipeline_stage, stage_bounds
 from plait.procs import CONTEXT, spawn
 from plait.serve.engine.core import EngineConfig
 from plait.serve.engine.paged import PagedCache, bytes_per_block, kv_geometry
@@ -140,8 +141,6 @@ def error_text(rank: int, e: BaseException) -> torch.Tensor:
 
 def pipeline_plan(model: nn.Module, stages: int, config: EngineConfig) -> tuple[list[tuple[int, int]], int]:
     """(each stage's block range, the KV blocks of every stage's pool); ServeError naming the flag to change."""
-    from plait.parallel.split import stage_bounds  # lazily: only --pp needs plait.parallel (about 0.5 s of imports)
-
     n = len(kv_geometry(model)[0])
     if not 1 <= stages <= n:
         raise ServeError(f"--pp {stages}: the model has {n} blocks; use --pp between 1 and {n}")
@@ -157,8 +156,6 @@ def pipeline_plan(model: nn.Module, stages: int, config: EngineConfig) -> tuple[
 
 def stage_of(model: nn.Module, bounds: list[tuple[int, int]], rank: int) -> nn.Module:
     """Stage `rank` of the model: training's cut (its blocks, the embedding first, the norm and head last)."""
-    from plait.parallel.split import pipeline_stage  # lazily: only --pp needs plait.parallel
-
     return pipeline_stage(model, bounds, rank).eval()
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.comm.p2p import recv_message, send_tensor
+from plait.parallel.split import pipeline_stage, stage_bounds
 from plait.procs import CONTEXT, spawn
 from plait.serve.errors import RequestError, ServeError
 from plait.serve.executor.generate import sample_row
@@ -82,7 +83,6 @@ def stage_main(rank: int, world: int, store_path: str, ref: ModelRef, inbox, out
     import torch
     import torch.distributed as dist
 
-    from plait.parallel.split import pipeline_stage, stage_bounds  # lazily: the serving process needs no plait.parallel (~0.5 s)
 
     torch.set_num_threads(threads)
     try:

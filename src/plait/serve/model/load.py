@@ -24,6 +24,7 @@ from plait.data.tokenizer import CharTokenizer
 from plait.edge import EDGE_SUFFIXES, load_edge
 from plait.errors import DataError
 from plait.export import load_exported, rebuild_model
+from plait.models.ensemble import Ensemble
 from plait.models.gpt import GPT
 from plait.models.hf import is_hf_dir, load_hf_model
 from plait.models.llama import Llama
@@ -87,8 +88,6 @@ class ServedModel:
     @property
     def is_ensemble(self) -> bool:
         """model.ensemble > 1: logits are the members' mean probabilities' logs, and `spread` their disagreement."""
-        from plait.models.ensemble import Ensemble  # lazily: a plain model never needs it
-
         return isinstance(self.module, Ensemble) and not self.is_lm
 
     @property
