@@ -77,7 +77,7 @@ KV_GIB = 2
 WORKLOADS = ("mixed", "shared", "long")
 RATES = ("light", "capacity", "overloaded")
 # requests per run, per size and workload; --quick takes the first size, the capacity rate and QUICK_REQUESTS
-REQUESTS = {"10m": {"mixed": 64, "shared": 64, "long": 12}, "100m": {"mixed": 24, "shared": 24, "long": 6}}
+REQUESTS = {"10m": {"mixed": 48, "shared": 48, "long": 8}, "100m": {"mixed": 16, "shared": 16, "long": 4}}
 QUICK_REQUESTS = {"mixed": 12, "shared": 12, "long": 3}
 SAME_PROMPTS, SAME_TOKENS = 50, 32
 
@@ -607,15 +607,15 @@ def figures(plan: Plan, done: dict) -> list[dict]:
     return rows
 
 
-def table(plan: Plan, rows: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
     lines = ["| workload | rate req/s | side | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "peak RSS MiB | A/A floor tok/s, TTFT p99, ITL p99 | plait / vLLM tok/s, TTFT p99, ITL p99 |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rows:
         aa = x["aa_floor"]
         vs = x.get("vs_vllm")
-        lines.append(f"| {x['workload']} | {x['rate']} {x['rate_req_s']:.2f} | {x['side']} | {x['tok_s']:.0f} | "
-                     f"{x['req_s']:.2f} | {x['ttft_p50']:.0f} / {x['ttft_p99']:.0f} | {x['itl_p50']:.1f} / "
+        lines.append(f"| {x['workload']} | {x['rate']} {x['rate_req_s']:.3g} | {x['side']} | {x['tok_s']:.3g} | "
+                     f"{x['req_s']:.3g} | {x['ttft_p50']:.0f} / {x['ttft_p99']:.0f} | {x['itl_p50']:.1f} / "
                      f"{x['itl_p99']:.1f} | {x['rss_mib']:.0f} | {aa['tok_s']:.2f}, {aa['ttft_p99']:.2f}, "
                      f"{aa['itl_p99']:.2f} | " + (f"{vs['tok_s']:.2f}, {vs['ttft_p99']:.2f}, {vs['itl_p99']:.2f}"
                                                    if vs else "") + " |")
@@ -672,10 +672,11 @@ def main(argv=None) -> int:
             check_same(plan, a.allow_mismatch)
             done = timed(plan, a.repeats)
             rows = figures(plan, done)
-            header = (f"### {size}: width {SIZES[size][0]} x {SIZES[size][1]} layers, vocab {VOCAB}; load average "
-                      f"{load0[0]:.2f} before, {', '.join(f'{x:.2f}' for x in done['load_after_repeats'])} after each "
-                      f"repeat; {a.repeats} repeat(s), 2 sessions per side each")
-            block = "\n".join([header, "", same_line(plan), forcing_line(plan), "", table(plan, rows)])
+            sessions = ", ".join(f"{s} {x:.2f}" for s, x in done["load_before_sessions"])
+            header = (f"### {size}: width {SIZES[size][0]} x {SIZES[size][1]} layers, vocab {VOCAB}; {a.repeats} "
+                      f"repeat(s), 2 sessions per side each; 1-minute load average {load0[0]:.2f} before, then at each "
+                      f"session's start {sessions}, {done['load_after_repeats'][-1]:.2f} at the end")
+            block = "\n".join([header, "", same_line(plan), forcing_line(plan), "", table(rows)])
             text.append(block)
             print("\n" + block + "\n", flush=True)
             report["sizes"][size] = {"load_before": load0, "plan": {

@@ -170,7 +170,8 @@ def test_serve_vs_vllm_takes_ratios_over_paired_sessions_and_each_sides_a_a_floo
     # pairs in order: plait/vllm (100/50) and plait#2/vllm#2 (110/40)
     assert plait["vs_vllm"] == pytest.approx({"tok_s": (2.0 + 2.75) / 2, "ttft_p99": 0.5, "itl_p99": (2 + 1) / 2})
     assert "vs_vllm" not in vllm
-    assert sv.table(plan, [plait, vllm]).splitlines()[2].endswith("| 0.10, 0.00, 0.00 | 2.38, 0.50, 1.50 |")
+    line = sv.table([plait, vllm]).splitlines()[2]
+    assert line.startswith("| mixed | capacity 2 | plait | 105 |") and line.endswith("| 0.10, 0.00, 0.00 | 2.38, 0.50, 1.50 |")
 
 
 @pytest.mark.slow
