@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from plait.federated.tensors import Weights, decode, encode
 from plait.federated.wire import FederatedError, RoundService, authorized, frame, parse_tokens, unframe
+from plait.jsondepth import too_deep
 
 # FederatedError, frame, parse_tokens and unframe live in wire.py; callers that imported them from here still can.
 __all__ = ["FedHTTPClient", "FederatedError", "HTTPServerThread", "frame", "make_app", "parse_tokens", "unframe"]
@@ -72,8 +73,10 @@ async def _read_body(request: Request, max_body: int) -> bytes | None:
 
 async def _read_json(request: Request, max_body: int) -> dict | None:
     body = await _read_body(request, max_body)
+    if body is None or too_deep(body):
+        return None
     try:
-        obj = json.loads(body, parse_constant=_no_constant) if body is not None else None
+        obj = json.loads(body, parse_constant=_no_constant)
     except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, long integers, NaN; too deep
         return None
     return obj if isinstance(obj, dict) else None

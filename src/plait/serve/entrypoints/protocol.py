@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.jsondepth import _JSON_STRING, MAX_JSON_DEPTH, nesting_depth, too_deep  # noqa: F401 (re-exported)
 from plait.serve.errors import RequestError, ServeError  # noqa: F401 (ServeError: encode_error's)
 from plait.serve.model.signature import TensorSpec
 
@@ -168,30 +169,7 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")  # a number with 19 digits in a row may
 # bound of its own the deepest body it reads depends on sys.getrecursionlimit() (which hypothesis and torch._dynamo
 # raise) and on how deep the caller's stack is. 512 leaves room under the default limit of 1000 for any caller's
 # stack, and is far above what a request needs (a tensor nests MAX_DIMS levels inside 3 of the request's).
-MAX_JSON_DEPTH = 512
-# A string, escapes included (its brackets are text). It always matches from a quote to the closing quote or to the
-# end of the data (an unterminated string), so the scan stays linear whatever the body holds.
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\(?:.|\Z)[^"\\]*+)*+(?:"|\Z)', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_STEP = np.zeros(256, dtype=np.int8)
-_DEPTH_STEP[[ord("["), ord("{")]] = 1
-_DEPTH_STEP[[ord("]"), ord("}")]] = -1
-
-
-def nesting_depth(data: bytes | str) -> int:
-    """The most arrays and objects open at once in `data` (brackets inside strings do not count): a scan in C and
-    numpy, without parsing. Malformed JSON gets a number too; the parser names what is wrong with it."""
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    return int(np.cumsum(_DEPTH_STEP[np.frombuffer(brackets, dtype=np.uint8)], dtype=np.int64).max(initial=0))
-
-
-def _too_deep(data: bytes | str) -> bool:
-    if isinstance(data, bytes):
-        openings = data.count(b"[") + data.count(b"{")
-    else:
-        openings = data.count("[") + data.count("{")
-    return openings > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH  # fewer openings cannot nest deeper
+_too_deep = too_deep
 
 
 def _orjson_agrees(data: bytes) -> bool:
