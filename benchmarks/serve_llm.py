@@ -248,7 +248,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--threads", type=int, default=0, help="every server's --threads (0: its default, cores - 1)")
+    ap.add_argument("--threads", type=int, default=0, help="every server's --threads (0: its default: every core for "
+                    "the engine, cores - 1 for static batches)")
     ap.add_argument("--max-seqs", type=int, default=64, help="the engine's --max-seqs for (b)-(d)")
     ap.add_argument("--max-prefill-tokens", type=int, default=512, help="the engine's --max-prefill-tokens for (b)-(d)")
     a = ap.parse_args()
@@ -270,7 +271,7 @@ def main() -> None:
         threads = ["--threads", str(a.threads)]
         on, off = prefix_ttft(model_dir, *threads), prefix_ttft(model_dir, "--no-prefix-caching", *threads)
     print(f"\n{a.requests} requests, Poisson {a.rate:g}/s, Llama width {a.width} x {a.layers} layers, server --threads "
-          f"{a.threads} (0: cores - 1), load average "
+          f"{a.threads} (0: each server's default), load average "
           f"{os.getloadavg()[0]:.2f}\n")
     print("| configuration | requests/s | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -10,7 +10,9 @@ from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.models.sampling import sample
 from plait.serve.engine.core import Engine, EngineConfig, SamplingParams
+from plait.serve.engine.paged import PagedCache
 from plait.serve.engine.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
+from plait.serve.service import ServeOptions
 
 
 class Clock:
@@ -431,3 +433,30 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
     assert draw(torch.tensor([0.0, 0.0, 1e-30]), g).item() == 2  # tiny but positive: the only one it may draw
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     assert [draw(probs, g1).item() for _ in range(20)] == [draw(probs, g2).item() for _ in range(20)]
+
+
+def test_the_gather_of_blocks_is_the_same_on_one_thread_and_on_several():
+    cache = PagedCache(MODELS["llama"], num_blocks=12, block_size=4)
+    pool = next(iter(cache.k.values()))
+    heads, _, d = pool.shape
+    with torch.inference_mode():
+        pool.copy_(torch.randn(pool.shape))
+        blocks = torch.tensor([5, 2, 9, 2, 11])
+        want = pool.view(heads, 12, 4, d)[:, blocks].reshape(heads, -1, d).clone()
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):  # one thread: along the pool's block dimension; more: a head at a time
+                torch.set_num_threads(threads)
+                assert torch.equal(cache.gather(pool, blocks, 0), want)
+                assert torch.equal(cache.gather(pool, blocks[:2], 0), want[:, :8])  # the kept buffer, smaller
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_the_llm_engine_takes_every_core_and_static_batches_leave_one_to_the_event_loop(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    opts = ServeOptions()
+    assert opts.threads_per(1, in_process=True, engine=True) == 8  # the engine's event loop only hands tokens on
+    assert opts.threads_per(1, in_process=True) == 7
+    assert opts.threads_per(4) == 2
+    assert ServeOptions(threads=3).threads_per(1, in_process=True, engine=True) == 3

@@ -53,7 +53,7 @@ class EngineOptions:
     def block_size(self) -> int:
         return self.engine_config.block_size
 
-    def threads_per(self, processes: int, in_process: bool = False) -> int:
+    def threads_per(self, processes: int, in_process: bool = False, engine: bool = False) -> int:
         return self.threads
 
 
@@ -71,7 +71,7 @@ def build_engine(served: ServedModel, ref: ModelRef, opts, device: torch.device
     group = _tensor_parallel(served, ref, opts) if opts.tp > 1 else _pipeline(served, ref, opts, device) if (
         opts.pp > 1) else None
     try:
-        engine = Engine(served.module, opts.engine_config, device, threads=opts.threads_per(1, in_process=True),
+        engine = Engine(served.module, opts.engine_config, device, threads=opts.threads_per(1, True, group is None),
                         draft=draft, num_speculative=opts.num_speculative_tokens, router=router, tp=opts.tp,
                         announce=group.announce if group is not None else None,
                         broken=group.broken if isinstance(group, TensorParallelGroup) else None,

@@ -79,7 +79,13 @@ class PagedCache:
         if buf is None or buf.numel() < size or buf.dtype != pool.dtype:
             buf = self._scratch[which] = torch.empty(size * 5 // 4, dtype=pool.dtype, device=pool.device)
         out = buf[:size].view(heads, blocks.numel(), self.block_size * d)
-        return torch.index_select(by_block, 1, blocks, out=out).view(heads, -1, d)
+        if torch.get_num_threads() == 1:
+            return torch.index_select(by_block, 1, blocks, out=out).view(heads, -1, d)
+        # A head at a time: index_select along dim 0 of a contiguous (blocks, block) matrix copies its rows on every
+        # thread, along dim 1 on one (a 2.6 MB gather on 2 threads: 110 us against 203 us, the bandwidth of a memcpy).
+        for h in range(heads):
+            torch.index_select(by_block[h], 0, blocks, out=out[h])
+        return out.view(heads, -1, d)
 
     def copy(self, src: int, dst: int) -> None:
         """Block dst := block src in every layer (copy-on-write)."""
