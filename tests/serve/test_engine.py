@@ -2,6 +2,8 @@
 attention, and greedy / seeded tokens equal to the model's own generate whatever the batch, preemption or prefix reuse."""
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -460,3 +462,23 @@ def test_the_llm_engine_takes_every_core_and_static_batches_leave_one_to_the_eve
     assert opts.threads_per(1, in_process=True) == 7
     assert opts.threads_per(4) == 2
     assert ServeOptions(threads=3).threads_per(1, in_process=True, engine=True) == 3
+
+
+def test_the_engine_thread_keeps_its_thread_count_whatever_another_thread_sets_later():
+    model = MODELS["llama"]
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0), threads=2)
+    done = threading.Event()
+    try:
+        engine.start()
+        time.sleep(0.2)
+        torch.set_num_threads(1)  # the server's own threads set theirs once the engine's is up
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0), on_done=lambda reason: done.set())
+        assert done.wait(30)
+    finally:
+        engine.stop()
+        hook.remove()
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}  # a thread's first parallel op no longer takes the process-wide count

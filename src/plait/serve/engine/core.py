@@ -449,6 +449,10 @@ class Engine:
 
     def _loop(self) -> None:
         if self.threads:
+            # A thread's first parallel op sets its OpenMP team from the process-wide count that the last
+            # set_num_threads of any thread left (the server's runner thread sets its own after this one starts):
+            # get_num_threads makes that happen now, so the engine's own count is the one that stays.
+            torch.get_num_threads()
             torch.set_num_threads(self.threads)
         while not self._stop:
             try:
