@@ -114,7 +114,7 @@ class PagedStep:
         positions: list[int] = []
         slots: list[int] = []
         decodes: list[tuple[int, list[int], int]] = []  # (token index, block table, keys)
-        self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor]] = []  # (first, stop, blocks, keys, mask)
+        self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []  # (first, stop, blocks, keys, mask)
         t = 0
         for table, start, count in chunks:
             stop = start + count
@@ -123,6 +123,10 @@ class PagedStep:
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
             if count == 1:
                 decodes.append((t, blocks, stop))
+            elif start == 0 and not (cache.window and count > cache.window):
+                # a prompt's first chunk attends causally to itself: SDPA's own causal path, which skips the blocks
+                # above the diagonal (a boolean mask is read, and its blocks computed, whole)
+                self.prefills.append((t, t + count, torch.tensor(blocks, device=device), stop, None))
             else:
                 q = torch.arange(start, stop)[:, None]
                 k = torch.arange(stop)[None]
@@ -198,5 +202,5 @@ class PagedLayer:
                 kp = s.cache.gather(self.k_pool, blocks, 0)[:, :keys][None].to(q.dtype)
                 vp = s.cache.gather(self.v_pool, blocks, 1)[:, :keys][None].to(q.dtype)
             y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
-                                                                 enable_gqa=gqa)
+                                                                 is_causal=mask is None, enable_gqa=gqa)
         return y
