@@ -185,3 +185,41 @@ def test_truncation_is_counted_and_bad_input_is_refused(tmp_path):
         load_config(None, ["data.name='chat'", f"data.path='{path}'", "data.pack=true", "parallel.pp=2"])
     with pytest.raises(ConfigError, match="model.name = 'mlp' does not: set data.pack=false"):
         load_config(None, ["data.name='chat'", f"data.path='{path}'", "data.pack=true", "model.name='mlp'"])
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_micro_batch_cut_after_its_last_trained_target_has_the_same_loss_and_gradients(name):
+    from plait.data.chat import trim_padding, trims_padding
+    from plait.data.spec import DataSpec
+    from plait.models.registry import build_model
+    from plait.parallel import Layout
+
+    cfg = load_config(None, [f"model.name='{name}'", "model.layers=2", "model.width=32", "model.heads=2",
+                             "model.context=24", "model.vocab_size=50"])
+    spec = DataSpec(name="chat", task="lm", input_shape=[24], vocab_size=50, masked_targets=True)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, spec)
+    g = torch.Generator().manual_seed(2)
+    examples = [(torch.randint(0, 50, (n,), generator=g).numpy(), (torch.arange(n) >= 2).numpy()) for n in (7, 12, 4)]
+    x, y = rows(examples, 24, pack=False)
+    cut = trim_padding((x, y))
+    assert cut[0].shape == (3, 11) and cut[1].shape == (3, 11)  # the longest row's 11 inputs, its last target at 10
+    assert torch.equal(cut[1], y[:, :11]) and (y[:, 11:] == IGNORE).all()
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = masked_lm_loss(model(batch[0]), batch[1])
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (full, g_full), (short, g_short) = loss_and_grads((x, y)), loss_and_grads(cut)
+    torch.testing.assert_close(short, full, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_short, g_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert trim_padding(cut) == cut or all(torch.equal(a, b) for a, b in zip(trim_padding(cut), cut))  # already cut
+    # only where shapes may vary: not packed rows, tensor, context or pipeline parallel, or a compiled model
+    assert trims_padding(spec, Layout(dp=2, zero=3), compiled=False)
+    for layout, compiled in ((Layout(tp=2), False), (Layout(cp=2), False), (Layout(pp=2), False), (Layout(), True)):
+        assert not trims_padding(spec, layout, compiled)
+    assert not trims_padding(DataSpec(name="chat", task="lm", input_shape=[24], masked_targets=True, packed=True),
+                             Layout(), compiled=False)

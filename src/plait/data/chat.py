@@ -172,6 +172,24 @@ def rows(examples: list[tuple[np.ndarray, np.ndarray]], context: int, pack: bool
     return (x if pack else x[:, 0].contiguous()), y
 
 
+def trim_padding(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch of (unpacked) chat rows cut after its last trained target: a causal model's logits at the kept
+    positions never see the positions cut, and the cut ones hold no target, so the loss is the same, on fewer positions
+    (the peers' collators pad each batch to its longest row; rows of model.context computed 8.7 % more positions on
+    benchmarks/finetune_vs_peers.py's data). The training step's batch transform where shapes may vary (no tp, cp, pp or
+    torch.compile: plait.train.build)."""
+    x, y = batch
+    trained = (y != IGNORE).any(0).nonzero()
+    keep = int(trained[-1]) + 1 if len(trained) else 1
+    return (x, y) if keep == y.shape[1] else (x[:, :keep], y[:, :keep])
+
+
+def trims_padding(spec: DataSpec, layout, compiled: bool) -> bool:
+    """Whether a job's training batches take trim_padding: chat rows, not packed, a layout whose shapes may vary."""
+    return (spec.name == "chat" and spec.masked_targets and not spec.packed and not compiled
+            and layout.tp == 1 and layout.cp == 1 and layout.pp == 1)
+
+
 def chat_source(data_cfg, model_cfg) -> DataBundle:
     path, context = Path(data_cfg.path), model_cfg.context
     examples = read_examples(path)

@@ -10,6 +10,7 @@ server's ranks do) is asked of plait.parallel, so nothing here reads a scheme's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from plait.callback import Callbacks
 from plait.config import Config
 from plait.data import build_data
 from plait.data.augment import augmented, two_views
+from plait.data.chat import trim_padding, trims_padding
 from plait.data.curriculum import CurriculumSampler, length_scores, scores_from_file
 from plait.data.episodes import episodic
 from plait.data.loader import StepLoader
@@ -128,10 +130,18 @@ def build_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = Fal
     loader = StepLoader(bundle.train, sampler, start,
                         stop, rt.axis_rank("batch"), layout.dp, t.micro_batch_size, cfg.data.prefetch,
                         pin_memory=rt.device.type == "cuda", workers=cfg.data.workers, slices=slices,
-                        transform=b.batch_transform())
+                        transform=batch_transform(b, bundle.spec))
     tel = Telemetry(cfg, rt, layout, run_dir, bundle, strategy, start, stop)
     tel.fields = callbacks.fields
     return Job(cfg, rt, layout, strategy, callbacks, tel, ckpt, loader, start, stop)
+
+
+def batch_transform(b: Build, spec) -> Callable | None:
+    """What the schemes do to a micro-batch, after chat rows are cut to their last trained target where shapes may vary."""
+    schemes = b.batch_transform()
+    if not trims_padding(spec, b.layout, b.cfg.train.compile):
+        return schemes
+    return trim_padding if schemes is None else lambda batch: schemes(trim_padding(batch))
 
 
 def data_bundle(cfg: Config):
