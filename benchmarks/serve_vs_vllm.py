@@ -11,7 +11,8 @@ and about 100 M (width 768, 14 layers), context 4608.
 Each side is served alone, on 127.0.0.1, started fresh for each session:
 
     plait    .venv/bin/plait serve DIR --kv-cache-mb 2048 (the continuous engine, prefix caching; its defaults
-             otherwise: --threads 0, i.e. every core for the engine's model threads)
+             otherwise: --threads 0, i.e. every core for the engine's model threads: the benchmark unsets
+             OMP_NUM_THREADS for both servers)
     vllm     VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-(cores-1) .venv-vllm/bin/python
              -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --max-model-len 4608
              (prefix caching and chunked prefill are on by default)

@@ -457,8 +457,13 @@ def test_the_gather_of_blocks_is_the_same_on_one_thread_and_on_several():
 
 def test_the_llm_engine_takes_every_core_and_static_batches_leave_one_to_the_event_loop(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     opts = ServeOptions()
     assert opts.threads_per(1, in_process=True, engine=True) == 8  # the engine's event loop only hands tokens on
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a machine shared with other work says how many
+    assert opts.threads_per(1, in_process=True, engine=True) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert opts.threads_per(1, in_process=True, engine=True) == 8
     assert opts.threads_per(1, in_process=True) == 7
     assert opts.threads_per(4) == 2
     assert ServeOptions(threads=3).threads_per(1, in_process=True, engine=True) == 3

@@ -124,8 +124,9 @@ def add_parsers(sub, bench) -> None:
     s.add_argument("--trust-checkpoint", action="store_true",
                    help="serve a run checkpoint that has no manifest.json (plait 0.1), or a .pt2 that torch would run "
                         "code from (pickled payloads, an AOTInductor library); see docs/security.md")
-    s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: every core for the LLM "
-                   "engine in-process, cores - 1 for other models in-process, cores / N for N replicas or stages)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: for the LLM engine in-process "
+                   "OMP_NUM_THREADS if set, else every core; cores - 1 for other models in-process; cores / N for N "
+                   "replicas or stages)")
     s.add_argument("--no-exact-batching", action="store_true",
                    help="let a batched answer differ from the lone one in the last bit: no strict BLAS mode "
                         "(MKL_CBWR=AUTO,STRICT on Intel), no padding rows (plait.serve.executor.runner)")

@@ -102,13 +102,18 @@ class ServeOptions:
     def threads_per(self, processes: int, in_process: bool = False, engine: bool = False) -> int:
         """Intra-op threads for each of `processes` model processes. In-process, one core stays with the HTTP event
         loop (oversubscribed OpenMP threads spin and stall each other), except for the LLM engine (`engine`): its
-        event loop only hands tokens on (under 1 % of a core in a 32-request burst, py-spy), and its steps are a
-        third gathers of the KV cache that only a second thread speeds up."""
+        event loop only hands tokens on (under 1 % of a core in a 32-request burst, py-spy), so it takes
+        OMP_NUM_THREADS when that is set, else every core (2 threads doubled a quiet 2-core machine's capacity; on
+        a machine whose cores are busy with other work they stall each other: a tiny model's request took 240 ms
+        on 2 threads and 11 ms on 1 beside a test suite, so a shared machine sets OMP_NUM_THREADS or --threads)."""
         if self.threads:
             return self.threads
         cores = os.cpu_count() or 1
+        if in_process and engine:
+            omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+            return int(omp) if omp.isdigit() and int(omp) > 0 else cores
         if in_process:
-            return cores if engine else max(1, cores - 1)
+            return max(1, cores - 1)
         return max(1, cores // processes)
 
     def validate(self) -> ServeOptions:
