@@ -29,7 +29,7 @@ class TokenWindows:
 class DocumentWindows(TokenWindows):
     """TokenWindows of a stream of documents (data.pack = true on text): inputs (n, 2, T) of ids and positions, a
     position restarting at 0 at each document's first token and at each window's, so that attention stays inside
-    documents (plait.models.gpt.packed_mask) and positions inside the model's context."""
+    documents (plait.models.decoder.packed_mask) and positions inside the model's context."""
 
     def __init__(self, tokens: np.ndarray | torch.Tensor, starts: np.ndarray | torch.Tensor, context: int):
         super().__init__(tokens, context)

@@ -1,35 +1,20 @@
-"""A small GPT (pre-LayerNorm decoder-only transformer) for character-level language modelling."""
+"""A small GPT (pre-LayerNorm decoder-only transformer) for character-level language modelling.
+
+One family of plait's decoder (plait.models.decoder, which owns the forward, the head, the layouts' hooks and
+generate): LayerNorm, learned positions, a GELU MLP, biases and dropout.
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
-from plait.errors import ConfigError
-from plait.models.moe import MoE, MoEHooks
-from plait.models.sampling import sample
-
-
-class KVCache:
-    """One block's keys and values (batch, heads, time, head_dim) of the tokens seen so far, for incremental decoding."""
-
-    def __init__(self):
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached keys and values followed by these new ones, kept for the next step."""
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v
+from plait.models.decoder import Decoder, Family, KVCache, model_vocab, padded
+from plait.models.decoder import attention_mask as attention_mask  # the decoder's masks, imported from here too
+from plait.models.decoder import packed_mask as packed_mask
+from plait.models.moe import MoE
 
 
 class Attention(nn.Module):
@@ -65,30 +50,6 @@ class Attention(nn.Module):
         return self.proj.in_features // self.heads
 
 
-def attention_mask(pad: torch.Tensor, past: int, t: int) -> torch.Tensor:
-    """(batch, 1, t, past + t) boolean: query j of row i may see key c if pad_i <= c <= past + j."""
-    keys = torch.arange(past + t, device=pad.device)
-    queries = past + torch.arange(t, device=pad.device)
-    causal = keys[None, :] <= queries[:, None]
-    visible = keys[None, None, :] >= pad[:, None, None]
-    mask = causal[None] & visible
-    # A padding query sees no key; let it see itself so softmax stays finite (its output is unused).
-    mask |= (keys[None, None, :] == queries[None, :, None]) & (queries[None, :, None] < pad[:, None, None])
-    return mask[:, None]
-
-
-def packed_mask(pos: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """(batch, 1, t, t) boolean for packed rows (data.pack): causal within each example, a new one starting wherever
-    its position is 0, and within `window` positions (0: unlimited). Padding after the last example is one-token
-    examples (position 0), each seeing itself only."""
-    doc = (pos == 0).cumsum(1)
-    i = torch.arange(pos.shape[1], device=pos.device)
-    mask = (i[:, None] >= i[None, :])[None] & (doc[:, :, None] == doc[:, None, :])
-    if window:
-        mask &= (pos[:, :, None] - pos[:, None, :]) < window
-    return mask[:, None]
-
-
 ACTIVATIONS = ("gelu", "gelu_tanh")  # exact GELU, or the tanh approximation GPT-2 was trained with
 
 
@@ -120,13 +81,16 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(MoEHooks, nn.Module):
-    """Token + learned position embeddings, `layers` blocks, final LayerNorm, linear head.
+class GPT(Decoder):
+    """Token + learned position embeddings, `layers` blocks, final LayerNorm, linear head (plait.models.decoder).
 
     moe_experts > 0 makes every moe_every-th block (blocks moe_every - 1, 2 moe_every - 1, ...) a mixture of
     experts (plait.models.moe); moe_aux_weight scales their load-balancing loss in the training loss.
     activation is the dense blocks' GELU ("gelu_tanh": GPT-2's approximation), norm_eps every LayerNorm's epsilon.
     """
+
+    family = Family(attn=("q", "k", "v", "proj"), mlp=("up", "down"), norms=("ln1", "ln2"), final_norm="ln_f",
+                    first=("tok_emb", "pos_emb", "drop"), learned_positions=True, split_untied_embedding=False)
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int,
                  tie_embeddings: bool = True, dropout: float = 0.0, moe_experts: int = 0, moe_top_k: int = 1,
@@ -146,160 +110,22 @@ class GPT(MoEHooks, nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(width, heads, dropout, moe if (i + 1) % moe_every == 0 else None,
                                                    activation, norm_eps)
                                      for i in range(layers)})
-        self.ln_f = nn.LayerNorm(width, eps=norm_eps)
-        self.head = nn.Linear(width, rows, bias=False)
-        if tie_embeddings:
-            self.head.weight = self.tok_emb.weight
-        self._init(layers)
+        self._finish(nn.LayerNorm(width, eps=norm_eps), layers)
 
-    def _init(self, layers: int) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith(("bias", "mlp.b1", "mlp.b2")):  # an MoE block's expert biases are stacked, (E, n)
-                nn.init.zeros_(p)
-            elif p.dim() == 1:
-                nn.init.ones_(p)
-            elif name.endswith(("proj.weight", "down.weight", "mlp.w2")):
-                # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
-            else:
-                nn.init.normal_(p, std=0.02)
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        """Token plus learned position embeddings, dropped out."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
-    def forward(self, idx: torch.Tensor, cache: dict[str, KVCache] | None = None,
-                pad: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, time) -> logits (batch, time, vocab).
+    def block_positions(self, pos: torch.Tensor | None, x: torch.Tensor, step: bool = False) -> dict:
+        return {}  # the positions are in the embedding
 
-        A pipeline stage without the embeddings takes hidden states instead of ids, and one
-        without the head returns hidden states (see plait.parallel.split).
-        Incremental decoding passes `cache` ({} at first, then the same dict: one KVCache per block,
-        filled here), and idx holds only the tokens after the cached ones. `pad` (batch,) is each
-        row's left padding: its positions start at 0 at its first real token and the padding is masked.
-        A `cache` that is a paged step (plait.serve.engine.paged.PagedStep) gives the positions of idx (1, T), the
-        tokens of many sequences, and attends each to its own cached keys.
-        """
-        if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
-            # A later pipeline stage takes hidden states; one before the last returns every token's.
-            x = self.tok_emb(idx) + self.pos_emb(cache.positions) if self.tok_emb is not None else idx
-            for name, block in self.blocks.items():
-                x = block(x, cache=cache.layer(name))
-            if self.head is None:
-                return x
-            if cache.rows is not None:  # only the tokens whose logits the engine reads
-                x = x[:, cache.rows]
-            return self.head(self.ln_f(x))[..., :self.vocab_size]
-        packed = None
-        if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
-            idx, packed = idx[:, 0], idx[:, 1]
-        t = idx.shape[1]
-        past = len(next(iter(cache.values()))) if cache else 0
-        if past + t > self.context:
-            raise ValueError(f"sequence length {past + t} exceeds the model's context {self.context}")
-        mask = None
-        if cache is not None or pad is not None:
-            pad = torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)
-            mask = attention_mask(pad, past, t)
-        if packed is not None:
-            mask = packed_mask(packed)
-        if self.tok_emb is not None:
-            if packed is not None:
-                pos = packed
-            elif mask is None:
-                pos = torch.arange(t, device=idx.device)
-            else:
-                pos = (past + torch.arange(t, device=idx.device)[None, :] - pad[:, None]).clamp(min=0)
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        else:
-            x = idx
-        for name, block in self.blocks.items():
-            if mask is None:  # training calls block(x) alone, as wrappers and tensor-parallel input hooks expect
-                x = block(x)
-            else:
-                x = block(x, cache=None if cache is None else cache.setdefault(name, KVCache()), mask=mask)
-        if self.head is not None:
-            x = self.head(self.ln_f(x))
-            if x.shape[-1] != self.vocab_size:  # the padded rows' logits
-                x = x[..., :self.vocab_size]
-        return x
-
-    def pipeline_parts(self) -> dict:
-        """How to cut the model into pipeline stages: the repeated blocks, and what goes before and after them."""
-        return {"blocks": "blocks", "first": ["tok_emb", "pos_emb", "drop"], "last": ["ln_f", "head"]}
-
-    def tied_parameters(self) -> dict[str, str]:
-        """Parameter names that alias another one: {alias: canonical}. A pipeline keeps both copies in step."""
-        return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
-
-    def tp_plan(self, sequence_parallel: bool) -> dict:
-        """Megatron-LM's split of each block for torch.distributed.tensor.parallel.parallelize_module.
-
-        Column-parallel q, k, v and MLP-up (each rank keeps whole heads), row-parallel attention
-        output and MLP-down (one all-reduce, or a reduce-scatter with sequence parallel, each);
-        the head is column-parallel over the vocabulary, and so is the token embedding when tied
-        to it (a vocabulary-parallel embedding). With sequence parallel, LayerNorms work on a
-        shard of the sequence and the residual stream between blocks is that shard.
-        Modules a pipeline stage does not hold are left out.
-        """
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-        sp = sequence_parallel
-        rows_out = Shard(1) if sp else Replicate()
-        plan: dict = {}
-        if self.tok_emb is not None and self.tie_embeddings:
-            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        for name, block in self.blocks.items():
-            b = f"blocks.{name}"
-            plan.update({f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(),
-                         f"{b}.attn.v": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=rows_out)})
-            if isinstance(block.mlp, MLP):  # an MoE block stays whole on every tp rank (plait.parallel.expert)
-                plan.update({f"{b}.mlp.up": ColwiseParallel(), f"{b}.mlp.down": RowwiseParallel(output_layouts=rows_out)})
-            if sp:
-                gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel(),
-                             f"{b}.attn": gather, f"{b}.mlp": gather})
-        if sp and self.tok_emb is not None and "0" in self.blocks:
-            # The embeddings' output is whole; the first block takes this rank's piece of the sequence.
-            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                  use_local_output=True)
-        if self.head is not None:
-            if sp:
-                plan["ln_f"] = SequenceParallel()
-            plan["head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
-        return plan
-
-    def tp_check(self, tp: int) -> None:
-        """Raise a ConfigError naming the key to change when the shapes do not split over tp ranks."""
+    def tp_sizes(self, tp: int) -> list[tuple[str, int, str]]:
         heads = next(iter(self.blocks.values())).attn.heads if len(self.blocks) else tp
         rows = self.head.out_features if self.head is not None else self.tok_emb.num_embeddings
-        if heads % tp:
-            raise ConfigError(f"model.heads ({heads}) is not divisible by parallel.tp = {tp}; set model.heads to a "
-                              f"multiple of {tp}")
-        if rows % tp:
-            raise ConfigError(f"the vocabulary ({rows} rows) is not divisible by parallel.tp = {tp}; pad it with "
-                              f"model.vocab_multiple = {tp} (or 64: every tp degree dividing it), or set model.vocab_size "
-                              f"to a multiple of {tp}")
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `new_tokens` continuations of idx (batch, time), one token at a time."""
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.context:])[:, -1, :]
-            idx = torch.cat([idx, sample(logits, temperature, top_k, generator)], dim=1)
-        return idx
-
-
-def padded(vocab: int, multiple: int) -> int:
-    """The vocabulary's rows rounded up to a multiple (so that every tp degree dividing it splits them evenly)."""
-    return -(-vocab // max(1, multiple)) * max(1, multiple)
-
-
-def model_vocab(cfg, spec: DataSpec) -> int:
-    """model.vocab_size, or the data's; ConfigError when it is smaller than the data's."""
-    vocab = cfg.vocab_size or spec.vocab_size
-    if spec.vocab_size and vocab < spec.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary ({spec.vocab_size}); "
-                          "set model.vocab_size=0 to take the data's size")
-    return vocab
+        return [(f"model.heads ({heads})", heads, f"set model.heads to a multiple of {tp}"),
+                (f"the vocabulary ({rows} rows)", rows, f"pad it with model.vocab_multiple = {tp} (or 64: every tp "
+                 f"degree dividing it), or set model.vocab_size to a multiple of {tp}")]
 
 
 def build_gpt(cfg, spec: DataSpec) -> GPT:

@@ -3,6 +3,9 @@
     model = build_llama(cfg.model, spec)   # Llama 2/3, Qwen2 (kv_bias: q/k/v biases), Mistral (sliding_window),
                                            # Mixtral (moe_experts > 0: SwiGLU experts, top-k routed, plait.models.moe)
 
+One family of plait's decoder (plait.models.decoder, which owns the forward, the head, the layouts' hooks and
+generate): this module holds its blocks, its table and how its positions reach the blocks.
+
 The parameter names are plait's own (tok_emb, blocks.i.attn.q_proj, blocks.i.mlp.gate_proj, norm, head);
 plait.models.hf_llama maps them to and from Hugging Face checkpoints. The attention projections keep the
 Hugging Face names, so LoRA targets and the Megatron patterns read the same as on a transformers model.
@@ -29,9 +32,8 @@ import torch.nn.functional as F
 
 from plait.data.spec import DataSpec
 from plait.errors import ConfigError
-from plait.models.gpt import KVCache, model_vocab, packed_mask, padded
-from plait.models.moe import MoE, MoEHooks
-from plait.models.sampling import sample
+from plait.models.decoder import Decoder, Family, KVCache, model_vocab, padded, sequence_free, window_mask
+from plait.models.moe import MoE
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 ATTN_BIAS = ("none", "qkv", "all")  # Llama: none (or all with attention_bias), Qwen2: qkv
@@ -66,24 +68,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x (b, h, t, d) rotated: the two halves of each head as the real and imaginary parts (Hugging Face's layout)."""
     a, b = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-b, a], dim=-1) * sin
-
-
-def window_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int, visible: torch.Tensor | None = None):
-    """(b, 1, tq, tk) boolean: causal by position, within `window` positions (0: unlimited), and `visible` keys."""
-    rel = pos_q[:, :, None] - pos_k[:, None, :]
-    mask = rel >= 0
-    if window:
-        mask &= rel < window
-    if visible is not None:
-        mask &= visible[:, None, :]
-    # A query that sees nothing (left padding) sees itself, so softmax stays finite; its output is unused.
-    diag = torch.zeros_like(mask)
-    if pos_q.shape[1] <= pos_k.shape[1]:
-        off = pos_k.shape[1] - pos_q.shape[1]
-        idx = torch.arange(pos_q.shape[1], device=mask.device)
-        diag[:, idx, idx + off] = True
-    mask |= diag & ~mask.any(-1, keepdim=True)
-    return mask[:, None]
 
 
 class Attention(nn.Module):
@@ -166,8 +150,11 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(MoEHooks, nn.Module):
+class Llama(Decoder):
     """Token embedding, `layers` blocks, a final RMSNorm and a linear head (tied to the embedding or not)."""
+
+    family = Family(attn=("q_proj", "k_proj", "v_proj", "o_proj"), mlp=("gate_proj", "up_proj", "down_proj"),
+                    norms=("attn_norm", "mlp_norm"), final_norm="norm", first=("tok_emb",))
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int, kv_heads: int = 0,
                  hidden: int = 0, tie_embeddings: bool = False, norm_eps: float = 1e-6, rope_theta: float = 10000.0,
@@ -186,137 +173,41 @@ class Llama(MoEHooks, nn.Module):
         self.tok_emb = nn.Embedding(rows, width)
         self.blocks = nn.ModuleDict({str(i): Block(width, heads, kv_heads, hidden, norm_eps, attn_bias, sliding_window,
                                                    rope, moe) for i in range(layers)})
-        self.norm = nn.RMSNorm(width, eps=norm_eps)
-        self.head = nn.Linear(width, rows, bias=False)
-        if tie_embeddings:
-            self.head.weight = self.tok_emb.weight
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "mlp.w2")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
-            else:
-                nn.init.normal_(p, std=0.02)
+        self._finish(nn.RMSNorm(width, eps=norm_eps), layers)
 
     def forward(self, idx: torch.Tensor, cache: dict[str, KVCache] | None = None, pad: torch.Tensor | None = None,
                 pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, time) -> logits (batch, time, vocab_size).
+        """Token ids (batch, time) -> logits (batch, time, vocab_size), as Decoder.forward; `pos` (batch, time): the
+        positions of idx where the caller knows them (a later pipeline stage under context parallel)."""
+        return self.decode(idx, cache, pad, pos)
 
-        `cache` ({} at first, then the same dict) holds each block's keys and values: idx is then only the tokens
-        after the cached ones. `pad` (batch,) is each row's left padding (positions start at its first real token).
-        A `cache` that is a paged step (plait.serve.engine.paged.PagedStep) gives the positions of idx (1, T), the
-        tokens of many sequences, and attends each to its own cached keys.
-        A pipeline stage without the embedding takes hidden states, one without the head returns them.
-        """
-        if cache is not None and not isinstance(cache, dict):  # a paged serving step: its own positions and caches
-            x = self.tok_emb(idx) if self.tok_emb is not None else idx  # a later pipeline stage: hidden states
-            rot = self._rotation_once(cache.positions, x)
-            for name, block in self.blocks.items():
-                x = block(x, cache=cache.layer(name), pos=cache.positions, rot=rot)
-            if self.head is None:  # a pipeline stage before the last: every token's hidden state goes on
-                return x
-            if cache.rows is not None:  # only the tokens whose logits the engine reads
-                x = x[:, cache.rows]
-            return self.head(self.norm(x))[..., :self.vocab_size]
-        mask = None
-        if self.tok_emb is not None and idx.dim() == 3:  # packed rows (data.pack): ids, then each example's positions
-            idx, pos = idx[:, 0], idx[:, 1]
-            mask = packed_mask(pos, self.sliding_window)
-        b, t = idx.shape[:2]
-        past = len(next(iter(cache.values()))) if cache else 0
-        if cache is not None or pad is not None:
-            pad = torch.zeros(b, dtype=torch.long, device=idx.device) if pad is None else pad.to(idx.device)
-            keys = torch.arange(past + t, device=idx.device)[None] - pad[:, None]
-            if pos is None:
-                pos = keys[:, past:].clamp(min=0)
-            mask = window_mask(keys[:, past:], keys, self.sliding_window, keys >= 0)
-        x = self.tok_emb(idx) if self.tok_emb is not None else idx
-        for name, block in self.blocks.items():
-            if mask is None and pos is None:  # training calls block(x) alone, as wrappers and tensor-parallel hooks expect
-                x = block(x)
-            else:
-                x = block(x, cache=None if cache is None else cache.setdefault(name, KVCache()), mask=mask, pos=pos)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-            if x.shape[-1] != self.vocab_size:
-                x = x[..., :self.vocab_size]
-        return x
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        return self.tok_emb(idx)  # the positions rotate q and k in each attention
 
-    def _rotation_once(self, pos: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary cos and sin of `pos`, computed once for every layer (they share head_dim and the rope)."""
+    def block_positions(self, pos: torch.Tensor | None, x: torch.Tensor, step: bool = False) -> dict:
+        """The positions for each attention's rotation; a serving step computes their cos and sin once, for every
+        layer (they share head_dim and the rope)."""
+        if pos is None:  # 0..t-1 past the cache: each attention caches those
+            return {}
+        if not step:
+            return {"pos": pos}
         first = next(iter(self.blocks.values())).attn
-        return first._rotation(pos, 0, pos.shape[-1], x.device, x.dtype)
+        return {"pos": pos, "rot": first._rotation(pos, 0, pos.shape[-1], x.device, x.dtype)}
 
-    def pipeline_parts(self) -> dict:
-        return {"blocks": "blocks", "first": ["tok_emb"], "last": ["norm", "head"]}
-
-    def tied_parameters(self) -> dict[str, str]:
-        return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
-
-    def tp_plan(self, sequence_parallel: bool) -> dict:
-        """Megatron's split: q/k/v and gate/up column-parallel, o/down row-parallel, a vocabulary-parallel embedding
-        and head; with sequence parallel the norms and the residual stream between blocks hold a piece of the sequence."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-        sp = sequence_parallel
-        rows_out = Shard(1) if sp else Replicate()
-        plan: dict = {}
-        if self.tok_emb is not None:
-            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        for name, block in self.blocks.items():
-            b = f"blocks.{name}"
-            plan.update({f"{b}.attn.q_proj": ColwiseParallel(), f"{b}.attn.k_proj": ColwiseParallel(),
-                         f"{b}.attn.v_proj": ColwiseParallel(), f"{b}.attn.o_proj": RowwiseParallel(output_layouts=rows_out)})
-            if isinstance(block.mlp, SwiGLU):
-                plan.update({f"{b}.mlp.gate_proj": ColwiseParallel(), f"{b}.mlp.up_proj": ColwiseParallel(),
-                             f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=rows_out)})
-            if sp:
-                gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                plan.update({f"{b}.attn_norm": SequenceParallel(), f"{b}.mlp_norm": SequenceParallel(),
-                             f"{b}.attn": gather, f"{b}.mlp": gather})
-        if sp and self.tok_emb is not None and "0" in self.blocks:
-            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                  use_local_output=True)
-        if self.head is not None:
-            if sp:
-                plan["norm"] = SequenceParallel()
-            plan["head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
-        return plan
-
-    def tp_check(self, tp: int) -> None:
-        """ConfigError naming the key when heads, kv heads, the feed-forward width or the padded vocabulary do not split."""
+    def tp_sizes(self, tp: int) -> list[tuple[str, int, str]]:
+        """Heads, kv heads, the feed-forward width and the padded vocabulary; an MoE block is refused."""
         if not len(self.blocks):
-            return
+            return []
         block = next(iter(self.blocks.values()))
         rows = (self.head if self.head is not None else self.tok_emb).weight.shape[0]
-        checks = [("model.heads", block.attn.heads), ("model.kv_heads", block.attn.kv_heads)]
+        sizes = [("model.heads", block.attn.heads), ("model.kv_heads", block.attn.kv_heads)]
         if isinstance(block.mlp, SwiGLU):
-            checks.append(("model.hidden", block.mlp.gate_proj.out_features))
+            sizes.append(("model.hidden", block.mlp.gate_proj.out_features))
         elif sequence_free(block.mlp):
             raise ConfigError(f"parallel.tp = {tp}: the llama's mixture-of-experts blocks are not split by tensor "
                               "parallel; spread the experts with parallel.ep, or set parallel.tp=1")
-        checks.append(("model.vocab_multiple (the padded vocabulary)", rows))
-        for key, value in checks:
-            if value % tp:
-                raise ConfigError(f"{key} ({value}) is not divisible by parallel.tp = {tp}; set it to a multiple of {tp} "
-                                  "or change parallel.tp")
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `new_tokens` continuations of idx (batch, time) with the KV cache (exact rotary positions)."""
-        cache: dict[str, KVCache] = {}
-        logits = self(idx, cache=cache)[:, -1, :]
-        for _ in range(new_tokens):
-            nxt = sample(logits, temperature, top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            logits = self(nxt, cache=cache)[:, -1, :]
-        return idx
-
-
-def sequence_free(mlp: nn.Module) -> bool:
-    return isinstance(mlp, MoE)
+        sizes.append(("model.vocab_multiple (the padded vocabulary)", rows))
+        return [(f"{key} ({size})", size, f"set it to a multiple of {tp} or change parallel.tp") for key, size in sizes]
 
 
 def build_llama(cfg, spec: DataSpec) -> Llama:

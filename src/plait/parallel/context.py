@@ -63,7 +63,7 @@ def shard(x: torch.Tensor, y: torch.Tensor, cp: int, rank: int) -> tuple[torch.T
     """This rank's tokens of a micro-batch: inputs (batch, ROWS, t / cp) and targets (batch, t / cp).
 
     x: ids (batch, t), or packed rows (batch, 2, t) of ids and positions, a document starting wherever the
-    position is 0 (plait.models.gpt.packed_mask reads them the same way).
+    position is 0 (plait.models.decoder.packed_mask reads them the same way).
     """
     if x.dim() == 3:
         ids, pos = x[:, 0], x[:, 1]

@@ -3,7 +3,7 @@
 A model that can be cut exposes `pipeline_parts()` -> {"blocks": attribute name of an
 nn.ModuleDict of blocks keyed "0".."L-1", "first": [modules only the first stage keeps],
 "last": [modules only the last stage keeps]}; its forward must skip parts that are None
-(see plait.models.gpt.GPT.forward). An nn.Sequential needs nothing: its children are the blocks
+(see plait.models.decoder.Decoder.forward). An nn.Sequential needs nothing: its children are the blocks
 (plait.models.protocols). A stage keeps the plain model's parameter names.
 """
 
