@@ -195,12 +195,12 @@ class PagedLayer:
             vd = s.cache.gather(self.v_pool, blocks, 1).view(self.v_pool.shape[0], n, -1, v.shape[-1]).transpose(0, 1)
             out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
             y[0][:, rows] = out[:, :, 0].transpose(0, 1)
-        for first, stop, blocks, keys, mask in s.prefills:
+        for first, stop, blocks, keys, causal in s.prefills:  # causal: the chunk's mask, None for SDPA's own
             if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
                 kp, vp = k[:, :, first:stop], v[:, :, first:stop]
             else:
                 kp = s.cache.gather(self.k_pool, blocks, 0)[:, :keys][None].to(q.dtype)
                 vp = s.cache.gather(self.v_pool, blocks, 1)[:, :keys][None].to(q.dtype)
-            y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=mask,
-                                                                 is_causal=mask is None, enable_gqa=gqa)
+            y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=causal,
+                                                                 is_causal=causal is None, enable_gqa=gqa)
         return y
