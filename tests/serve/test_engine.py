@@ -487,3 +487,47 @@ def test_the_engine_thread_keeps_its_thread_count_whatever_another_thread_sets_l
         hook.remove()
         torch.set_num_threads(before)
     assert seen and set(seen) == {2}  # a thread's first parallel op no longer takes the process-wide count
+
+
+class _Digits:
+    """A grammar of digits only, recording the thread each mask was computed on."""
+
+    def __init__(self):
+        self.threads: list[str] = []
+        self.accepted: list[int] = []
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        time.sleep(0.002)  # a mask that takes a while: the step must wait for it, never read a half-made one
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[10:20] = True
+        return mask
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+
+def test_a_grammars_mask_is_computed_on_the_mask_thread_during_the_forward_and_gives_the_same_tokens():
+    model = MODELS["llama"]
+    grammars: list[_Digits] = []
+
+    def digits() -> _Digits:
+        grammars.append(_Digits())
+        return grammars[-1]
+
+    params = SamplingParams(max_tokens=6, temperature=0, grammar=digits)
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0))
+    got: list[int] = []
+    engine.submit([1, 2, 3], params, lambda ev: got.append(ev.token))
+    engine.run()
+    with torch.no_grad():  # the masked argmax of the model's own logits, token by token
+        ids, want = [1, 2, 3], []
+        for _ in range(6):
+            logits = model(torch.tensor([ids]))[0, -1]
+            want.append(int(logits.masked_fill(~(torch.arange(logits.shape[-1]) // 10 == 1), float("-inf")).argmax()))
+            ids.append(want[-1])
+    assert got == want and grammars[0].accepted == want
+    # the first mask is computed by the step itself (the logits' width is not known before), the others ahead of
+    # each forward on the mask thread
+    assert grammars[0].threads[0] == threading.current_thread().name
+    assert all(t.startswith("plait-grammar") for t in grammars[0].threads[1:]) and len(grammars[0].threads) == 6

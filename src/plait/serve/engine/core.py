@@ -221,6 +221,10 @@ class Engine:
                 self.draft_cache.copy(src, dst)
         if self.draft is not None and self._speculate(plan):
             return True
+        for c in plan.chunks:  # grammars compute their masks while the forward runs
+            processors = self.requests[c.seq.id].processors if c.sample else None
+            if processors is not None:
+                processors.prefetch()
         logits, at = self._forward(plan)
         if self.draft is not None:
             self._draft_follow(plan)

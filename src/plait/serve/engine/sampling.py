@@ -10,7 +10,9 @@ any processor (as vLLM and transformers' `compute_transition_scores` of the raw 
 
 from __future__ import annotations
 
+import functools
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,8 +94,16 @@ class SamplingParams:
                     or self.min_tokens or self.logit_bias or self.grammar is not None)
 
 
+@functools.cache
+def mask_thread() -> ThreadPoolExecutor:
+    """The thread on which grammars compute their next masks while the engine's forward runs (a mask depends only on
+    the tokens accepted so far): 16 sequences' masks after the forward made a decode step 1.29x the unmasked one."""
+    return ThreadPoolExecutor(1, thread_name_prefix="plait-grammar")
+
+
 class Processors:
-    """One sequence's logits processors (see the module's docstring); `accept` each token drawn."""
+    """One sequence's logits processors (see the module's docstring); `accept` each token drawn. `prefetch` before
+    the step's forward starts the grammar's mask for the next token on the mask thread; the call takes it."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], vocab: int):
         self.params, self.vocab = params, vocab
@@ -111,6 +121,17 @@ class Processors:
             self.seen[torch.tensor(prompt, dtype=torch.long)] = True
         self.counts = torch.zeros(vocab) if p.presence_penalty or p.frequency_penalty else None  # output tokens
         self.grammar: TokenMask | None = p.grammar() if callable(p.grammar) else None
+        self._width = 0  # the logits' width, known from the first call
+        self._next: Future | None = None  # the next token's disallowed tokens, being computed on the mask thread
+
+    def prefetch(self) -> None:
+        if self.grammar is not None and self._width and self._next is None:
+            self._next = mask_thread().submit(self._disallowed, self._width)
+
+    def _disallowed(self, width: int) -> torch.Tensor | None:
+        assert self.grammar is not None
+        allowed = self.grammar.allowed(width)
+        return None if allowed is None else ~allowed
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the token is drawn from: (vocab,) float, a new tensor."""
@@ -126,9 +147,12 @@ class Processors:
         if self.counts is not None:
             out[:self.vocab] -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
         if self.grammar is not None:
-            allowed = self.grammar.allowed(out.shape[-1])
-            if allowed is not None:
-                out = out.masked_fill(~allowed, float("-inf"))
+            pending, self._next = self._next, None
+            if self._width != out.shape[-1]:  # the first call (or a mask of another width): computed here
+                self._width, pending = out.shape[-1], None
+            banned = pending.result() if pending is not None else self._disallowed(self._width)
+            if banned is not None:
+                out = out.masked_fill(banned, float("-inf"))
         return out
 
     def accept(self, token: int) -> None:
@@ -138,4 +162,7 @@ class Processors:
         if self.counts is not None and token < self.vocab:
             self.counts[token] += 1
         if self.grammar is not None:
+            pending, self._next = self._next, None
+            if pending is not None:  # a mask computed for the state this token changes: the matcher is free after it
+                pending.result()
             self.grammar.accept(token)
