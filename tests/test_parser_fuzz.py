@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from plait.data.packed import check_split
@@ -154,6 +154,7 @@ def onnx_bytes(tmp_path_factory) -> bytes:
 
 @FUZZ
 @given(edit=bytes_edits)
+@example(edit=(2222, [(21453, 128)]))  # found by this test: metadata that is not UTF-8 (onnxruntime's UnicodeDecodeError)
 def test_onnx_files(tmp_path, onnx_bytes, edit):
     pytest.importorskip("onnxruntime", reason="the edge extra is not installed: pip install 'plait[edge]'")
     from plait.edge.formats import load_onnx

@@ -122,7 +122,11 @@ def _onnx_session(path: Path, threads: int):
 
 def load_onnx(path: Path, threads: int | None = None) -> tuple[EdgeModule, dict]:
     session = _onnx_session(path, threads or torch.get_num_threads())
-    meta = dict(session.get_modelmeta().custom_metadata_map)
+    try:  # onnxruntime decodes the metadata's strings only here: a damaged file fails at this line
+        meta = dict(session.get_modelmeta().custom_metadata_map)
+    except (UnicodeDecodeError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: its metadata cannot be read ({type(e).__name__}: {str(e)[:200]}); the file is "
+                              "damaged: export it again") from None
     inp = session.get_inputs()[0]
     name = inp.name
     want = np.int64 if "int64" in inp.type else np.float32
