@@ -33,12 +33,13 @@ def run_trajectory(cfg, run_dir):
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], params, result.summary
 
 
-def assert_same(ref, got, tol: float = 1e-5) -> None:
+def assert_same(ref, got, tol: float = 1e-5, weights_tol: float | None = None) -> None:
     (l1, g1, p1, _), (l2, g2, p2, _) = ref, got
     assert p1.keys() == p2.keys()
     rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
     w = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    assert rel(l1, l2) <= tol and rel(g1, g2) <= tol and w <= tol, (l1, l2, g1, g2, w)
+    assert rel(l1, l2) <= tol and rel(g1, g2) <= tol and w <= (tol if weights_tol is None else weights_tol), \
+        (l1, l2, g1, g2, w)
 
 
 def val_loss(model, cfg) -> float:

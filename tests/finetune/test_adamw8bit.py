@@ -48,7 +48,10 @@ def test_adamw8bit_under_zero1_steps_whole_tensors_like_one_process(tiny_text, t
     cfg = [*WIDE, "data.name='text'", f"data.path='{tiny_text}'", "optim.name='adamw8bit'", "train.steps=6"]
     ref = eager_trajectory(load_config(None, [*cfg, "parallel.dp=1"]), tmp_path / "one")
     got = pool2.run(eager_trajectory, load_config(None, [*cfg, "parallel.dp=2", "parallel.zero=1"]), tmp_path / "z1")[0]
-    assert_same(ref, got, tol=1e-5)  # per-step loss and gradient norm, final weights
+    # per-step loss and gradient norm within 1e-5; the final weights within 1e-3: dp2's gradients differ from one
+    # process's in the last bits (the all-reduce's order), and an 8-bit state value that rounds the other way moves a
+    # weight by ~1e-4 (two of four full suites: 1.4e-4)
+    assert_same(ref, got, tol=1e-5, weights_tol=1e-3)
 
 
 @pytest.fixture(scope="module")
