@@ -149,6 +149,8 @@ class Processors:
         if self.grammar is not None:
             pending, self._next = self._next, None
             if self._width != out.shape[-1]:  # the first call (or a mask of another width): computed here
+                if pending is not None:  # the matcher is free once a mask in flight is done
+                    pending.result()
                 self._width, pending = out.shape[-1], None
             banned = pending.result() if pending is not None else self._disallowed(self._width)
             if banned is not None:
