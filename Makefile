@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 
 # LitData pulls torchvision, whose PyPI wheel is built for the CUDA torch: next to a CPU torch its operators do not
 # load and importing transformers (peft's tests) fails. plait does not use torchvision: such a broken one is removed.
+# --no-compile: the dev extra's packages (Ray, onnxruntime, mlflow, transformers, ...) are not byte-compiled at install
+# (~55 s of a fresh clone's 3 min install on 2 cores): the suite imports a small part of them, and caches what it
+# imports (tests/conftest.py lets its processes write bytecode). The core (`make run`) keeps pip's default.
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-compile "$(TORCH)" -e '.[dev]'
 	$(BIN)/python -c "import torchvision" >/dev/null 2>&1 || $(BIN)/pip uninstall -q -y torchvision
 	@touch $(DEVSTAMP)
 

@@ -1,6 +1,8 @@
 import os
 from pathlib import Path
 
+from plait.parallel.schemes import implementation_modules  # declarations only: no torch
+
 # Before anything imports torch: its thread pool reads OMP_NUM_THREADS once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -12,7 +14,12 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # The ranks of plait.testing (the session's pools, run_distributed, a test's own RankPool) are forked from a warm
 # server of each pytest worker that imported torch, the trainer and these once: a spawned rank spent ~2-4 s of CPU on
 # its imports, and the pools restart their ranks every 25 tasks. A test may set its own (RankPool(warm=...)).
-os.environ.setdefault("PLAIT_WARM_RANKS", "plait.train.trainer,helpers,transformers,torch._dynamo,torchao,bitsandbytes")
+# Every scheme's implementation and what the tasks import after them (checkpoint state dicts, pipelining, figures) are
+# imported there too: imported in each rank instead, they took 12 % of a compat-cells run's time.
+os.environ.setdefault("PLAIT_WARM_RANKS", ",".join([
+    "plait.train.trainer", "helpers", "transformers", "torch._dynamo", "torchao", "bitsandbytes",
+    "plait.parallel.assemble", *implementation_modules(),
+    "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining", "matplotlib.pyplot"]))
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
 # what an earlier session left, and the processes of this one share one copy.
 if "PLAIT_CACHE" not in os.environ:

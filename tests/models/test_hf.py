@@ -193,3 +193,21 @@ def test_gelu_tanh_is_the_only_difference_from_the_default_block():
     assert torch.equal(mlp_t(x), mlp_t.down(torch.nn.functional.gelu(mlp_t.up(x), approximate="tanh")))
     assert not torch.equal(mlp_e(x), mlp_t(x))
 
+
+
+def test_asking_whether_a_plait_model_is_a_transformers_one_imports_nothing():
+    """A rank with transformers imported (its tokenizers, a warm fork server) asks of every model whether it is a
+    PreTrainedModel (tensor and pipeline parallel, the sample, init_from): for plait's own models the answer must not
+    import transformers.modeling_utils (1.5-2 s of CPU; it was 40 % of a tensor-parallel test rank's time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, transformers\n"
+            "from plait.models.protocols import is_transformers_model, tensor_parallel_plan\n"
+            "from plait.models.gpt import GPT\n"
+            "m = GPT(vocab_size=64, context=16, width=32, heads=2, layers=1)\n"
+            "assert not is_transformers_model(m) and tensor_parallel_plan(m) is not None\n"
+            "print(sorted(k for k in sys.modules if k.startswith('transformers.modeling')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

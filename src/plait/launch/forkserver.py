@@ -31,6 +31,7 @@ from pathlib import Path
 
 from plait.config import Config
 from plait.parallel.layout import Layout
+from plait.parallel.schemes import implementation_modules  # the schemes' declarations: no torch
 
 _OUTLIVED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the fork server ignores (see warm)
 PRELOAD = ["plait.worker", "plait.train.trainer", "torch._dynamo"]  # what every worker imports before it trains (DDP: dynamo)
@@ -85,7 +86,8 @@ def warm(cfg: Config) -> None:
     os.environ.update(worker_env(cfg))
     if not forks_workers(cfg):
         return
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    # and the job's schemes' implementations (DDP's hooks, pipelining, ...): imported once here, not by each worker
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + implementation_modules(cfg))
     # The agent hears of its workers' ends through the fork server: it must outlive a signal to the launcher's
     # process group (Slurm's SIGTERM to a job step, a terminal's hangup), which the agent forwards to the workers
     # itself. Ignored signals stay ignored across exec; the workers take the default back (run_worker).

@@ -75,6 +75,11 @@ class Scheme:
         """Whether the job `cfg` with this `layout` uses the scheme."""
         return self.applies(layout, self.keys_of(cfg))
 
+    def modules(self) -> set[str]:
+        """The modules its hooks name (its implementation), unimported: what a warm fork server imports once."""
+        hooks = (self.transform, self.strategy, self.serve, self.wrap_optimizer, self.callbacks, self.batches, self.loss)
+        return {ref.partition(":")[0] for ref in hooks if isinstance(ref, str)}
+
 
 @dataclass
 class Build:

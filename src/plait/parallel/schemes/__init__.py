@@ -101,6 +101,13 @@ def step_owner(cfg, schemes: list[Scheme] | None = None, layout: Layout | None =
     return next(s for s in (SCHEMES if schemes is None else schemes) if s.strategy is not None and s.used(layout, cfg))
 
 
+def implementation_modules(cfg=None) -> list[str]:
+    """The modules of the schemes the job `cfg` uses (every scheme's when None): what a fork server imports once
+    before it forks the workers (or a test's ranks), instead of each of them importing its own copy."""
+    layout = None if cfg is None else Layout.from_config(cfg)
+    return sorted({m for s in SCHEMES if layout is None or s.used(layout, cfg) for m in s.modules()})
+
+
 # What a worker asks of the list (plait.parallel.assemble: the rank's model and the Strategy that owns its step),
 # imported on first use (PEP 562): the job check needs the declarations only.
 _WORKER = ("build_module", "build_strategy", "serve_rank")
@@ -112,5 +119,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'plait.parallel.schemes' has no attribute {name!r}")
 
 
-__all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config", "serve_rank",
-           "step_owner"]
+__all__ = ["SCHEMES", "Build", "Layout", "Scheme", "build_module", "build_strategy", "check_config",
+           "implementation_modules", "serve_rank", "step_owner"]
