@@ -116,3 +116,33 @@ def test_a_grammar_ref_pickles_and_compiles_in_another_process(byte_llama):
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True).stdout.decode()
     allowed = eval(out)  # noqa: S307 -- the list our own subprocess printed
     assert allowed and all("left".startswith(t) or "right".startswith(t) for t in allowed)
+
+
+def test_one_batch_of_masks_is_each_sequences_own_mask(byte_llama):
+    """The engine's step asks llguidance for all its sequences' next masks in one call (MaskBatch, on the mask thread
+    during the forward) and masks their logits rows at once: each row as its own grammar's mask leaves it, for
+    matchers at different points of the schema and logits wider than the tokenizer's vocabulary."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from plait.serve.engine.grammar import Grammars
+    from plait.serve.engine.sampling import MaskBatch, Processors, SamplingParams
+
+    tok = Tokenizer.from_file(str(byte_llama / "tokenizer.json"))
+    width = tok.get_vocab_size() + 50  # the model's logits: more rows than the tokenizer has tokens
+    ref = Grammars.of_model(tok.to_str(), width, frozenset({tok.token_to_id("</s>")})).factory("json_schema", SCHEMA)
+    procs = [Processors(SamplingParams(grammar=ref), [1], width) for _ in range(4)]
+    g = torch.Generator().manual_seed(0)
+    for i, p in enumerate(procs):  # sequence i has taken 2 i tokens of the schema
+        for _ in range(1 + 2 * i):
+            scores = p(torch.randn(width, generator=g))
+            p.accept(int(scores.argmax()))
+    batch = MaskBatch.start(procs)
+    assert batch is not None and batch.procs == procs
+    rows = torch.randn(4, width, generator=g)
+    got = batch.apply(rows)
+    for i, p in enumerate(procs):
+        want = rows[i].masked_fill(~p.grammar.allowed(width), float("-inf"))
+        assert torch.equal(got[i], want), i
+        assert torch.equal(p(rows[i], masked=True), rows[i])  # masked=True: the grammar's part is left out
+    assert len({tuple(torch.isfinite(r).nonzero().flatten().tolist()) for r in got}) > 1  # the states differ

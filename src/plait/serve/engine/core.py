@@ -32,7 +32,7 @@ from plait.models.gpt import GPT
 from plait.models.sampling import distribution, draw, sample
 from plait.serve.engine.adapters import LoRARouter
 from plait.serve.engine.paged import PagedCache, bytes_per_block
-from plait.serve.engine.sampling import Processors, SamplingParams
+from plait.serve.engine.sampling import MaskBatch, Processors, SamplingParams
 from plait.serve.engine.scheduler import FINISHED, BlockPool, Scheduler, Sequence, Step
 from plait.serve.engine.speculative import verify
 
@@ -221,11 +221,18 @@ class Engine:
                 self.draft_cache.copy(src, dst)
         if self.draft is not None and self._speculate(plan):
             return True
-        for c in plan.chunks:  # grammars compute their masks while the forward runs
-            processors = self.requests[c.seq.id].processors if c.sample else None
-            if processors is not None:
-                processors.prefetch()
+        # grammars compute their masks while the forward runs: llguidance's in one batch, any other on its own
+        procs = {c.seq.id: pr for c in plan.chunks if c.sample and (pr := self.requests[c.seq.id].processors) is not None}
+        masks = MaskBatch.start(list(procs.values()))
+        in_batch = {id(pr): i for i, pr in enumerate(masks.procs)} if masks is not None else {}
+        for pr in procs.values():
+            if id(pr) not in in_batch:
+                pr.prefetch()
         logits, at = self._forward(plan)
+        masked = None
+        if masks is not None:  # the batch's rows, masked at once
+            rows = {id(procs[c.seq.id]): at[r - 1] for c, r in zip(plan.chunks, self._ends(plan)) if c.seq.id in procs}
+            masked = masks.apply(logits[[rows[id(pr)] for pr in masks.procs]])
         if self.draft is not None:
             self._draft_follow(plan)
         sampled: dict[int, int] = {}
@@ -242,7 +249,11 @@ class Engine:
                 continue
             last = logits[at[row - 1]]
             try:
-                scores = req.processors(last) if req.processors is not None else last
+                j = in_batch.get(id(req.processors)) if masked is not None else None
+                if j is not None and req.processors is not None:
+                    scores = req.processors(masked[j], masked=True)
+                else:
+                    scores = req.processors(last) if req.processors is not None else last
                 tok = int(sample(scores, p.temperature, p.top_k, req.generator, p.top_p))
             except (RuntimeError, ValueError, OverflowError) as e:  # this sequence's parameters: it fails alone
                 failed.append((c.seq, f"{type(e).__name__}: {str(e).strip()[:200]}"))
@@ -268,6 +279,15 @@ class Engine:
         for seq in [s for s, _ in failed] + finished:
             self._done(seq)
         return True
+
+    @staticmethod
+    def _ends(plan: Step) -> list[int]:
+        """Each chunk's end in the step's packed tokens."""
+        ends, end = [], 0
+        for c in plan.chunks:
+            end += c.count
+            ends.append(end)
+        return ends
 
     def _forward(self, plan: Step) -> tuple[torch.Tensor, dict[int, int]]:
         """The logits of the step's tokens that are read, and which logits row each token's are: a chunk's last token
