@@ -232,7 +232,10 @@ class Engine:
         masked = None
         if masks is not None:  # the batch's rows, masked at once
             rows = {id(procs[c.seq.id]): at[r - 1] for c, r in zip(plan.chunks, self._ends(plan)) if c.seq.id in procs}
-            masked = masks.apply(logits[[rows[id(pr)] for pr in masks.procs]])
+            try:
+                masked = masks.apply(logits[[rows[id(pr)] for pr in masks.procs]])
+            except (RuntimeError, ValueError):  # one matcher's error: each sequence's mask alone, so it fails alone
+                in_batch = {}
         if self.draft is not None:
             self._draft_follow(plan)
         sampled: dict[int, int] = {}
