@@ -18,6 +18,7 @@ a seed gives the same tokens whatever else is in the batch, and a preempted sequ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import queue
 import threading
@@ -231,7 +232,8 @@ class Engine:
         logits, at = self._forward(plan)
         masked = None
         if masks is not None:  # the batch's rows, masked at once
-            rows = {id(procs[c.seq.id]): at[r - 1] for c, r in zip(plan.chunks, self._ends(plan)) if c.seq.id in procs}
+            ends = itertools.accumulate(c.count for c in plan.chunks)  # each chunk's end in the packed tokens
+            rows = {id(procs[c.seq.id]): at[end - 1] for c, end in zip(plan.chunks, ends) if c.seq.id in procs}
             try:
                 masked = masks.apply(logits[[rows[id(pr)] for pr in masks.procs]])
             except (RuntimeError, ValueError):  # one matcher's error: each sequence's mask alone, so it fails alone
@@ -282,15 +284,6 @@ class Engine:
         for seq in [s for s, _ in failed] + finished:
             self._done(seq)
         return True
-
-    @staticmethod
-    def _ends(plan: Step) -> list[int]:
-        """Each chunk's end in the step's packed tokens."""
-        ends, end = [], 0
-        for c in plan.chunks:
-            end += c.count
-            ends.append(end)
-        return ends
 
     def _forward(self, plan: Step) -> tuple[torch.Tensor, dict[int, int]]:
         """The logits of the step's tokens that are read, and which logits row each token's are: a chunk's last token
