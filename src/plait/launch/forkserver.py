@@ -4,9 +4,15 @@ Spawned, a worker is a new interpreter that spends about 3.5 s (2 cores) importi
 and every worker of every start and restart pays it. Instead, `warm(cfg)` starts multiprocessing's fork server as
 soon as the launcher has read the job: it imports plait.worker (torch, the trainer) on one core while the launcher
 checks the job on the other, and torchrun's agent then starts each worker by forking it (start method
-"forkserver"), ready in a fraction of a second. A fork server rather than a fork of the launcher: it is a fresh,
-single-threaded interpreter that never touched CUDA, so its children may use the GPU and hold none of the agent's
-locks.
+"forkserver"), ready in a fraction of a second. A fork server rather than a fork of the agent: it is single-threaded
+and never touched CUDA, so its children may use the GPU and hold none of the agent's locks.
+
+The server itself is forked from the launcher once the launcher has imported torch (which it needs for the agent),
+before the launcher starts a thread or touches a device: torch is then imported once, not again by a new interpreter
+(~1.5 s of CPU a launch: the test suite launches some hundred jobs). The child is made what a new server would be:
+only the listener, its pipe and stdio left open, Python signal handlers back to their defaults, its own lock; it
+never returns into the launcher's code (os._exit). Where the launcher already runs other threads, the server is
+spawned as multiprocessing does it.
 
 Only where plait owns the process (`plait train`, `python -m plait`): multiprocessing runs the parent's __main__
 in every child it starts, and a user's script calling plait.train would run again there, so plait.train in a
@@ -14,7 +20,7 @@ script keeps spawned workers (forks_workers).
 
 The fork server's environment is the launcher's at `warm` (the workers' defaults, `worker_env`, are set just
 before), and `stop()` ends it with the launch, so that a later launch in the same process starts one with the
-environment of then. This module imports no torch: `warm` must run before the launcher has imported it.
+environment of then. This module imports no torch at its import.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
-from multiprocessing import forkserver
+from multiprocessing import connection, forkserver, resource_tracker, util
 from pathlib import Path
+from typing import NoReturn
 
 from plait.config import Config
 from plait.parallel.layout import Layout
@@ -94,10 +102,74 @@ def warm(cfg: Config) -> None:
     main = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _OUTLIVED} if main else {}
     try:
-        forkserver.ensure_running()
+        if main and threading.active_count() == 1:
+            _fork_server()
+        else:
+            forkserver.ensure_running()
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _fork_server() -> None:
+    """multiprocessing's ForkServer.ensure_running, with the server forked from this process (torch imported) where
+    multiprocessing spawns a new interpreter for it. Same listener, pipe and bookkeeping: the agent's requests, the
+    workers' exit codes and stop() work alike."""
+    import torch  # noqa: F401  (what launcher and server both need: imported once, before the fork)
+    import torch.distributed  # noqa: F401
+
+    server = forkserver._forkserver
+    with server._lock:
+        resource_tracker.ensure_running()
+        if server._forkserver_pid is not None:
+            if not os.waitpid(server._forkserver_pid, os.WNOHANG)[0]:
+                return  # running already
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+        preload = list(server._preload_modules)
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the launcher and the workers hold the write end; EOF ends the server
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()  # or the workers would write the launcher's unflushed output again
+            pid = os.fork()
+            if pid == 0:
+                _serve(listener.fileno(), alive_r, preload)  # never returns
+            os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> NoReturn:
+    """The forked server: the launcher's state that a new interpreter would not have is dropped, then
+    multiprocessing's own server loop runs until the launcher and every worker have ended."""
+    code = 0
+    try:
+        forkserver._forkserver._lock = threading.Lock()  # held by the launcher at the fork
+        keep = sorted({0, 1, 2, listener_fd, alive_r})
+        for lo, hi in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
+            if 3 <= lo + 1 < hi:  # (an empty range may close all: close_range(lo, hi - 1) with hi - 1 = -1)
+                os.closerange(lo + 1, hi)  # what spawning closes: every other file the launcher had open
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        for sig in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                if callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        forkserver.main(listener_fd, alive_r, preload)
+    except SystemExit:
+        pass
+    except BaseException:  # noqa: BLE001 (reported here: the launcher sees only a server that ended)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def run_worker(run_dir: str, resume: bool) -> None:
