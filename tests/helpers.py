@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,20 +64,76 @@ def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.
                           timeout=timeout, **popen)
 
 
-def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
-    """Every rank of RUN's job as `python -m plait.worker RUN [args]` on one free loopback port, without torchrun's
-    agent (which ends the whole job when one process dies): what a parameter-server test starts by hand."""
+def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[ForkedRank]:
+    """Every rank of RUN's job as `python -m plait.worker RUN [args]` would run it, on one free loopback port, without
+    torchrun's agent (which ends the whole job when one process dies): what a parameter-server test starts by hand.
+    Each is forked from this pytest worker's warm server (plait.testing: torch and the trainer imported once), not a
+    new interpreter importing them again (~3 s of CPU a rank)."""
+    from plait.testing import _warm_default, _WarmProcess
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [subprocess.Popen([sys.executable, "-m", "plait.worker", str(run), *args], text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT,
-                             env={**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})})
-            for r in range(world)]
+    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
+    ranks = []
+    for r in range(world):
+        rank_env = {**ENV, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), **(env or {})}
+        log = logs / f"rank{r}.log"
+        proc = _WarmProcess(warm=_warm_default() or (), target=_forked_worker,
+                            args=([str(run), *args], rank_env, str(log)), daemon=True)
+        proc.start()
+        ranks.append(ForkedRank(proc, log))
+    return ranks
 
 
-def finish_ranks(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], list[str]]:
+def _forked_worker(argv: list[str], env: dict, log: str) -> None:
+    """In the forked rank: `python -m plait.worker ARGV` with env as its whole environment, stdout and stderr to log."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the server's "clients alive" pipe: a rank holding it would keep the server up
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    from plait.exiting import exit_now
+    from plait.worker import main
+
+    exit_now(main(argv))
+
+
+class ForkedRank:
+    """A forked rank with what finish_ranks uses of a Popen: communicate (its output, merged), poll, kill, wait."""
+
+    def __init__(self, proc, log: Path):
+        self.proc, self.log = proc, log
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        if self.wait(timeout) is None:
+            raise subprocess.TimeoutExpired(f"rank {self.proc.pid}", timeout)
+        return self.log.read_text(errors="replace") if self.log.exists() else "", None
+
+
+def finish_ranks(procs: list[ForkedRank], timeout: float) -> tuple[list[int], list[str]]:
     """Wait for started ranks: their exit codes and outputs in rank order; any left running is killed."""
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
