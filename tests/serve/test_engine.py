@@ -1,6 +1,7 @@
 """The continuous-batching engine: the scheduler's policy on a fake clock, paged attention against contiguous
 attention, and greedy / seeded tokens equal to the model's own generate whatever the batch, preemption or prefix reuse."""
 
+import asyncio
 import math
 import threading
 import time
@@ -11,6 +12,7 @@ import torch
 from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.models.sampling import sample
+from plait.serve.engine import paged
 from plait.serve.engine.core import Engine, EngineConfig, SamplingParams
 from plait.serve.engine.paged import PagedCache
 from plait.serve.engine.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
@@ -455,6 +457,70 @@ def test_the_gather_of_blocks_is_the_same_on_one_thread_and_on_several():
             torch.set_num_threads(before)
 
 
+def test_block_tables_split_into_runs_read_in_place_and_slots_gathered(monkeypatch):
+    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
+    # blocks of 4 tokens; runs of at least 3 consecutive blocks are read in place, the rest slot by slot
+    runs, rest = paged._parts([5, 6, 7, 8, 2, 14, 15, 16], 4, 0, 30)
+    assert runs == [(20, 36), (56, 66)] and rest == [8, 9, 10, 11]
+    assert paged._parts([5, 6, 7, 8, 2, 14, 15, 16], 4, 22, 30) == ([(58, 66)], [])  # a window's first key: 22
+    assert paged._parts([3, 4], 4, 0, 7) == ([], [12, 13, 14, 15, 16, 17, 18])
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-window"])
+def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
+    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
+    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
+    layer = next(iter(cache.k))
+    kv_heads, _, d = cache.k[layer].shape
+    heads = MODELS[name].blocks[layer].attn.heads
+    g = torch.Generator().manual_seed(3)
+    # one table of a run, a lone block and a run; one of a lone run; one of short pieces only
+    tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11]]
+    chunks = [(t, len(t) * 4 - 2, 1) for t in tables]  # each decoding its block table's second last slot
+    q = torch.randn(1, heads, 3, d, generator=g)
+    k, v = torch.randn(1, kv_heads, 3, d, generator=g), torch.randn(1, kv_heads, 3, d, generator=g)
+    with torch.inference_mode():
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        monkeypatch.setattr(paged, "IN_PLACE_KEYS", 10**9)
+        gathered = cache.step(chunks)
+        want = gathered.layer(layer).attend(q, k, v)
+        monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
+        step = cache.step(chunks)
+        got = step.layer(layer).attend(q, k, v)
+    assert gathered.decode_groups and not gathered.in_place and not step.decode_groups
+    assert [(len(runs), rest is not None) for _, runs, rest in step.in_place] == (
+        [(2, True), (1, False), (0, True)] if name == "llama" else [(0, True), (1, False), (0, True)])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_equal_generate_with_every_decode_read_in_place(name, monkeypatch):
+    monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
+    monkeypatch.setattr(paged, "IN_PLACE_RUN", 2)
+    model = MODELS[name]
+    ps = prompts()
+    want = [greedy_reference(model, p, 20) for p in ps]
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0)) for p in ps]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))
+    got, _ = run_all(engine, requests)
+    assert got == want and engine.pool.used == 0
+
+
+def test_a_sequence_grows_into_the_block_after_its_last_when_that_one_is_free():
+    pool = BlockPool(8, 4)
+    a = [pool.allocate(None), pool.allocate(0), pool.allocate(1)]
+    b = [pool.allocate(None) for _ in range(3)]
+    assert a == [0, 1, 2] and b == [3, 4, 5]
+    pool.register(4, 1234)  # block 4 will hold a cached prefix
+    for block in b:
+        pool.release(block)
+    assert list(pool.free) == [6, 7, 3, 4, 5]
+    assert pool.allocate(2) == 3  # the block after a's last, not the least recently freed (6)
+    assert pool.allocate(3) == 6  # 4 keeps its cached prefix: the least recently freed instead
+    assert pool.lookup(1234) == 4 and list(pool.free) == [7, 4, 5]
+
+
 def test_the_llm_engine_takes_every_core_and_static_batches_leave_one_to_the_event_loop(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -531,3 +597,31 @@ def test_a_grammars_mask_is_computed_on_the_mask_thread_during_the_forward_and_g
     # each forward on the mask thread
     assert grammars[0].threads[0] == threading.current_thread().name
     assert all(t.startswith("plait-grammar") for t in grammars[0].threads[1:]) and len(grammars[0].threads) == 6
+
+
+def test_a_steps_tokens_reach_the_loop_in_order_in_one_wake_up():
+    from plait.serve.executor.sequences import Mailbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups, got, errors = [], [], []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda fn, *a: (wakeups.append(fn), real(fn, *a))[1]  # type: ignore[method-assign]
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx["exception"]))
+        box = Mailbox(loop)
+
+        def engine_step(first: int) -> None:  # the engine's thread: a step's tokens, one of them a bad callback
+            for i in range(first, first + 50):
+                box.post(got.append, i)
+            box.post(lambda: 1 / 0)
+
+        for first in (0, 50):
+            thread = threading.Thread(target=engine_step, args=(first,))
+            thread.start()
+            thread.join()
+            await asyncio.sleep(0.01)
+        return wakeups, got, errors
+
+    wakeups, got, errors = asyncio.run(main())
+    assert got == list(range(100)) and len(wakeups) == 2
+    assert [type(e) for e in errors] == [ZeroDivisionError, ZeroDivisionError]

@@ -114,6 +114,8 @@ class PagedStep:
         positions: list[int] = []
         slots: list[int] = []
         decodes: list[tuple[int, list[int], int]] = []  # (token index, block table, keys)
+        # long decodes, read where they lie: (token index, runs of slots, the other slots)
+        self.in_place: list[tuple[int, list[tuple[int, int]], torch.Tensor | None]] = []
         self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []  # (first, stop, blocks, keys, mask)
         t = 0
         for table, start, count in chunks:
@@ -121,7 +123,10 @@ class PagedStep:
             blocks = table[:-(-stop // bs)]
             positions += range(start, stop)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
-            if count == 1:
+            if count == 1 and stop >= IN_PLACE_KEYS:
+                runs, rest = _parts(blocks, bs, max(0, stop - cache.window) if cache.window else 0, stop)
+                self.in_place.append((t, runs, torch.tensor(rest, device=device) if rest else None))
+            elif count == 1:
                 decodes.append((t, blocks, stop))
             elif start == 0 and not (cache.window and count > cache.window):
                 # a prompt's first chunk attends causally to itself: SDPA's own causal path, which skips the blocks
@@ -155,6 +160,30 @@ class PagedStep:
 
     def layer(self, name: str) -> PagedLayer:
         return PagedLayer(self, self.cache.k[name], self.cache.v[name])
+
+
+IN_PLACE_KEYS = 256  # a decode with at least this many keys attends its blocks where they lie (PagedLayer.attend)
+IN_PLACE_RUN = 4  # consecutive blocks read in place; shorter runs are gathered with the other slots
+
+
+def _parts(blocks: list[int], bs: int, first: int, stop: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The pool slots of positions first..stop-1 of a sequence with block table `blocks`: runs of at least
+    IN_PLACE_RUN consecutive blocks as (first slot, stop slot), and the slots of the rest one by one."""
+    runs: list[tuple[int, int]] = []
+    rest: list[int] = []
+    i, n = first // bs, -(-stop // bs)
+    while i < n:
+        j = i + 1
+        while j < n and blocks[j] == blocks[j - 1] + 1:
+            j += 1
+        a, b = max(i * bs, first), min(j * bs, stop)  # positions
+        slot = blocks[i] * bs + (a - i * bs)
+        if j - i >= IN_PLACE_RUN:
+            runs.append((slot, slot + b - a))
+        else:
+            rest += range(slot, slot + b - a)
+        i = j
+    return runs, rest
 
 
 def _by_width(decodes: list[tuple[int, list[int], int]], groups: int = 4) -> list[list[tuple[int, list[int], int]]]:
@@ -195,6 +224,8 @@ class PagedLayer:
             vd = s.cache.gather(self.v_pool, blocks, 1).view(self.v_pool.shape[0], n, -1, v.shape[-1]).transpose(0, 1)
             out = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
             y[0][:, rows] = out[:, :, 0].transpose(0, 1)
+        if s.in_place:
+            self._in_place(q, y)
         for first, stop, blocks, keys, causal in s.prefills:  # causal: the chunk's mask, None for SDPA's own
             if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
                 kp, vp = k[:, :, first:stop], v[:, :, first:stop]
@@ -204,3 +235,30 @@ class PagedLayer:
             y[:, :, first:stop] = F.scaled_dot_product_attention(q[:, :, first:stop], kp, vp, attn_mask=causal,
                                                                  is_causal=causal is None, enable_gqa=gqa)
         return y
+
+    def _in_place(self, q: torch.Tensor, y: torch.Tensor) -> None:
+        """Each long decode attends its keys where they lie in the pool: a run of consecutive blocks is a view, not
+        a copy (the copy was most of a decode step at 2-4 k keys: memory read twice). Keys are attended in any
+        order (their positions are in their rotation already), so the softmax runs over the runs' scores and the
+        gathered rest side by side. A query head's group shares its key head: the group's queries are rows of one
+        (kv_heads, group, d) matrix, with no mask, so one matmul per part serves every head."""
+        kv_heads, _, d = self.k_pool.shape
+        scale = d ** -0.5
+        for t, runs, rest in self.step.in_place:
+            qh = q[0, :, t].view(kv_heads, -1, d)  # (kv_heads, group, d)
+            ks = [self.k_pool[:, a:b] for a, b in runs]
+            vs = [self.v_pool[:, a:b] for a, b in runs]
+            if rest is not None:
+                ks.append(self.k_pool.index_select(1, rest))
+                vs.append(self.v_pool.index_select(1, rest))
+            if len(ks) == 1:
+                out = F.scaled_dot_product_attention(qh[None], ks[0][None].to(q.dtype), vs[0][None].to(q.dtype))[0]
+            else:
+                scores = torch.cat([torch.matmul(qh, k.to(q.dtype).transpose(1, 2)) for k in ks], dim=2)
+                p = torch.softmax(scores.mul_(scale), dim=2)
+                out, at = None, 0
+                for v in vs:
+                    part = torch.matmul(p[:, :, at:at + v.shape[1]], v.to(q.dtype))
+                    out = part if out is None else out.add_(part)
+                    at += v.shape[1]
+            y[0, :, t] = out.reshape(-1, d)

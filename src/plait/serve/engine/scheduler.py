@@ -58,7 +58,13 @@ class BlockPool:
     def used(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def allocate(self) -> int:
+    def allocate(self, after: int | None = None) -> int:
+        """A free block: the one after `after` when it is free and holds no cached prefix (a sequence's blocks in
+        runs of consecutive ids, which the paged attention reads in place), else the least recently freed."""
+        if after is not None and after + 1 in self.free and after + 1 not in self.key_of:
+            del self.free[after + 1]
+            self.refs[after + 1] = 1
+            return after + 1
         block, _ = self.free.popitem(last=False)
         key = self.key_of.pop(block, None)
         if key is not None and self.block_of.get(key) == block:
@@ -327,11 +333,12 @@ class Scheduler:
             return False
         if cow:
             shared = seq.blocks[first]
-            seq.blocks[first] = self.pool.allocate()
+            seq.blocks[first] = self.pool.allocate(seq.blocks[first - 1] if first else None)
             copies.append((shared, seq.blocks[first]))
             self.pool.release(shared)
             del seq.keys[first:]  # that block's key is registered under the shared one
-        seq.blocks += [self.pool.allocate() for _ in range(need)]
+        for _ in range(need):
+            seq.blocks.append(self.pool.allocate(seq.blocks[-1] if seq.blocks else None))
         return True
 
     def _register_full_blocks(self, seq: Sequence) -> None:
