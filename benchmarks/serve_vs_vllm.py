@@ -474,12 +474,13 @@ def count(plan: Plan, workload: str, rate: str) -> int:
     return max(2, n // 3) if rate == "light" else n
 
 
-def new_plan(size: str, tmp: Path, quick: bool, workloads=WORKLOADS, loads=(0.25, 1.0, 3.0), extra=None) -> Plan:
+def new_plan(size: str, tmp: Path, quick: bool, workloads=WORKLOADS, loads=(0.25, 1.0, 3.0), extra=None,
+             rates=RATES) -> Plan:
     """Make the model directory of `size` under tmp; what a run of it needs."""
     load = os.getloadavg()
     print(f"{size}: making the model (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True)
     return Plan(size, make_model(tmp / size, *SIZES[size]), QUICK_REQUESTS if quick else REQUESTS[size],
-                tuple(workloads), ("capacity",) if quick else RATES, dict(zip(RATES, loads)), tmp,
+                tuple(workloads), ("capacity",) if quick else tuple(rates), dict(zip(RATES, loads)), tmp,
                 extra or {"plait": [], "vllm": []}, load_before=load)
 
 
@@ -646,6 +647,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="10m,100m", help=f"model sizes, of {', '.join(SIZES)}")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--loads", default="0.25,1,3", help="light, capacity, overloaded: factors of the measured capacity")
+    ap.add_argument("--rates", default=",".join(RATES), help=f"the rates timed, of {', '.join(RATES)}")
     ap.add_argument("--repeats", type=int, default=1, help="repeats; each runs both sides twice (the A/A control)")
     ap.add_argument("--plait-args", default="", help="more `plait serve` flags, e.g. '--threads 2'")
     ap.add_argument("--vllm-args", default="", help="more vLLM server flags")
@@ -653,22 +655,31 @@ def main(argv=None) -> int:
     ap.add_argument("--no-install", action="store_true", help="exit 2 when vLLM's venv is missing instead of making it")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench")
     a = ap.parse_args(argv)
-    why = ensure_vllm(install=not a.no_install)
-    if why:
-        print(why, file=sys.stderr)
-        return 2
     sizes = ["10m"] if a.quick else [s for s in a.sizes.split(",") if s]
     workloads = tuple(w for w in a.workloads.split(",") if w)
     if bad := [s for s in sizes if s not in SIZES] + [w for w in workloads if w not in WORKLOADS]:
         ap.error(f"unknown size or workload {bad}: sizes {', '.join(SIZES)}; workloads {', '.join(WORKLOADS)}")
-    loads = [float(x) for x in a.loads.split(",")]
+    try:
+        loads = [float(x) for x in a.loads.split(",")]
+    except ValueError:
+        loads = []
+    rates = [r for r in a.rates.split(",") if r]
+    if len(loads) != len(RATES) or not all(x > 0 for x in loads):
+        ap.error(f"--loads {a.loads}: {len(RATES)} factors > 0, one per rate ({', '.join(RATES)}); "
+                 "--rates picks the rates timed")
+    if not rates or (bad := [r for r in rates if r not in RATES]):
+        ap.error(f"--rates {a.rates}: of {', '.join(RATES)}")
+    why = ensure_vllm(install=not a.no_install)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     extra = {"plait": a.plait_args.split(), "vllm": a.vllm_args.split()}
     a.out.mkdir(parents=True, exist_ok=True)
     report, text = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "quick": a.quick,
                     "repeats": a.repeats, "argv": sys.argv[1:], "sizes": {}}, []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            plan = new_plan(size, Path(tmp), a.quick, workloads, loads, extra)
+            plan = new_plan(size, Path(tmp), a.quick, workloads, loads, extra, rates)
             load0 = plan.load_before
             check_same(plan, a.allow_mismatch)
             done = timed(plan, a.repeats)

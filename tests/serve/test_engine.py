@@ -494,6 +494,32 @@ def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_a_later_prompt_chunk_merged_by_log_sum_exp_attends_as_the_masked_one(name, monkeypatch):
+    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
+    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
+    layer = next(iter(cache.k))
+    kv_heads, _, d = cache.k[layer].shape
+    heads = MODELS[name].blocks[layer].attn.heads
+    g = torch.Generator().manual_seed(4)
+    # chunks of 5 and 3 tokens after 30 and 7 cached ones: earlier keys in a run, a lone block and a run; in pieces
+    chunks = [([5, 6, 7, 8, 9, 2, 14, 15, 16, 30], 30, 5), ([1, 3, 11], 7, 3)]
+    q = torch.randn(1, heads, 8, d, generator=g)
+    k, v = torch.randn(1, kv_heads, 8, d, generator=g), torch.randn(1, kv_heads, 8, d, generator=g)
+    with torch.inference_mode():
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        monkeypatch.setattr(paged, "MERGED_CHUNKS", False)
+        masked = cache.step(chunks)
+        want = masked.layer(layer).attend(q, k, v)
+        monkeypatch.setattr(paged, "MERGED_CHUNKS", True)
+        merged = cache.step(chunks)
+        got = merged.layer(layer).attend(q, k, v)
+    assert len(masked.prefills) == 2 and not masked.continued and not merged.prefills
+    assert [(len(runs), rest is not None) for _, _, runs, rest in merged.continued] == [(1, True), (0, True)]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tokens_equal_generate_with_every_decode_read_in_place(name, monkeypatch):
     monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)

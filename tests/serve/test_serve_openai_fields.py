@@ -152,7 +152,7 @@ def test_the_banner_shows_the_engine_and_every_route(server):
     head, how, routes = banner_lines(server.service, server.url)
     assert head.startswith(f"serving 'tiny' (llama, lm, checkpoint -) at {server.url} · in-process on cpu")
     blocks = server.service.engine.pool.num_blocks
-    assert how == (f"  engine: continuous batching · KV cache {blocks} blocks x 8 tokens (4 MB) · max 64 sequences, 512 "
+    assert how == (f"  engine: continuous batching · KV cache {blocks} blocks x 8 tokens (4 MB) · max 128 sequences, 2048 "
                    "prompt tokens a step · prefix caching on · context 256 tokens")
     assert routes.split("  ·  ")[2:7] == [server.url + p for p in ("/v1/completions", "/v1/chat/completions",
                                                                   "/v1/models", "/tokenize", "/detokenize")]

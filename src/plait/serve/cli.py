@@ -192,12 +192,12 @@ def _add_engine_args(s) -> None:
     s.add_argument("--kv-cache-mb", type=float, default=64.0,
                    help="continuous: the KV-cache block pool, all layers (each process's, of its own layers or heads, "
                         "under --pp and --tp)")
-    s.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=64,
+    s.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=128,
                    help="continuous: sequences in one engine step at most")
     s.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int, default=0,
                    help="continuous, decode first: the tokens of one engine step at most, every decode first and prompt "
                         "chunks in what is left, so long prompts do not stretch the decodes' steps (0: no such bound)")
-    s.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=512,
+    s.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int, default=2048,
                    help="continuous: prompt tokens in one engine step at most; longer prompts go in chunks")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="continuous: do not share the KV-cache blocks of a prompt prefix seen before")

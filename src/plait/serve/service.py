@@ -88,8 +88,8 @@ class ServeOptions:
     scheduler: str = "continuous"
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_mb: float = 64.0  # the block pool, all layers' keys and values
-    max_seqs: int = 64  # sequences in one engine step at most
-    max_prefill_tokens: int = 512  # prompt tokens in one engine step at most (longer prompts go in chunks)
+    max_seqs: int = 128  # sequences in one engine step at most (vLLM's default on a CPU)
+    max_prefill_tokens: int = 2048  # prompt tokens in one engine step at most (longer prompts go in chunks)
     max_step_tokens: int = 0  # tokens of one engine step, decodes first (0: no bound beyond max_prefill_tokens)
     prefix_caching: bool = True
     draft: str | None = None  # speculative decoding: a smaller model of the same vocabulary proposes tokens

@@ -45,8 +45,8 @@ class EngineConfig:
 
     block_size: int = 16
     kv_cache_mb: float = 64.0
-    max_seqs: int = 64
-    max_prefill_tokens: int = 512
+    max_seqs: int = 128
+    max_prefill_tokens: int = 2048
     prefix_caching: bool = True
     max_step_tokens: int = 0  # decode-first: a step's tokens at most, decodes first, prompt chunks fill the rest
 

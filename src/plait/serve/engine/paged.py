@@ -117,6 +117,7 @@ class PagedStep:
         # long decodes, read where they lie: (token index, runs of slots, the other slots)
         self.in_place: list[tuple[int, list[tuple[int, int]], torch.Tensor | None]] = []
         self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []  # (first, stop, blocks, keys, mask)
+        self.continued: list[tuple[int, int, list[tuple[int, int]], torch.Tensor | None]] = []  # (first, stop, runs, rest)
         t = 0
         for table, start, count in chunks:
             stop = start + count
@@ -132,6 +133,10 @@ class PagedStep:
                 # a prompt's first chunk attends causally to itself: SDPA's own causal path, which skips the blocks
                 # above the diagonal (a boolean mask is read, and its blocks computed, whole)
                 self.prefills.append((t, t + count, torch.tensor(blocks, device=device), stop, None))
+            elif MERGED_CHUNKS and not cache.window and device.type == "cpu":
+                # a prompt's later chunk: its earlier keys read where they lie, unmasked, its own causally
+                runs, rest = _parts(blocks, bs, 0, start)
+                self.continued.append((t, t + count, runs, torch.tensor(rest, device=device) if rest else None))
             else:
                 q = torch.arange(start, stop)[:, None]
                 k = torch.arange(stop)[None]
@@ -162,8 +167,9 @@ class PagedStep:
         return PagedLayer(self, self.cache.k[name], self.cache.v[name])
 
 
-IN_PLACE_KEYS = 256  # a decode with at least this many keys attends its blocks where they lie (PagedLayer.attend)
-IN_PLACE_RUN = 4  # consecutive blocks read in place; shorter runs are gathered with the other slots
+IN_PLACE_KEYS = 1536  # a decode with at least this many keys attends its blocks where they lie (PagedLayer.attend)
+IN_PLACE_RUN = 16  # consecutive blocks read in place; shorter runs are gathered with the other slots
+MERGED_CHUNKS = True  # a prompt's later chunk as attentions merged by log-sum-exp (PagedLayer._continued), on a CPU
 
 
 def _parts(blocks: list[int], bs: int, first: int, stop: int) -> tuple[list[tuple[int, int]], list[int]]:
@@ -226,6 +232,8 @@ class PagedLayer:
             y[0][:, rows] = out[:, :, 0].transpose(0, 1)
         if s.in_place:
             self._in_place(q, y)
+        for first, stop, runs, rest in s.continued:
+            y[0, :, first:stop] = self._continued(q[0, :, first:stop], k[0, :, first:stop], v[0, :, first:stop], runs, rest)
         for first, stop, blocks, keys, causal in s.prefills:  # causal: the chunk's mask, None for SDPA's own
             if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
                 kp, vp = k[:, :, first:stop], v[:, :, first:stop]
@@ -262,3 +270,33 @@ class PagedLayer:
                     out = part if out is None else out.add_(part)
                     at += v.shape[1]
             y[0, :, t] = out.reshape(-1, d)
+
+    def _continued(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
+                   rest: torch.Tensor | None) -> torch.Tensor:
+        """A prompt's later chunk, q (heads, C, d) and its own k, v (kv_heads, C, d): attention over the earlier
+        keys, read where they lie, and over its own keys, causally, merged by their log-sum-exps (the softmax over
+        all keys, FlashAttention's merge of partial results). Against one attention over the gathered keys with a
+        boolean mask: no copy of the earlier keys, no mask read in every layer, and the chunk's own keys take the
+        causal kernel, which skips the blocks above the diagonal (a 3000-token prompt in chunks of 512 paid 55 %
+        more attention than in one causal chunk). CPU only: the fused kernel that also returns the log-sum-exp is
+        the CPU one (`_scaled_dot_product_flash_attention_for_cpu`); another device takes the masked path."""
+        heads, c, d = q.shape
+        kv_heads = k.shape[0]
+        group = heads // kv_heads
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        if group > 1:
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        out, lse = flash(q[None], k[None], v[None], 0.0, True)
+        outs, lses = [out[0]], [lse[0]]
+        # earlier keys are seen by every query of the chunk: no mask, so a key head's group of query heads are
+        # rows of one (kv_heads, group * C, d) query and each part is one call without copying its keys
+        qg = q.reshape(kv_heads, group * c, d)[None]
+        parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
+        if rest is not None:
+            parts.append((self.k_pool.index_select(1, rest), self.v_pool.index_select(1, rest)))
+        for kp, vp in parts:
+            o, lp = flash(qg, kp[None].to(q.dtype), vp[None].to(q.dtype), 0.0, False)
+            outs.append(o[0].reshape(heads, c, d))
+            lses.append(lp[0].reshape(heads, c))
+        weights = torch.softmax(torch.stack(lses), dim=0).to(q.dtype)  # each part's share of each query's softmax
+        return (torch.stack(outs) * weights[..., None]).sum(0)

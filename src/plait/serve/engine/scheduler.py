@@ -162,7 +162,7 @@ class Step:
 class Scheduler:
     """Admission, chunking, preemption and finishing decisions (see the module's docstring); `clock` stamps times."""
 
-    def __init__(self, pool: BlockPool, max_seqs: int = 64, max_prefill_tokens: int = 512,
+    def __init__(self, pool: BlockPool, max_seqs: int = 128, max_prefill_tokens: int = 2048,
                  clock: Callable[[], float] | None = None, max_step_tokens: int = 0):
         if max_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_seqs ({max_seqs}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
