@@ -253,6 +253,20 @@ def test_prefix_reuse_keeps_greedy_tokens_and_skips_the_shared_prompt():
     assert engine.step_tokens - ran == 1  # only the new token ran through the model
 
 
+def test_sequences_decoding_after_a_cached_system_prompt_keep_their_greedy_tokens_through_the_cascade(monkeypatch):
+    model = MODELS["llama"]
+    system = prompts(2)[4]  # 40 tokens: 5 full blocks of 8
+    tails = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
+    calls = []
+    cascade = paged.PagedLayer._cascade
+    monkeypatch.setattr(paged.PagedLayer, "_cascade", lambda self, q, y, *a: (calls.append(len(a[2][0])), cascade(self, q, y, *a)))
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_mb=1.0))
+    run_all(engine, [(system, SamplingParams(max_tokens=1, temperature=0))])  # caches the prefix
+    got, _ = run_all(engine, [(system + t, SamplingParams(max_tokens=12, temperature=0)) for t in tails])
+    assert got == [greedy_reference(model, system + t, 12) for t in tails]
+    assert calls and max(calls) == len(tails)  # every layer of a step: the four decodes in one cascade
+
+
 def test_seeded_sampling_gives_the_same_tokens_alone_or_batched():
     model = MODELS["llama"]
     ps = prompts(3)
@@ -517,6 +531,36 @@ def test_a_later_prompt_chunk_merged_by_log_sum_exp_attends_as_the_masked_one(na
         got = merged.layer(layer).attend(q, k, v)
     assert len(masked.prefills) == 2 and not masked.continued and not merged.prefills
     assert [(len(runs), rest is not None) for _, _, runs, rest in merged.continued] == [(1, True), (0, True)]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_decodes_sharing_a_prefix_attend_it_once_as_each_attends_it_alone(name, monkeypatch):
+    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
+    cache = PagedCache(MODELS[name], num_blocks=40, block_size=4)
+    layer = next(iter(cache.k))
+    kv_heads, _, d = cache.k[layer].shape
+    heads = MODELS[name].blocks[layer].attn.heads
+    g = torch.Generator().manual_seed(5)
+    # three decodes after the same 5 cached blocks (a run of 4 and a lone one), one after 2 of them, one alone
+    shared = [10, 11, 12, 13, 3]
+    chunks = [(shared + [20], 22, 1), (shared + [21, 22], 26, 1), (shared + [30], 21, 1), (shared[:2] + [33], 10, 1),
+              ([36, 37], 6, 1)]
+    q = torch.randn(1, heads, 5, d, generator=g)
+    k, v = torch.randn(1, kv_heads, 5, d, generator=g), torch.randn(1, kv_heads, 5, d, generator=g)
+    with torch.inference_mode():
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        monkeypatch.setattr(paged, "SHARED_PREFIX_BLOCKS", 0)
+        alone = cache.step(chunks)
+        want = alone.layer(layer).attend(q, k, v)
+        monkeypatch.setattr(paged, "SHARED_PREFIX_BLOCKS", 4)
+        step = cache.step(chunks)
+        got = step.layer(layer).attend(q, k, v)
+    assert not alone.cascades and len(step.cascades) == 1
+    runs, others, (rows, _, _) = step.cascades[0]
+    assert runs == [(40, 56)] and others.tolist() == [12, 13, 14, 15] and rows.tolist() == [0, 1, 2]
+    assert sorted(r for g in step.decode_groups for r in g[0].tolist()) == [3, 4]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 

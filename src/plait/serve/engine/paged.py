@@ -148,7 +148,37 @@ class PagedStep:
         self.tokens = t
         self.positions = torch.tensor([positions], device=device)
         self.slots = torch.tensor(slots, device=device)
+        # decodes sharing a cached prefix (the same blocks): the prefix attended once for all of them
+        self.cascades: list[tuple[list[tuple[int, int]], torch.Tensor | None, tuple]] = []
+        if SHARED_PREFIX_BLOCKS and not cache.window and device.type == "cpu":
+            decodes = self._cascades(decodes, device)
         self.decode_groups = [self._group(g, device) for g in _by_width(decodes)]
+
+    def _cascades(self, decodes: list[tuple[int, list[int], int]], device) -> list[tuple[int, list[int], int]]:
+        """Split off the decodes whose block tables start with the same SHARED_PREFIX_BLOCKS blocks or more (prefix
+        caching hands them the same blocks): each such set is one cascade, (runs, other slots, group of suffixes),
+        its shared prefix attended once for all its queries and each suffix as a decode of its own. The rest."""
+        bs = self.cache.block_size
+        by_start: dict[tuple[int, ...], list[tuple[int, list[int], int]]] = {}
+        rest: list[tuple[int, list[int], int]] = []
+        for d in decodes:
+            if len(d[1]) > SHARED_PREFIX_BLOCKS:
+                by_start.setdefault(tuple(d[1][:SHARED_PREFIX_BLOCKS]), []).append(d)
+            else:
+                rest.append(d)
+        for group in by_start.values():
+            tables = [d[1] for d in group]
+            p, limit = 0, min(len(tb) for tb in tables) - 1  # never a sequence's last block: its own, being written
+            while p < limit and all(tb[p] == tables[0][p] for tb in tables):
+                p += 1
+            if len(group) < 2 or p < SHARED_PREFIX_BLOCKS:
+                rest += group
+                continue
+            runs, others = _parts(tables[0][:p], bs, 0, p * bs)
+            rows, blocks, mask = self._group([(t, tb[p:], keys - p * bs) for t, tb, keys in group], device)
+            additive = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            self.cascades.append((runs, torch.tensor(others, device=device) if others else None, (rows, blocks, additive)))
+        return rest
 
     def _group(self, decodes: list[tuple[int, list[int], int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token indices, block ids padded to the group's widest table with block 0, key mask) of decodes."""
@@ -169,6 +199,7 @@ class PagedStep:
 
 IN_PLACE_KEYS = 1536  # a decode with at least this many keys attends its blocks where they lie (PagedLayer.attend)
 IN_PLACE_RUN = 16  # consecutive blocks read in place; shorter runs are gathered with the other slots
+SHARED_PREFIX_BLOCKS = 4  # decodes sharing this many cached blocks or more attend them once for all (a cascade), on a CPU
 MERGED_CHUNKS = True  # a prompt's later chunk as attentions merged by log-sum-exp (PagedLayer._continued), on a CPU
 
 
@@ -232,6 +263,8 @@ class PagedLayer:
             y[0][:, rows] = out[:, :, 0].transpose(0, 1)
         if s.in_place:
             self._in_place(q, y)
+        for cascade in s.cascades:
+            self._cascade(q, y, *cascade)
         for first, stop, runs, rest in s.continued:
             y[0, :, first:stop] = self._continued(q[0, :, first:stop], k[0, :, first:stop], v[0, :, first:stop], runs, rest)
         for first, stop, blocks, keys, causal in s.prefills:  # causal: the chunk's mask, None for SDPA's own
@@ -300,3 +333,34 @@ class PagedLayer:
             lses.append(lp[0].reshape(heads, c))
         weights = torch.softmax(torch.stack(lses), dim=0).to(q.dtype)  # each part's share of each query's softmax
         return (torch.stack(outs) * weights[..., None]).sum(0)
+
+    def _cascade(self, q: torch.Tensor, y: torch.Tensor, runs: list[tuple[int, int]], others: torch.Tensor | None,
+                 suffixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Decodes sharing a prefix's blocks (a system prompt): every sequence's query against the shared keys in one
+        call per part, read where they lie, and each sequence against its own suffix, gathered and padded as any
+        decode; the two merged by their log-sum-exps (cascade attention). Against gathering the prefix once per
+        sequence: n times fewer copies and reads of it."""
+        rows, blocks, mask = suffixes
+        kv_heads, _, d = self.k_pool.shape
+        qs = q[0][:, rows]  # (heads, n, d)
+        heads, n = qs.shape[0], len(rows)
+        group = heads // kv_heads
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        outs, lses = [], []
+        qg = qs.reshape(kv_heads, group * n, d)[None]  # a key head's query heads, every sequence's, as rows
+        parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
+        if others is not None:
+            parts.append((self.k_pool.index_select(1, others), self.v_pool.index_select(1, others)))
+        for kp, vp in parts:
+            o, lp = flash(qg, kp[None].to(q.dtype), vp[None].to(q.dtype), 0.0, False)
+            outs.append(o[0].reshape(heads, n, d))
+            lses.append(lp[0].reshape(heads, n))
+        cache = self.step.cache
+        kd = cache.gather(self.k_pool, blocks, 0).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, keys, d)
+        vd = cache.gather(self.v_pool, blocks, 1).view(kv_heads, n, -1, d).transpose(0, 1)
+        qd = qs.transpose(0, 1).reshape(n, kv_heads, group, d)
+        o, lp = flash(qd, kd.to(q.dtype), vd.to(q.dtype), 0.0, False, attn_mask=mask.to(q.dtype))
+        outs.append(o.reshape(n, heads, d).transpose(0, 1))
+        lses.append(lp.reshape(n, heads).transpose(0, 1))
+        weights = torch.softmax(torch.stack(lses), dim=0).to(q.dtype)
+        y[0][:, rows] = (torch.stack(outs) * weights[..., None]).sum(0)
