@@ -313,26 +313,12 @@ class PagedLayer:
         causal kernel, which skips the blocks above the diagonal (a 3000-token prompt in chunks of 512 paid 55 %
         more attention than in one causal chunk). CPU only: the fused kernel that also returns the log-sum-exp is
         the CPU one (`_scaled_dot_product_flash_attention_for_cpu`); another device takes the masked path."""
-        heads, c, d = q.shape
-        kv_heads = k.shape[0]
-        group = heads // kv_heads
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        group = q.shape[0] // k.shape[0]
         if group > 1:
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        out, lse = flash(q[None], k[None], v[None], 0.0, True)
-        outs, lses = [out[0]], [lse[0]]
-        # earlier keys are seen by every query of the chunk: no mask, so a key head's group of query heads are
-        # rows of one (kv_heads, group * C, d) query and each part is one call without copying its keys
-        qg = q.reshape(kv_heads, group * c, d)[None]
-        parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
-        if rest is not None:
-            parts.append((self.k_pool.index_select(1, rest), self.v_pool.index_select(1, rest)))
-        for kp, vp in parts:
-            o, lp = flash(qg, kp[None].to(q.dtype), vp[None].to(q.dtype), 0.0, False)
-            outs.append(o[0].reshape(heads, c, d))
-            lses.append(lp[0].reshape(heads, c))
-        weights = torch.softmax(torch.stack(lses), dim=0).to(q.dtype)  # each part's share of each query's softmax
-        return (torch.stack(outs) * weights[..., None]).sum(0)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, True)
+        outs, lses = self._unmasked(q, runs, rest)  # the earlier keys: seen by every query of the chunk
+        return _merged([out[0], *outs], [lse[0], *lses])
 
     def _cascade(self, q: torch.Tensor, y: torch.Tensor, runs: list[tuple[int, int]], others: torch.Tensor | None,
                  suffixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -346,15 +332,7 @@ class PagedLayer:
         heads, n = qs.shape[0], len(rows)
         group = heads // kv_heads
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        outs, lses = [], []
-        qg = qs.reshape(kv_heads, group * n, d)[None]  # a key head's query heads, every sequence's, as rows
-        parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
-        if others is not None:
-            parts.append((self.k_pool.index_select(1, others), self.v_pool.index_select(1, others)))
-        for kp, vp in parts:
-            o, lp = flash(qg, kp[None].to(q.dtype), vp[None].to(q.dtype), 0.0, False)
-            outs.append(o[0].reshape(heads, n, d))
-            lses.append(lp[0].reshape(heads, n))
+        outs, lses = self._unmasked(qs, runs, others)  # the shared prefix: every sequence's query as a row
         cache = self.step.cache
         kd = cache.gather(self.k_pool, blocks, 0).view(kv_heads, n, -1, d).transpose(0, 1)  # (n, kv_heads, keys, d)
         vd = cache.gather(self.v_pool, blocks, 1).view(kv_heads, n, -1, d).transpose(0, 1)
@@ -362,5 +340,30 @@ class PagedLayer:
         o, lp = flash(qd, kd.to(q.dtype), vd.to(q.dtype), 0.0, False, attn_mask=mask.to(q.dtype))
         outs.append(o.reshape(n, heads, d).transpose(0, 1))
         lses.append(lp.reshape(n, heads).transpose(0, 1))
-        weights = torch.softmax(torch.stack(lses), dim=0).to(q.dtype)
-        y[0][:, rows] = (torch.stack(outs) * weights[..., None]).sum(0)
+        y[0][:, rows] = _merged(outs, lses)
+
+    def _unmasked(self, q: torch.Tensor, runs: list[tuple[int, int]], others: torch.Tensor | None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """q (heads, m, d) against the keys at `runs` (read where they lie) and at the slots `others` (gathered), with
+        no mask: each part's (output (heads, m, d), log-sum-exp (heads, m)). With no mask a key head's group of query
+        heads are rows of one (kv_heads, group * m, d) query, so each part is one call for every head (CPU only)."""
+        kv_heads, _, d = self.k_pool.shape
+        heads, m, _ = q.shape
+        qg = q.reshape(kv_heads, heads // kv_heads * m, d)[None]
+        parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
+        if others is not None:
+            parts.append((self.k_pool.index_select(1, others), self.v_pool.index_select(1, others)))
+        outs, lses = [], []
+        for kp, vp in parts:
+            o, lp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qg, kp[None].to(q.dtype), vp[None].to(q.dtype), 0.0, False)
+            outs.append(o[0].reshape(heads, m, d))
+            lses.append(lp[0].reshape(heads, m))
+        return outs, lses
+
+
+def _merged(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Attention outputs over disjoint sets of keys, (heads, m, d) each, merged into the one over all of them: each
+    weighted by its share exp(lse_i) / sum_j exp(lse_j) of each query's softmax (FlashAttention's merge)."""
+    weights = torch.softmax(torch.stack(lses), dim=0).to(outs[0].dtype)
+    return (torch.stack(outs) * weights[..., None]).sum(0)
