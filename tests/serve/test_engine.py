@@ -480,28 +480,34 @@ def test_block_tables_split_into_runs_read_in_place_and_slots_gathered(monkeypat
     assert paged._parts([3, 4], 4, 0, 7) == ([], [12, 13, 14, 15, 16, 17, 18])
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-window"])
-def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
+def attend_both_ways(name, num_blocks, seed, chunks, monkeypatch, switch, off, on):
+    """One layer's attention of a step of `chunks` over a pool of random keys and values, with the module constant
+    `switch` at `off`, then at `on`: (step, output) of each, from the same pool, queries and new keys."""
     monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
-    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
+    cache = PagedCache(MODELS[name], num_blocks=num_blocks, block_size=4)
     layer = next(iter(cache.k))
     kv_heads, _, d = cache.k[layer].shape
-    heads = MODELS[name].blocks[layer].attn.heads
-    g = torch.Generator().manual_seed(3)
-    # one table of a run, a lone block and a run; one of a lone run; one of short pieces only
-    tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11]]
-    chunks = [(t, len(t) * 4 - 2, 1) for t in tables]  # each decoding its block table's second last slot
-    q = torch.randn(1, heads, 3, d, generator=g)
-    k, v = torch.randn(1, kv_heads, 3, d, generator=g), torch.randn(1, kv_heads, 3, d, generator=g)
+    heads, tokens = MODELS[name].blocks[layer].attn.heads, sum(c[2] for c in chunks)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, tokens, d, generator=g)
+    k, v = torch.randn(1, kv_heads, tokens, d, generator=g), torch.randn(1, kv_heads, tokens, d, generator=g)
+    out = []
     with torch.inference_mode():
         cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
         cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        monkeypatch.setattr(paged, "IN_PLACE_KEYS", 10**9)
-        gathered = cache.step(chunks)
-        want = gathered.layer(layer).attend(q, k, v)
-        monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
-        step = cache.step(chunks)
-        got = step.layer(layer).attend(q, k, v)
+        for value in (off, on):
+            monkeypatch.setattr(paged, switch, value)
+            step = cache.step(chunks)
+            out += [step, step.layer(layer).attend(q, k, v)]
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-window"])
+def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
+    # one table of a run, a lone block and a run; one of a lone run; one of short pieces only
+    tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11]]
+    chunks = [(t, len(t) * 4 - 2, 1) for t in tables]  # each decoding its block table's second last slot
+    gathered, want, step, got = attend_both_ways(name, 32, 3, chunks, monkeypatch, "IN_PLACE_KEYS", 10**9, 1)
     assert gathered.decode_groups and not gathered.in_place and not step.decode_groups
     assert [(len(runs), rest is not None) for _, runs, rest in step.in_place] == (
         [(2, True), (1, False), (0, True)] if name == "llama" else [(0, True), (1, False), (0, True)])
@@ -510,25 +516,9 @@ def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
 def test_a_later_prompt_chunk_merged_by_log_sum_exp_attends_as_the_masked_one(name, monkeypatch):
-    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
-    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
-    layer = next(iter(cache.k))
-    kv_heads, _, d = cache.k[layer].shape
-    heads = MODELS[name].blocks[layer].attn.heads
-    g = torch.Generator().manual_seed(4)
     # chunks of 5 and 3 tokens after 30 and 7 cached ones: earlier keys in a run, a lone block and a run; in pieces
     chunks = [([5, 6, 7, 8, 9, 2, 14, 15, 16, 30], 30, 5), ([1, 3, 11], 7, 3)]
-    q = torch.randn(1, heads, 8, d, generator=g)
-    k, v = torch.randn(1, kv_heads, 8, d, generator=g), torch.randn(1, kv_heads, 8, d, generator=g)
-    with torch.inference_mode():
-        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
-        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        monkeypatch.setattr(paged, "MERGED_CHUNKS", False)
-        masked = cache.step(chunks)
-        want = masked.layer(layer).attend(q, k, v)
-        monkeypatch.setattr(paged, "MERGED_CHUNKS", True)
-        merged = cache.step(chunks)
-        got = merged.layer(layer).attend(q, k, v)
+    masked, want, merged, got = attend_both_ways(name, 32, 4, chunks, monkeypatch, "MERGED_CHUNKS", False, True)
     assert len(masked.prefills) == 2 and not masked.continued and not merged.prefills
     assert [(len(runs), rest is not None) for _, _, runs, rest in merged.continued] == [(1, True), (0, True)]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -536,27 +526,11 @@ def test_a_later_prompt_chunk_merged_by_log_sum_exp_attends_as_the_masked_one(na
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
 def test_decodes_sharing_a_prefix_attend_it_once_as_each_attends_it_alone(name, monkeypatch):
-    monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
-    cache = PagedCache(MODELS[name], num_blocks=40, block_size=4)
-    layer = next(iter(cache.k))
-    kv_heads, _, d = cache.k[layer].shape
-    heads = MODELS[name].blocks[layer].attn.heads
-    g = torch.Generator().manual_seed(5)
     # three decodes after the same 5 cached blocks (a run of 4 and a lone one), one after 2 of them, one alone
     shared = [10, 11, 12, 13, 3]
     chunks = [(shared + [20], 22, 1), (shared + [21, 22], 26, 1), (shared + [30], 21, 1), (shared[:2] + [33], 10, 1),
               ([36, 37], 6, 1)]
-    q = torch.randn(1, heads, 5, d, generator=g)
-    k, v = torch.randn(1, kv_heads, 5, d, generator=g), torch.randn(1, kv_heads, 5, d, generator=g)
-    with torch.inference_mode():
-        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
-        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        monkeypatch.setattr(paged, "SHARED_PREFIX_BLOCKS", 0)
-        alone = cache.step(chunks)
-        want = alone.layer(layer).attend(q, k, v)
-        monkeypatch.setattr(paged, "SHARED_PREFIX_BLOCKS", 4)
-        step = cache.step(chunks)
-        got = step.layer(layer).attend(q, k, v)
+    alone, want, step, got = attend_both_ways(name, 40, 5, chunks, monkeypatch, "SHARED_PREFIX_BLOCKS", 0, 4)
     assert not alone.cascades and len(step.cascades) == 1
     runs, others, (rows, _, _) = step.cascades[0]
     assert runs == [(40, 56)] and others.tolist() == [12, 13, 14, 15] and rows.tolist() == [0, 1, 2]
