@@ -57,11 +57,23 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHON
 ENV.pop("PLAIT_FAULTS", None)
 
 
-def plait(*args, faults: str = "", timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    """Run the plait CLI in a subprocess (optionally with PLAIT_FAULTS injected)."""
+def plait(*args, faults: str = "", timeout: float = 240, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run the plait CLI (optionally with PLAIT_FAULTS injected) as the `plait` script runs it, in a process forked from
+    this pytest worker's warm server (start_cli), its output captured as subprocess.run(capture_output=True) would."""
     env = {**ENV, "PLAIT_FAULTS": faults} if faults else ENV
-    return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout, **popen)
+    argv = [str(a) for a in args]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
+        proc = start_cli(argv, env, cwd or os.getcwd(), {0: null.fileno(), 1: out.fileno(), 2: err.fileno()})
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["plait", *argv], timeout)
+        text = []
+        for f in (out, err):
+            f.seek(0)
+            text.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(["plait", *argv], proc.exitcode, *text)
 
 
 def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[ForkedRank]:
@@ -87,24 +99,123 @@ def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> l
     return ranks
 
 
-def _forked_worker(argv: list[str], env: dict, log: str) -> None:
-    """In the forked rank: `python -m plait.worker ARGV` with env as its whole environment, stdout and stderr to log."""
+def _leave_server(env: dict) -> None:
+    """In a process forked from the warm server: env as its whole environment, and the server's "clients alive" pipe
+    closed (a process holding it would keep the server up)."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # the server's "clients alive" pipe: a rank holding it would keep the server up
+    server = forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _forked_worker(argv: list[str], env: dict, log: str) -> None:
+    """In the forked rank: `python -m plait.worker ARGV` with env as its whole environment, stdout and stderr to log."""
+    _leave_server(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for std in (1, 2):
         os.dup2(fd, std)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
     from plait.exiting import exit_now
     from plait.worker import main
 
     exit_now(main(argv))
+
+
+def _forked_cli(argv: list[str], env: dict, cwd: str) -> None:
+    """In the forked process: `plait ARGV` as the `plait` script runs it, in cwd, with env as its whole environment and
+    the standard fds it was given (_WarmProcess set them)."""
+    import multiprocessing
+    from multiprocessing import process
+
+    _leave_server(env)
+    # multiprocessing as a new interpreter has it (a library's Pool relies on the default "fork"; this process is the
+    # main one, with no parent), not as it set itself up in a forkserver's child
+    multiprocessing.set_start_method(None, force=True)
+    process._parent_process = None  # type: ignore[attr-defined]
+    multiprocessing.current_process().name = "MainProcess"
+    os.chdir(cwd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # multiprocessing left sys.stdin on /dev/null
+    sys.argv = [str(Path(sys.executable).parent / "plait"), *argv]
+    from plait.cli import run
+
+    run()
+
+
+def start_cli(argv: list[str], env: dict, cwd: str | Path, std: dict[int, int]):
+    """`plait ARGV` in cwd with env, forked from this pytest worker's warm server (torch and plait imported once: a new
+    interpreter spends 1.5-2 s of CPU importing them); std: its fds 0, 1 and 2 -> fds of this process to copy. The
+    started process (multiprocessing's: join, exitcode, kill); a negative exitcode is the signal that ended it."""
+    from plait.testing import _warm_default, _WarmProcess
+
+    proc = _WarmProcess(warm=_warm_default() or (), std=std, target=_forked_cli, args=(list(argv), env, str(cwd)))
+    proc.start()
+    return proc
+
+
+class WarmCLI:
+    """`plait ARGS` for clients that connect to a unix socket (the docs' shell scripts, tests/test_docs_run.py), each run by
+    start_cli. A client sends one byte with its fds 0, 1 and 2, then a 4-byte big-endian length and a JSON object
+    {"argv", "cwd", "env"}; it gets back the exit status (4 bytes: 128 + N for a process ended by signal N). A client
+    that hangs up first (killed) has its process killed."""
+
+    def __init__(self, folder: Path):
+        import threading
+
+        self.path = str(folder / "plait-cli.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        import json
+        from multiprocessing.connection import wait
+
+        with conn:
+            _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+            try:
+                size = int.from_bytes(_recv_exactly(conn, 4), "big")
+                ask = json.loads(_recv_exactly(conn, size))
+                proc = start_cli(ask["argv"], ask["env"], ask["cwd"], dict(zip((0, 1, 2), fds)))
+            finally:
+                for fd in fds:  # the child has its own copies
+                    os.close(fd)
+            wait([proc.sentinel, conn])
+            if proc.exitcode is None:  # the client hung up: it was killed
+                proc.kill()
+            proc.join()
+            code = proc.exitcode
+            try:
+                conn.sendall((code if code >= 0 else 128 - code).to_bytes(4, "big"))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = conn.recv(n - len(got))
+        if not chunk:
+            raise ConnectionError(f"the client hung up after {len(got)} of {n} bytes")
+        got += chunk
+    return got
 
 
 class ForkedRank:

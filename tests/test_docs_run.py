@@ -7,7 +7,9 @@ directory. Conventions: `<!-- docs-test: skip REASON -->` on the line directly b
 
 Scaled down by the harness, not the product (PLAIT_DOCS_TEST=1 is set for the pages): `plait`, `torchrun` and
 `mpirun` are shell functions that pass their arguments through `scale()` below (`train.steps=N` -> N // 50, at least
-2; 2 steps when none are given; fed rounds and clients, audit folds and epochs, collective sizes capped). A page in
+2; 2 steps when none are given; fed rounds and clients, audit folds and epochs, collective sizes capped). `plait`
+itself then runs forked from the pytest worker's warm server (tests/helpers.py WarmCLI: the script's fds, working dir,
+environment and exit status are the command's), not as a new interpreter importing torch again (~1.4 s of CPU each). A page in
 docs/ starts where the README's Training block leaves a reader: `job.toml` (`plait config show > job.toml`) and
 `runs/x` (a trained run) are in its working directory. docs/api.md is left to tests/test_api.py, which runs its
 blocks in order (RUN_ELSEWHERE). The pages run two at a time (one per core): about 290 CPU
@@ -141,8 +143,31 @@ def scale(argv: list[str]) -> list[str]:
     return [real, *rest]
 
 
+def call_warm(path: str, argv: list[str]) -> int:
+    """`plait ARGV` run by the test's WarmCLI server at path (tests/helpers.py: forked from its warm server) with this
+    process's standard fds, working dir and environment; its exit status."""
+    import json
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        socket.send_fds(s, [b"\0"], [0, 1, 2])
+        ask = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        s.sendall(len(ask).to_bytes(4, "big") + ask)
+        got = b""
+        while len(got) < 4:
+            chunk = s.recv(4 - len(got))
+            if not chunk:
+                print(f"docs test: the warm plait server at {path} hung up", file=sys.stderr)
+                return 1
+            got += chunk
+    return int.from_bytes(got, "big")
+
+
 if __name__ == "__main__":  # the run script's `plait`, `torchrun` and `mpirun`: scale, then run the real one (before
     cmd = scale(sys.argv[1:])  # pytest is imported below: ~0.1 s of every command the pages run)
+    if sys.argv[1] == "plait" and os.environ.get("PLAIT_DOCS_WARM_CLI"):  # plait itself: from the warm server
+        sys.exit(call_warm(os.environ["PLAIT_DOCS_WARM_CLI"], cmd[1:]))
     os.execv(cmd[0], cmd)
 
 import pytest  # noqa: E402
@@ -160,17 +185,22 @@ def run_env() -> dict:
 def reader_start(base: Path) -> None:
     """What the README's Training block leaves a reader with: job.toml and a trained run runs/x (2 steps), scaled as the
     README's own run is (scale_plait: no sample, no report figures)."""
+    from helpers import start_cli
+
     base.mkdir()
-    with open(base / "job.toml", "w") as f:
-        subprocess.run([str(BIN / "plait"), "config", "show"], stdout=f, check=True, env=run_env(), cwd=base)
-    r = subprocess.run([str(BIN / "plait"), *scale_plait(["train", "job.toml", "--set", "train.steps=100", "--set",
-                                                          "log.progress=false", "--out", "runs/x"])],
-                       capture_output=True, text=True, env=run_env(), cwd=base)
-    assert r.returncode == 0, r.stdout + r.stderr
+    for argv, out in ((["config", "show"], "job.toml"),
+                      (scale_plait(["train", "job.toml", "--set", "train.steps=100", "--set", "log.progress=false",
+                                    "--out", "runs/x"]), "train.log")):
+        with open(base / out, "w") as f:
+            proc = start_cli(argv, run_env(), base, {1: f.fileno(), 2: f.fileno() if out == "train.log" else 2})
+            proc.join(300)
+        assert proc.exitcode == 0, f"plait {' '.join(argv)}: exit {proc.exitcode}\n{(base / out).read_text()}"
+    (base / "train.log").unlink()
 
 
-def run_page(page: Path, root: Path, base: Path | None) -> tuple[int, str]:
-    """Run the page's script in a fresh working dir (docs/ pages: a copy of base); (exit status, output)."""
+def run_page(page: Path, root: Path, base: Path | None, warm: str | None = None) -> tuple[int, str]:
+    """Run the page's script in a fresh working dir (docs/ pages: a copy of base); (exit status, output). warm: a
+    WarmCLI's socket, which then runs the script's `plait` commands."""
     import shutil
 
     work = root / page.stem
@@ -179,7 +209,8 @@ def run_page(page: Path, root: Path, base: Path | None) -> tuple[int, str]:
     else:
         shutil.copytree(base, work, symlinks=True)
     (root / f"{page.stem}.sh").write_text(script(page))
-    r = subprocess.run(["bash", str(root / f"{page.stem}.sh")], cwd=work, capture_output=True, text=True, env=run_env(),
+    env = run_env() | ({"PLAIT_DOCS_WARM_CLI": warm} if warm else {})
+    r = subprocess.run(["bash", str(root / f"{page.stem}.sh")], cwd=work, capture_output=True, text=True, env=env,
                        timeout=900)
     return r.returncode, r.stdout + r.stderr
 
@@ -203,13 +234,20 @@ def page_runs(tmp_path_factory) -> dict:
     """Every page's script, two at a time (one per core): the README from an empty dir, docs/ pages from reader_start."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from helpers import WarmCLI
+
     root = tmp_path_factory.mktemp("docs_run")
     todo = [p for p in DOC_PAGES if runnable(p)]
-    with ThreadPoolExecutor(2) as pool:
-        futures = {p: pool.submit(run_page, p, root, None) for p in todo if p.name == "README.md"}
-        reader_start(root / "_base")
-        futures |= {p: pool.submit(run_page, p, root, root / "_base") for p in todo if p.name != "README.md"}
-        return {p: f.result() for p, f in futures.items()}
+    server = WarmCLI(root)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {p: pool.submit(run_page, p, root, None, server.path) for p in todo if p.name == "README.md"}
+            reader_start(root / "_base")
+            futures |= {p: pool.submit(run_page, p, root, root / "_base", server.path) for p in todo
+                        if p.name != "README.md"}
+            return {p: f.result() for p, f in futures.items()}
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("page", DOC_PAGES, ids=[p.relative_to(ROOT).as_posix() for p in DOC_PAGES])

@@ -115,8 +115,8 @@ class _WarmPopen(popen_forkserver.Popen):
 
     def _launch(self, process_obj) -> None:
         # the pool's stdout and stderr as they are now (a spawned rank's would be; pytest's capfd swaps fd 1 and 2),
-        # not the server's, passed to the child with the queues' fds
-        process_obj.std_fds = (self.duplicate_for_child(1), self.duplicate_for_child(2))
+        # not the server's, or the fds the process was given for its 0, 1 and 2, passed to the child with the queues'
+        process_obj.std_fds = {std: self.duplicate_for_child(fd) for std, fd in (process_obj.std or {1: 1, 2: 2}).items()}
         prep, buf = mp_spawn.get_preparation_data(process_obj._name), io.BytesIO()
         mp_context.set_spawning_popen(self)
         try:
@@ -135,20 +135,22 @@ class _WarmPopen(popen_forkserver.Popen):
 
 
 class _WarmProcess(mp_context.ForkServerProcess):
-    def __init__(self, warm: tuple[str, ...], **kwargs):
+    def __init__(self, warm: tuple[str, ...], std: dict[int, int] | None = None, **kwargs):
+        """std: the child's standard fds (0, 1, 2) -> this process's fds they are copies of (default: {1: 1, 2: 2})."""
         super().__init__(**kwargs)
         self.warm = warm
-        self.std_fds: tuple[int, int] | None = None  # set by _WarmPopen: where fds 1 and 2 are among those passed
+        self.std = std
+        self.std_fds: dict[int, int] | None = None  # set by _WarmPopen: each standard fd's place among those passed
 
     @staticmethod
     def _Popen(process_obj):
         return _WarmPopen(process_obj)
 
-    def run(self) -> None:  # in the child: the pool's stdout and stderr first
+    def run(self) -> None:  # in the child: its standard fds first
         fds = forkserver.get_inherited_fds()
         if fds is not None and self.std_fds is not None:
-            for i, fd in zip(self.std_fds, (1, 2)):
-                os.dup2(fds[i], fd)
+            for std, i in self.std_fds.items():
+                os.dup2(fds[i], std)
         super().run()
 
 
