@@ -12,7 +12,7 @@ import torch
 from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.models.sampling import sample
-from plait.serve.engine import paged
+from plait.serve.engine import kernels, paged
 from plait.serve.engine.core import Engine, EngineConfig, SamplingParams
 from plait.serve.engine.paged import PagedCache
 from plait.serve.engine.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
@@ -669,3 +669,61 @@ def test_a_steps_tokens_reach_the_loop_in_order_in_one_wake_up():
     wakeups, got, errors = asyncio.run(main())
     assert got == list(range(100)) and len(wakeups) == 2
     assert [type(e) for e in errors] == [ZeroDivisionError, ZeroDivisionError]
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    """plait's compiled decode attention (plait.serve.engine.kernels): built once per machine (about a minute), loaded
+    from its cache after; the suite runs with PLAIT_KERNELS=off otherwise (tests/conftest.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLAIT_KERNELS", "on")
+        fn = kernels.paged_decode()
+    if fn is None:
+        pytest.skip(f"the decode kernel cannot be built here ({kernels.why_not()}): it needs g++ and ninja")
+    return fn
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-window", "gpt"])
+def test_the_compiled_decode_attention_attends_as_the_plain_torch_one(name, decode_kernel):
+    # fragmented tables, a lone block, a one-key sequence, and a prompt chunk beside them (which the kernel leaves)
+    tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11], [31]]
+    chunks = [(t, len(t) * 4 - 2, 1) for t in tables] + [([12, 13], 0, 6), ([26], 0, 1)]
+    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
+    assert cache.decode_kernel is None  # PLAIT_KERNELS=off in the suite
+    layer = next(iter(cache.k))
+    kv_heads, _, d = cache.k[layer].shape
+    heads, tokens = MODELS[name].blocks[layer].attn.heads, sum(c[2] for c in chunks)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, heads, tokens, d, generator=g)
+    k, v = torch.randn(1, kv_heads, tokens, d, generator=g), torch.randn(1, kv_heads, tokens, d, generator=g)
+    out = []
+    with torch.inference_mode():
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        for fn in (None, decode_kernel):
+            cache.decode_kernel = fn
+            step = cache.step(chunks)
+            out += [step, step.layer(layer).attend(q, k, v)]
+    torch_step, want, kernel_step, got = out
+    assert torch_step.kernel is None and kernel_step.kernel[0].tolist() == [0, 1, 2, 3, 10]
+    assert not kernel_step.decode_groups and not kernel_step.in_place and not kernel_step.cascades
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_equal_generate_through_the_compiled_decode_attention(name, decode_kernel, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "on")
+    model = MODELS[name]
+    ps = prompts()
+    want = [greedy_reference(model, p, 20) for p in ps]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))
+    assert engine.cache.decode_kernel is decode_kernel
+    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=20, temperature=0)) for p in ps])
+    assert got == want and engine.pool.used == 0
+
+
+def test_the_compiled_decode_attention_refuses_keys_outside_the_block_table(decode_kernel):
+    pool = torch.zeros(1, 8, 4)
+    q, tables = torch.zeros(1, 1, 4), torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match=r"paged_decode: sequence 0 keys 0\.\.5 outside its block table"):
+        decode_kernel(q, pool, pool, tables, torch.tensor([0]), torch.tensor([5]), 4, 0.5)

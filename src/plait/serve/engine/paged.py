@@ -18,7 +18,10 @@ it writes the new keys and values to their slots, then
 
 On a GPU a fused kernel does the gather inside the attention (vLLM's paged_attention reads the block table
 in the kernel, FlashAttention's `block_table` argument, FlexAttention's paged mask): the same slots and
-block tables, without materialising the gathered keys. Here the gather is an index_select.
+block tables, without materialising the gathered keys. On a CPU with float32 pools plait has its own such
+kernel for the decodes (paged_decode.cpp, built once per machine by plait.serve.engine.kernels): each decode's
+keys and values read once where they lie, no padding (96 sequences at 330 keys: a decode step 72 -> 45 ms).
+Without it (no compiler, PLAIT_KERNELS=off, another device) the gather is an index_select and the paths below.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from plait.serve.engine import kernels
 
 
 def kv_geometry(model: nn.Module) -> tuple[list[str], int, int]:
@@ -62,6 +67,11 @@ class PagedCache:
             self.k = {n: torch.zeros(kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device) for n in names}
             self.v = {n: torch.zeros_like(self.k[n]) for n in names}
         self._scratch: list[torch.Tensor | None] = [None, None]  # gathered keys and values, kept from layer to layer
+        # On a CPU with float32 pools, plait's compiled decode attention (plait.serve.engine.kernels): every decode's
+        # keys and values read once, where they lie; None: the plain-torch paths below
+        self.decode_kernel = None
+        if torch.device(device).type == "cpu" and dtype == torch.float32:
+            self.decode_kernel = kernels.paged_decode()  # built once per machine, loaded once per process
 
     def gather(self, pool: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
         """The blocks `blocks` of a layer's pool, (kv_heads, len(blocks) * block_size, head_dim), in the kept buffer
@@ -118,13 +128,16 @@ class PagedStep:
         self.in_place: list[tuple[int, list[tuple[int, int]], torch.Tensor | None]] = []
         self.prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []  # (first, stop, blocks, keys, mask)
         self.continued: list[tuple[int, int, list[tuple[int, int]], torch.Tensor | None]] = []  # (first, stop, runs, rest)
+        kernel: list[tuple[int, list[int], int]] = []  # decodes for the compiled kernel: (token index, blocks, keys)
         t = 0
         for table, start, count in chunks:
             stop = start + count
             blocks = table[:-(-stop // bs)]
             positions += range(start, stop)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
-            if count == 1 and stop >= IN_PLACE_KEYS:
+            if count == 1 and cache.decode_kernel is not None:
+                kernel.append((t, blocks, stop))
+            elif count == 1 and stop >= IN_PLACE_KEYS:
                 runs, rest = _parts(blocks, bs, max(0, stop - cache.window) if cache.window else 0, stop)
                 self.in_place.append((t, runs, torch.tensor(rest, device=device) if rest else None))
             elif count == 1:
@@ -153,6 +166,16 @@ class PagedStep:
         if SHARED_PREFIX_BLOCKS and not cache.window and device.type == "cpu":
             decodes = self._cascades(decodes, device)
         self.decode_groups = [self._group(g, device) for g in _by_width(decodes)]
+        self.kernel = self._kernel_args(kernel) if kernel else None
+
+    def _kernel_args(self, decodes: list[tuple[int, list[int], int]]) -> tuple[torch.Tensor, ...]:
+        """(token indices, block tables padded with block 0, first and stop positions) for the compiled kernel."""
+        widest = max(len(d[1]) for d in decodes)
+        window = self.cache.window
+        tables = torch.tensor([d[1] + [0] * (widest - len(d[1])) for d in decodes], dtype=torch.long)
+        stop = torch.tensor([d[2] for d in decodes], dtype=torch.long)
+        first = (stop - window).clamp_(min=0) if window else torch.zeros_like(stop)
+        return torch.tensor([d[0] for d in decodes], dtype=torch.long), tables, first, stop
 
     def _cascades(self, decodes: list[tuple[int, list[int], int]], device) -> list[tuple[int, list[int], int]]:
         """Split off the decodes whose block tables start with the same SHARED_PREFIX_BLOCKS blocks or more (prefix
@@ -253,6 +276,12 @@ class PagedLayer:
         self.v_pool.index_copy_(1, s.slots, v[0].to(self.v_pool.dtype))
         gqa = k.shape[1] != q.shape[1]
         y = torch.empty_like(q)
+        if s.kernel is not None:
+            rows, tables, first, stop = s.kernel
+            qd = q[0][:, rows].transpose(0, 1).contiguous()  # (n, heads, d)
+            out = s.cache.decode_kernel(qd, self.k_pool, self.v_pool, tables, first, stop, s.cache.block_size,
+                                        q.shape[-1] ** -0.5)
+            y[0][:, rows] = out.transpose(0, 1)
         for rows, blocks, mask in s.decode_groups:
             n = len(rows)
             qd = q[0][:, rows].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)

@@ -1,0 +1,76 @@
+"""plait's own CPU kernel for the engine: paged decode attention (paged_decode.cpp beside this module).
+
+Compiled once per machine and source with torch's cpp_extension (a C++ compiler and ninja; about a minute on
+two cores the first time, a fraction of a second to load after), into $PLAIT_KERNELS_DIR or
+~/.cache/plait/kernels/<the source's hash>. Where it cannot be built (no compiler), or with PLAIT_KERNELS=off,
+the engine keeps its plain-torch attention and says why once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+_why_not: dict[str, str] = {}
+
+
+def wanted() -> bool:
+    """False when PLAIT_KERNELS is off (or 0, false, no): the engine then uses its plain-torch attention."""
+    return os.environ.get("PLAIT_KERNELS", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+# -fopenmp: ATen's parallel_for is OpenMP in the header, so without it the kernel ran on one thread (its GOMP calls
+# resolve to the OpenMP runtime torch loaded; the extension links no second one)
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def build_dir() -> Path:
+    """Where the kernel of this source, these flags and this torch is built (a new build when any changes)."""
+    key = SOURCE.read_bytes() + repr((FLAGS, torch.__version__)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    root = os.environ.get("PLAIT_KERNELS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "plait", "kernels")
+    return Path(root) / f"paged_decode_{digest}"
+
+
+def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -> Callable | None:
+    """The compiled `paged_decode(q, k_pool, v_pool, tables, first, stop, block_size, scale)`, or None when it is
+    off, not built yet and `build` is False, or cannot be built (`why_not()` then says why). The first build prints
+    one line through `say` (stderr by default)."""
+    if not wanted():
+        _why_not["paged_decode"] = "PLAIT_KERNELS is off"
+        return None
+    with _lock:
+        if "paged_decode" in _loaded:
+            return _loaded["paged_decode"]
+        where = build_dir()
+        built = where.exists() and any(where.glob("*.so"))
+        if not built and not build:
+            return None
+        if not built:
+            (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                f"plait: compiling the paged decode attention kernel for this machine, once (about a minute; "
+                f"cached in {where})")
+        try:
+            from torch.utils import cpp_extension
+
+            where.mkdir(parents=True, exist_ok=True)
+            module = cpp_extension.load(name=where.name, sources=[str(SOURCE)], build_directory=str(where),
+                                        extra_cflags=FLAGS, verbose=False)
+            _loaded["paged_decode"] = module.paged_decode
+        except Exception as e:  # no compiler, no ninja, a failed build: the plain-torch path, said once
+            _loaded["paged_decode"] = None
+            _why_not["paged_decode"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        return _loaded["paged_decode"]
+
+
+def why_not() -> str | None:
+    return _why_not.get("paged_decode")
