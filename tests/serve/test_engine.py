@@ -727,3 +727,15 @@ def test_the_compiled_decode_attention_refuses_keys_outside_the_block_table(deco
     q, tables = torch.zeros(1, 1, 4), torch.tensor([[0]])
     with pytest.raises(RuntimeError, match=r"paged_decode: sequence 0 keys 0\.\.5 outside its block table"):
         decode_kernel(q, pool, pool, tables, torch.tensor([0]), torch.tensor([5]), 4, 0.5)
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("off", False), ("0", False), ("on", True), ("1", True),
+                                      ("TRUE", True)])
+def test_the_compiled_decode_attention_is_opt_in(value, on, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("PLAIT_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("PLAIT_KERNELS", value)
+    assert kernels.wanted() is on
+    if not on:
+        assert kernels.paged_decode() is None and kernels.why_not() == "PLAIT_KERNELS is not on"
