@@ -68,7 +68,12 @@ def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -
             from torch.utils import cpp_extension
 
             where.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(name=where.name, sources=[str(SOURCE)], build_directory=str(where),
+            # compiled from a copy in the build dir: ninja's rules name the source by path, so a checkout elsewhere
+            # (another clone, a wheel's site-packages) of the same source reuses the build instead of redoing it
+            source = where / SOURCE.name
+            if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+                source.write_bytes(SOURCE.read_bytes())
+            module = cpp_extension.load(name=where.name, sources=[str(source)], build_directory=str(where),
                                         extra_cflags=FLAGS, verbose=False)
             _loaded["paged_decode"] = module.paged_decode
         except Exception as e:  # no compiler, no ninja, a failed build: the plain-torch path, said once
