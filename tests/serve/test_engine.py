@@ -482,7 +482,8 @@ def test_block_tables_split_into_runs_read_in_place_and_slots_gathered(monkeypat
 
 def attend_both_ways(name, num_blocks, seed, chunks, monkeypatch, switch, off, on):
     """One layer's attention of a step of `chunks` over a pool of random keys and values, with the module constant
-    `switch` at `off`, then at `on`: (step, output) of each, from the same pool, queries and new keys."""
+    `switch` at `off`, then at `on` (or switch(cache, value) when it is a function): (step, output) of each, from the
+    same pool, queries and new keys."""
     monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
     cache = PagedCache(MODELS[name], num_blocks=num_blocks, block_size=4)
     layer = next(iter(cache.k))
@@ -496,7 +497,10 @@ def attend_both_ways(name, num_blocks, seed, chunks, monkeypatch, switch, off, o
         cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
         cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
         for value in (off, on):
-            monkeypatch.setattr(paged, switch, value)
+            if callable(switch):
+                switch(cache, value)
+            else:
+                monkeypatch.setattr(paged, switch, value)
             step = cache.step(chunks)
             out += [step, step.layer(layer).attend(q, k, v)]
     return out
@@ -684,27 +688,12 @@ def decode_kernel():
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-window", "gpt"])
-def test_the_compiled_decode_attention_attends_as_the_plain_torch_one(name, decode_kernel):
+def test_the_compiled_decode_attention_attends_as_the_plain_torch_one(name, decode_kernel, monkeypatch):
     # fragmented tables, a lone block, a one-key sequence, and a prompt chunk beside them (which the kernel leaves)
     tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11], [31]]
     chunks = [(t, len(t) * 4 - 2, 1) for t in tables] + [([12, 13], 0, 6), ([26], 0, 1)]
-    cache = PagedCache(MODELS[name], num_blocks=32, block_size=4)
-    assert cache.decode_kernel is None  # PLAIT_KERNELS=off in the suite
-    layer = next(iter(cache.k))
-    kv_heads, _, d = cache.k[layer].shape
-    heads, tokens = MODELS[name].blocks[layer].attn.heads, sum(c[2] for c in chunks)
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, heads, tokens, d, generator=g)
-    k, v = torch.randn(1, kv_heads, tokens, d, generator=g), torch.randn(1, kv_heads, tokens, d, generator=g)
-    out = []
-    with torch.inference_mode():
-        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
-        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        for fn in (None, decode_kernel):
-            cache.decode_kernel = fn
-            step = cache.step(chunks)
-            out += [step, step.layer(layer).attend(q, k, v)]
-    torch_step, want, kernel_step, got = out
+    torch_step, want, kernel_step, got = attend_both_ways(
+        name, 32, 7, chunks, monkeypatch, lambda cache, fn: setattr(cache, "decode_kernel", fn), None, decode_kernel)
     assert torch_step.kernel is None and kernel_step.kernel[0].tolist() == [0, 1, 2, 3, 10]
     assert not kernel_step.decode_groups and not kernel_step.in_place and not kernel_step.cascades
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
