@@ -73,13 +73,27 @@ def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -
             source = where / SOURCE.name
             if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
                 source.write_bytes(SOURCE.read_bytes())
-            module = cpp_extension.load(name=where.name, sources=[str(source)], build_directory=str(where),
-                                        extra_cflags=FLAGS, verbose=False)
+            module = _built(where) if built else cpp_extension.load(
+                name=where.name, sources=[str(source)], build_directory=str(where), extra_cflags=FLAGS, verbose=False)
             _loaded["paged_decode"] = module.paged_decode
         except Exception as e:  # no compiler, no ninja, a failed build: the plain-torch path, said once
             _loaded["paged_decode"] = None
             _why_not["paged_decode"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
         return _loaded["paged_decode"]
+
+
+def _built(where: Path):
+    """The module built in `where` before, imported as it is: cpp_extension.load would build it again whenever its
+    compiler arguments differ, and they name torch's include folder, which is another one in each venv (a fresh
+    clone's suite rebuilt it, 30 s, though the key already holds the source, the flags and torch's version)."""
+    import importlib.util
+
+    so = max(where.glob("*.so"), key=lambda f: f.stat().st_mtime)
+    spec = importlib.util.spec_from_file_location(so.stem, so)
+    assert spec is not None and spec.loader is not None, so
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def why_not() -> str | None:
