@@ -29,6 +29,13 @@ def stall_on_rank_1():
     dist.barrier()  # rank 1 never joins: the collective's timeout turns the hang into an error
 
 
+def die_on_rank_1_and_say_so_on_rank_0():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(1.0)  # longer than the harness's poll: it sees rank 1 dead before rank 0 answers
+    raise RuntimeError("rank 1 stopped answering")
+
+
 def pid():
     return os.getpid()
 
@@ -55,6 +62,14 @@ def test_a_hang_becomes_an_error_naming_the_rank(monkeypatch):
         run_distributed(stall_on_rank_1, 2, timeout_s=3)
     text = str(e.value)
     assert "[rank 0]" in text and "[rank 1] did not finish" in text  # rank 0 timed out waiting for rank 1
+
+
+def test_a_dead_rank_waits_for_the_living_ones_to_say_why():
+    with pytest.raises(DistributedError) as e:
+        run_distributed(die_on_rank_1_and_say_so_on_rank_0, 2)
+    text = str(e.value)
+    assert "[rank 1] process exited with code 3" in text
+    assert "RuntimeError: rank 1 stopped answering" in text
 
 
 def test_pool_keeps_ranks_alive_and_restarts_after_a_failure():

@@ -216,6 +216,10 @@ class RankPool:
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+            if dead and len(got) + len(dead) < self.world_size and time.monotonic() <= deadline:
+                # the living ranks may be about to say why (a lost peer is an error of their own): wait for them
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                dead = []
             if dead or time.monotonic() > deadline:
                 errors = {r: f"process exited with code {self._procs[r].exitcode}" for r in dead}
                 for r in range(self.world_size):
