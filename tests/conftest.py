@@ -20,8 +20,8 @@ os.environ.setdefault("PLAIT_WARM_RANKS", ",".join([
     "plait.train.trainer", "helpers", "transformers", "torch._dynamo", "torchao", "bitsandbytes",
     "plait.parallel.assemble", *implementation_modules(),
     "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining", "matplotlib.pyplot"]))
-# The engine's compiled decode attention (plait.serve.engine.kernels, opt-in) is built once per machine, about 30 s on
-# two cores: the suite's engines keep the plain-torch attention even where a user turned it on, and
+# The engine's compiled decode attention (plait.serve.engine.kernels, on by default) is built once per machine,
+# about 30 s on two cores: the suite's engines keep the plain-torch attention, and
 # tests/serve/test_engine.py builds (or loads) the kernel and checks it against that attention and transformers.
 os.environ["PLAIT_KERNELS"] = "off"
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees

@@ -718,13 +718,48 @@ def test_the_compiled_decode_attention_refuses_keys_outside_the_block_table(deco
         decode_kernel(q, pool, pool, tables, torch.tensor([0]), torch.tensor([5]), 4, 0.5)
 
 
-@pytest.mark.parametrize("value, on", [(None, False), ("off", False), ("0", False), ("on", True), ("1", True),
-                                      ("TRUE", True)])
-def test_the_compiled_decode_attention_is_opt_in(value, on, monkeypatch):
+def test_the_compiled_decode_attention_refuses_a_block_outside_the_pool(decode_kernel):
+    pool = torch.zeros(1, 8, 4)  # two blocks of 4
+    q, tables = torch.zeros(1, 1, 4), torch.tensor([[0, 2]])
+    with pytest.raises(RuntimeError, match=r"paged_decode: sequence 0 block 2 outside the pool"):
+        decode_kernel(q, pool, pool, tables, torch.tensor([0]), torch.tensor([6]), 4, 0.5)
+
+
+def test_the_compiled_decode_attention_keeps_its_threads_torch_thread_count(decode_kernel):
+    """The engine's thread sets its own count; the server's other threads set 1 after it (its runner's). The kernel's
+    first call on the engine's thread took that 1 (ATen's parallel_for set-up, inlined in the kernel) and the whole
+    engine then ran on one thread behind `plait serve`."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 64, 8, generator=gen)
+    q, tables = torch.randn(3, 4, 8, generator=gen), torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    counts = {}
+
+    def engine_thread():
+        torch.get_num_threads()  # as Engine._loop: this thread's own set-up first, then its count
+        torch.set_num_threads(2)
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join()
+        decode_kernel(q, pool, pool, tables, torch.tensor([0, 0, 3]), torch.tensor([16, 5, 9]), 4, 0.5)
+        counts["after"] = torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    try:
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert counts == {"after": 2}
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("off", False), ("0", False), ("No", False), ("on", True),
+                                      ("1", True)])
+def test_the_compiled_decode_attention_is_on_unless_turned_off(value, on, monkeypatch):
     if value is None:
         monkeypatch.delenv("PLAIT_KERNELS", raising=False)
     else:
         monkeypatch.setenv("PLAIT_KERNELS", value)
     assert kernels.wanted() is on
     if not on:
-        assert kernels.paged_decode() is None and kernels.why_not() == "PLAIT_KERNELS is not on"
+        assert kernels.paged_decode() is None and kernels.why_not() == "PLAIT_KERNELS is off"

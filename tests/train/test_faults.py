@@ -237,12 +237,12 @@ def test_a_slow_rank_is_flagged_as_a_straggler(pool2, tiny_text, tmp_path):
     from helpers import tiny_gpt_config
 
     pool2.run(_rank0_with_faults, tiny_gpt_config(tiny_text, "train.steps=6", "log.every=2"), tmp_path,
-              "slow:rank=1:seconds=0.3")
+              "slow:rank=1:seconds=0.6")  # well over a loaded machine's step (flagged at 3x the other's: 2 ranks)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     # (step 2 is DDP's bucket rebuild, whose waiting happens in C++ collectives that are not timed)
     steady = [r for r in rows if r["step"] >= 4]
     assert len(steady) == 2 and all(r.get("stragglers") == [1] for r in steady)
-    assert all(r["rank_compute_s"][1] > 0.25 > r["rank_compute_s"][0] for r in steady)
+    assert all(r["rank_compute_s"][1] > 0.5 > r["rank_compute_s"][0] for r in steady)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stragglers"]["flagged_windows_per_rank"]["1"] >= 2
     assert "0" not in summary["stragglers"]["flagged_windows_per_rank"]

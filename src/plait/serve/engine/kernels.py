@@ -1,9 +1,10 @@
 """plait's own CPU kernel for the engine: paged decode attention (paged_decode.cpp beside this module).
 
-Opt-in for now: PLAIT_KERNELS=on. In-process it makes a decode step 1.6x faster (96 sequences at ~330 keys:
-72 -> 45 ms) and a 64-request burst 1.3x; behind `plait serve`, though, the served benchmark's overloaded mixed
-work stayed at the same tokens/s (496 off, 501-505 on) and its TTFT and ITL p99 doubled, for a reason not found
-yet, so the default stays the plain-torch attention until the served figures say otherwise.
+On by default on a CPU with float32 pools; PLAIT_KERNELS=off keeps the plain-torch attention. In-process it makes a
+decode step 1.6x faster (96 sequences at ~330 keys: 72 -> 45 ms) and a 64-request burst 1.3x; behind `plait serve`
+the benchmark's overloaded mixed work runs 1.3x the tokens/s with it (397-407 -> 513-531, back to back), once the
+kernel stopped resetting the engine thread's torch thread count (see paged_decode.cpp: with ATen's parallel_for the
+whole engine ran on one thread behind the server, which is why an earlier version gained nothing there).
 
 Compiled once per machine, source, flags and torch with torch's cpp_extension (a C++ compiler and ninja; about
 30 s on two cores the first time, a fraction of a second to load after), into $PLAIT_KERNELS_DIR or
@@ -29,12 +30,12 @@ _why_not: dict[str, str] = {}
 
 
 def wanted() -> bool:
-    """True when PLAIT_KERNELS is on (or 1, true, yes); otherwise the engine uses its plain-torch attention."""
-    return os.environ.get("PLAIT_KERNELS", "off").strip().lower() in ("on", "1", "true", "yes")
+    """False when PLAIT_KERNELS is off (or 0, false, no): the engine then uses its plain-torch attention."""
+    return os.environ.get("PLAIT_KERNELS", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-# -fopenmp: ATen's parallel_for is OpenMP in the header, so without it the kernel ran on one thread (its GOMP calls
-# resolve to the OpenMP runtime torch loaded; the extension links no second one)
+# -fopenmp: the kernel's loop is an OpenMP one (its GOMP calls resolve to the OpenMP runtime torch loaded; the
+# extension links no second one)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -51,7 +52,7 @@ def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -
     off, not built yet and `build` is False, or cannot be built (`why_not()` then says why). The first build prints
     one line through `say` (stderr by default)."""
     if not wanted():
-        _why_not["paged_decode"] = "PLAIT_KERNELS is not on"
+        _why_not["paged_decode"] = "PLAIT_KERNELS is off"
         return None
     with _lock:
         if "paged_decode" in _loaded:
@@ -62,7 +63,7 @@ def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -
             return None
         if not built:
             (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
-                f"plait: compiling the paged decode attention kernel for this machine, once (about a minute; "
+                f"plait: compiling the paged decode attention kernel for this machine, once (about 30 s; "
                 f"cached in {where})")
         try:
             from torch.utils import cpp_extension

@@ -19,7 +19,7 @@ it writes the new keys and values to their slots, then
 On a GPU a fused kernel does the gather inside the attention (vLLM's paged_attention reads the block table
 in the kernel, FlashAttention's `block_table` argument, FlexAttention's paged mask): the same slots and
 block tables, without materialising the gathered keys. On a CPU with float32 pools plait has its own such
-kernel for the decodes, opt-in with PLAIT_KERNELS=on (paged_decode.cpp, built once per machine by
+kernel for the decodes, on unless PLAIT_KERNELS=off (paged_decode.cpp, built once per machine by
 plait.serve.engine.kernels): each decode's keys and values read once where they lie, no padding (96 sequences at
 330 keys: a decode step 72 -> 45 ms in-process). Without it the gather is an index_select and the paths below.
 """

@@ -60,19 +60,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   const int64_t* sp = stop.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Every sequence's range and slots checked first: nothing may throw inside the parallel loop.
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t lo = fp[s], hi = sp[s];
+    TORCH_CHECK(0 <= lo && lo < hi && (hi - 1) / block_size < width, "paged_decode: sequence ", s, " keys ", lo,
+                "..", hi, " outside its block table");
+    for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+      const int64_t block = tp[s * width + b];
+      TORCH_CHECK(0 <= block && (block + 1) * block_size <= slots, "paged_decode: sequence ", s, " block ", block,
+                  " outside the pool");
+    }
+  }
+  // OpenMP directly, on the calling thread's torch thread count (at::get_num_threads: the engine thread's own).
+  // ATen's parallel_for, inlined here, would first run this library's own copy of its once-per-thread set-up, which
+  // sets the thread's count to whatever set_num_threads any thread called last (the server's other threads set 1):
+  // behind `plait serve` the whole engine then ran on one thread. Dynamic scheduling: sequences differ in length.
+  const int64_t tasks = n * kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t lo = fp[s], hi = sp[s], keys = hi - lo;
-      TORCH_CHECK(0 <= lo && lo < hi && (hi - 1) / block_size < width, "paged_decode: sequence ", s, " keys ", lo,
-                  "..", hi, " outside its block table");
       scores.assign(static_cast<size_t>(group * keys), 0.f);
       const float* qs = qp + (s * heads + h * group) * d;
       const int64_t* table = tp + s * width;
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        TORCH_CHECK(0 <= slot && slot < slots, "paged_decode: slot ", slot, " outside the pool");
         const float* key = kp + (h * slots + slot) * d;
         for (int64_t g = 0; g < group; ++g) scores[g * keys + (p - lo)] = dot(qs + g * d, key, d) * sc;
       }
@@ -91,7 +107,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * keys + (p - lo)], value, os + g * d, d);
       }
     }
-  });
+  }
   return out;
 }
 
