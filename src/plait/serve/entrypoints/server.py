@@ -53,7 +53,7 @@ except ImportError:
 from plait.serve.entrypoints.app import MAX_HEAD_BYTES, OPEN_PATHS, create_app
 from plait.serve.entrypoints.protocol import encode_error
 from plait.serve.errors import RequestError, ServeError
-from plait.serve.model.load import ModelRef, load_model
+from plait.serve.model.load import ModelRef, freeze_loaded, load_model
 from plait.serve.model.quantize import accuracy_change
 from plait.serve.service import ServeOptions, Service
 
@@ -292,6 +292,8 @@ def run(path: str, opts: ServeOptions) -> int:
 
         def banner() -> None:  # once the workers are up: whoever reads it may send requests
             print("\n".join(banner_lines(service, url)), flush=True)
+
+        freeze_loaded()  # this process's loaded heap, out of the collector's full passes (their pauses stall streams)
 
         run_loop(serve_async(service, uvicorn_server(service), sock, banner))
     finally:

@@ -9,6 +9,7 @@ names, datatypes and shapes that the Open Inference Protocol metadata advertises
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import re
 from dataclasses import dataclass
@@ -102,6 +103,18 @@ class ServedModel:
             t = max(1, min(self.context, 16))
             return torch.randint(0, self.vocab_size, (rows, t), generator=g)
         return torch.randn(rows, *self.spec.input_shape, generator=g)
+
+
+def freeze_loaded() -> int:
+    """Move everything this process holds so far (modules, the model, its tokenizer: about 300 k objects behind
+    `plait serve`) out of the garbage collector's reach, once loading is done; returns how many. A full collection of
+    them took 230-260 ms holding the interpreter lock, a stall of the engine and of every stream at once: the served
+    benchmark's mixed work at three rates in one session had one TTFT p99 of 518-604 ms in each session, none above
+    251 ms once frozen. vLLM freezes its heap after start-up for the same reason. What is allocated later is
+    collected as usual."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _registry_name(model_cfg: dict) -> str:
