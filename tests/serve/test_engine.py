@@ -306,6 +306,29 @@ def test_requests_past_a_gpt_context_are_refused():
 # ---------------------------------------------------------------------- speculative decoding
 
 
+def test_a_steps_rows_drawn_together_are_the_tokens_sample_draws_row_by_row():
+    """The engine draws a step's rows at once per temperature (sample_rows): each row's token is the one `sample`
+    draws for it alone with its own generator (same operations on the same numbers), greedy rows their argmax, and a
+    row whose distribution is not one (all -inf, a NaN) None, the others unaffected."""
+    from plait.models.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (50, 23470):
+        logits = torch.randn(12, vocab, generator=g) * 3
+        logits[4] = float("-inf")
+        logits[5, 3] = float("nan")
+        temps = [0.7, 1.0, 1.3, 0.0] * 3
+        want = []
+        for i in range(12):
+            try:
+                want.append(int(sample(logits[i], temps[i], None, torch.Generator().manual_seed(100 + i))))
+            except ValueError as e:
+                assert "not a distribution" in str(e)
+                want.append(None)
+        got = sample_rows(logits, temps, [torch.Generator().manual_seed(100 + i) for i in range(12)])
+        assert got == want and got[4] is None and got[5] is None and sum(t is None for t in got) == 2
+
+
 def test_the_acceptance_rule_gives_the_targets_distribution():
     """Leviathan et al.: P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y q(y) min(1, p(y)/q(y))) norm(max(0, p - q))(x) = p(x),
     on fixed logits, from the rule's own pieces; then the rule run 20000 times draws each token at p's frequency."""

@@ -139,10 +139,45 @@ def test_one_batch_of_masks_is_each_sequences_own_mask(byte_llama):
             p.accept(int(scores.argmax()))
     batch = MaskBatch.start(procs)
     assert batch is not None and batch.procs == procs
-    rows = torch.randn(4, width, generator=g)
-    got = batch.apply(rows)
+    rows = torch.randn(6, width, generator=g)
+    idx = [4, 0, 5, 2]  # procs[i]'s row is rows[idx[i]]; rows 1 and 3 are other sequences'
+    got = batch.apply(rows.clone(), idx)
     for i, p in enumerate(procs):
-        want = rows[i].masked_fill(~p.grammar.allowed(width), float("-inf"))
-        assert torch.equal(got[i], want), i
-        assert torch.equal(p(rows[i], masked=True), rows[i])  # masked=True: the grammar's part is left out
-    assert len({tuple(torch.isfinite(r).nonzero().flatten().tolist()) for r in got}) > 1  # the states differ
+        want = rows[idx[i]].masked_fill(~p.grammar.allowed(width), float("-inf"))
+        assert torch.equal(got[idx[i]], want), i
+        assert torch.equal(p(got[idx[i]], masked=True), want)  # masked=True: the grammar's part is left out
+    assert torch.equal(got[[1, 3]], rows[[1, 3]])
+    assert len({tuple(torch.isfinite(got[r]).nonzero().flatten().tolist()) for r in idx}) > 1  # the states differ
+
+
+def test_a_held_token_the_grammar_refuses_fails_that_sequence_alone(byte_llama):
+    """The token a step draws is held and consumed by the next MaskBatch, on the mask thread; one its grammar refuses
+    (a bug elsewhere: drawn tokens come from the masked logits) makes the batch's apply raise, leaves the rows as they
+    were, and names the token in that sequence's own mask, while the others' tokens were consumed."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from plait.serve.engine.grammar import Grammars
+    from plait.serve.engine.sampling import MaskBatch, Processors, SamplingParams
+
+    tok = Tokenizer.from_file(str(byte_llama / "tokenizer.json"))
+    width = tok.get_vocab_size()
+    ref = Grammars.of_model(tok.to_str(), width, frozenset({tok.token_to_id("</s>")})).factory("json_schema", SCHEMA)
+    good, bad, fresh = (Processors(SamplingParams(grammar=ref), [1], width) for _ in range(3))
+    start = good(torch.zeros(width))
+    first, letter = int(start.argmax()), tok.token_to_id("x")  # an allowed token ('{"'), a refused one
+    assert start[first] == 0 and start[letter] == float("-inf") and torch.equal(bad(torch.zeros(width)), start)
+    good.accept(first)
+    bad.accept(letter)  # held, not yet consumed
+    assert good.grammar.held == [first] and bad.grammar.held == [letter]
+    batch = MaskBatch.start([good, bad])
+    rows = torch.zeros(2, width)
+    with pytest.raises(ValueError, match="a grammar refused the token drawn"):
+        batch.apply(rows)
+    assert torch.equal(rows, torch.zeros(2, width))
+    with pytest.raises(ValueError, match=rf"^the grammar refused token {letter}: "):
+        bad(torch.zeros(width))
+    assert not bad.batchable()
+    fresh.grammar.accept(first)  # consumed here, at once
+    after = good(torch.zeros(width))  # consumed on the mask thread
+    assert torch.equal(after, fresh(torch.zeros(width))) and not torch.equal(after, start)

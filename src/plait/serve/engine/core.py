@@ -18,7 +18,6 @@ a seed gives the same tokens whatever else is in the batch, and a preempted sequ
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import queue
 import threading
@@ -30,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from plait.models.gpt import GPT
-from plait.models.sampling import distribution, draw, sample
+from plait.models.sampling import NOT_A_DISTRIBUTION, distribution, draw, sample, sample_rows
 from plait.serve.engine.adapters import LoRARouter
 from plait.serve.engine.paged import PagedCache, bytes_per_block
 from plait.serve.engine.sampling import MaskBatch, Processors, SamplingParams
@@ -230,45 +229,31 @@ class Engine:
             if id(pr) not in in_batch:
                 pr.prefetch()
         logits, at = self._forward(plan)
-        masked = None
-        if masks is not None:  # the batch's rows, masked at once
-            ends = itertools.accumulate(c.count for c in plan.chunks)  # each chunk's end in the packed tokens
-            rows = {id(procs[c.seq.id]): at[end - 1] for c, end in zip(plan.chunks, ends) if c.seq.id in procs}
-            try:
-                masked = masks.apply(logits[[rows[id(pr)] for pr in masks.procs]])
-            except (RuntimeError, ValueError):  # one matcher's error: each sequence's mask alone, so it fails alone
-                in_batch = {}
         if self.draft is not None:
             self._draft_follow(plan)
-        sampled: dict[int, int] = {}
-        events: list[tuple[Request, TokenEvent]] = []
-        failed: list[tuple[Sequence, str]] = []
+        picks: list[tuple[Sequence, Request, int]] = []  # the sampled chunks: sequence, request, logits row
         row = 0
         for c in plan.chunks:
             row += c.count
             req = self.requests[c.seq.id]
-            p = req.params
-            if p.prompt_logprobs is not None:
+            if req.params.prompt_logprobs is not None:
                 self._prompt_logprobs(req, c, logits[at[row - c.count]:at[row - 1] + 1])
-            if not c.sample:
+            if c.sample:
+                picks.append((c.seq, req, at[row - 1]))
+        sampled: dict[int, int] = {}
+        events: list[tuple[Request, TokenEvent]] = []
+        failed: list[tuple[Sequence, str]] = []
+        for (seq, req, r), tok in zip(picks, self._draw(picks, logits, masks)):
+            if isinstance(tok, str):  # this sequence's parameters: it fails alone
+                failed.append((seq, tok))
                 continue
-            last = logits[at[row - 1]]
-            try:
-                j = in_batch.get(id(req.processors)) if masked is not None else None
-                if j is not None and req.processors is not None:
-                    scores = req.processors(masked[j], masked=True)
-                else:
-                    scores = req.processors(last) if req.processors is not None else last
-                tok = int(sample(scores, p.temperature, p.top_k, req.generator, p.top_p))
-            except (RuntimeError, ValueError, OverflowError) as e:  # this sequence's parameters: it fails alone
-                failed.append((c.seq, f"{type(e).__name__}: {str(e).strip()[:200]}"))
-                continue
+            p = req.params
             if req.processors is not None:
                 req.processors.accept(tok)
-            sampled[c.seq.id] = tok
-            event = TokenEvent(tok, len(c.seq.output))
+            sampled[seq.id] = tok
+            event = TokenEvent(tok, len(seq.output))
             if p.logprobs is not None:
-                event = self._with_logprobs(event, last, p.logprobs)
+                event = self._with_logprobs(event, logits[r], p.logprobs)
             if p.prompt_logprobs is not None and event.index == 0:
                 event = dataclasses.replace(event, prompt=tuple(req.prompt_logprobs))
             events.append((req, event))
@@ -284,6 +269,45 @@ class Engine:
         for seq in [s for s, _ in failed] + finished:
             self._done(seq)
         return True
+
+    def _draw(self, picks: list[tuple[Sequence, Request, int]], logits: torch.Tensor,
+              masks: MaskBatch | None) -> list[int | str]:
+        """Each picked sequence's next token, or why its sampling failed ("ValueError: ..."): its logits row through
+        its processors (the grammars' masks of `masks` added to their rows at once), then one draw for the rows of
+        each temperature (plait.models.sampling.sample_rows: the tokens `sample` gives row by row); a row with top-k
+        or top-p draws alone."""
+        rows = logits[torch.tensor([r for _, _, r in picks], dtype=torch.long)]  # a copy: ours to change
+        out: list[int | str | None] = [None] * len(picks)
+        batched: set[int] = set()
+        if masks is not None:
+            where = {id(req.processors): i for i, (_, req, _) in enumerate(picks)}
+            idx = [where[id(pr)] for pr in masks.procs]
+            try:
+                masks.apply(rows, idx)
+                batched = set(idx)
+            except (RuntimeError, ValueError):  # one matcher's error: each sequence's mask alone, so it fails alone
+                pass
+        alone = []
+        for i, (_, req, _) in enumerate(picks):
+            p = req.params
+            try:
+                if req.processors is not None:
+                    scores = req.processors(rows[i], masked=i in batched)  # masked: the row itself, changed in place
+                    if scores.data_ptr() != rows[i].data_ptr():
+                        rows[i] = scores
+                if p.top_k is not None or p.top_p < 1.0:
+                    out[i] = int(sample(rows[i], p.temperature, p.top_k, req.generator, p.top_p))
+                else:
+                    alone.append(i)
+            except (RuntimeError, ValueError, OverflowError) as e:
+                out[i] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        if alone:
+            together = alone if len(alone) < len(picks) else slice(None)
+            toks = sample_rows(rows[together], [picks[i][1].params.temperature for i in alone],
+                               [picks[i][1].generator for i in alone])
+            for i, tok in zip(alone, toks):
+                out[i] = tok if tok is not None else f"ValueError: {NOT_A_DISTRIBUTION}"
+        return out  # type: ignore[return-value]
 
     def _forward(self, plan: Step) -> tuple[torch.Tensor, dict[int, int]]:
         """The logits of the step's tokens that are read, and which logits row each token's are: a chunk's last token

@@ -56,22 +56,45 @@ class GrammarRef:
 
 
 class Constrained:
-    """One sequence's matcher (plait.serve.engine.sampling.TokenMask)."""
+    """One sequence's matcher (plait.serve.engine.sampling.TokenMask). A token accepted with `hold` is consumed by
+    the next batch of masks (sampling.MaskBatch, off the engine's thread, before it computes the next mask) or by
+    the next call here, whichever comes first."""
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.held: list[int] = []  # accepted, not yet consumed by the matcher
+        self.error: str | None = None  # the first token the grammar refused
 
     def allowed(self, vocab: int) -> torch.Tensor:
+        self._consume_held()
         words = np.zeros((vocab + 31) // 32, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         bits = np.unpackbits(words.view(np.uint8), count=vocab, bitorder="little")
         return torch.from_numpy(bits.view(np.bool_))
 
     def accept(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise ValueError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self._consume_held()
+        self.consumed(token, self.matcher.consume_token(token))
+
+    def hold(self, token: int) -> None:
+        self.held.append(token)
+
+    def consumed(self, token: int, ok: bool) -> None:
+        """Record whether the matcher took `token` (here or in a batch); a refusal is an error from now on."""
+        if not ok and self.error is None:
+            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
+        if self.error is not None:
+            raise ValueError(self.error)
+
+    def _consume_held(self) -> None:
+        if self.error is not None:
+            raise ValueError(self.error)
+        held, self.held = self.held, []
+        for token in held:
+            self.consumed(token, self.matcher.consume_token(token))
 
     def finished(self) -> bool:
+        self._consume_held()
         return self.matcher.is_stopped()
 
 
