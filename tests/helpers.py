@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -44,6 +45,23 @@ def rank0_params(cfg, run_dir, resume: bool = False):
 
     params = params_after(cfg, run_dir, resume)
     return params if dist.get_rank() == 0 else None
+
+
+@contextlib.contextmanager
+def eager():
+    """torch.compile off inside, back on after (a later test in the same rank process compiles again): torchao's
+    low-bit optimizers compile their step per parameter shape, about 15 s of a fresh rank, and eagerly the arithmetic
+    is the same (tests/finetune/test_adamw8bit.py runs it so)."""
+    from unittest import mock
+
+    with mock.patch.object(torch, "compile", lambda fn=None, **_: fn):  # torchao asks fullgraph: dynamo's off switch errs
+        yield
+
+
+def eager_rank0_params(cfg, run_dir, resume: bool = False):
+    """Pool task: rank0_params with torch.compile off (eager above)."""
+    with eager():
+        return rank0_params(cfg, run_dir, resume)
 
 
 def max_diff(a: dict, b: dict) -> float:

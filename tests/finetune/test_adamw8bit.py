@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ft_helpers import assert_same, run_trajectory
 
-from helpers import TINY_GPT
+from helpers import TINY_GPT, eager
 from plait.config import load_config
 
 pytest.importorskip("torchao.optim", reason="torchao is in the lowbit and dev extras")
@@ -36,11 +36,10 @@ def test_adamw8bit_states_take_under_0_3_of_adamw_and_train_alike(tiny_text, tmp
 
 
 def eager_trajectory(cfg, run_dir):
-    """Pool task: run_trajectory with torchao's per-shape compile off (see above)."""
-    import torch
-
-    torch.compile = lambda fn, **_: fn
-    return run_trajectory(cfg, run_dir)
+    """Pool task: run_trajectory with torchao's per-shape compile off (see above), on again after it (helpers.eager:
+    the rank processes are the session's)."""
+    with eager():
+        return run_trajectory(cfg, run_dir)
 
 
 def test_adamw8bit_under_zero1_steps_whole_tensors_like_one_process(tiny_text, tmp_path, pool2):
