@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (PLAIN_SGD, assert_follows, eager, eager_rank0_params, one_process_runs, rank0_params, step_losses,
-                     tiny_gpt_config)
+from helpers import (
+    PLAIN_SGD,
+    assert_follows,
+    eager,
+    eager_rank0_params,
+    one_process_runs,
+    rank0_params,
+    step_losses,
+    tiny_gpt_config,
+)
 from plait.plan.compat import LAYOUTS, TECHNIQUES
 
 ROOT = Path(__file__).resolve().parents[2]
