@@ -65,8 +65,8 @@ def _positive_and_finite(total: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int | None]:
     """The next token of each row of logits (rows, vocab), each at its own temperature (0: argmax) by its own
     generator, or None where its distribution is not one (no top-k, no top-p): the tokens `sample` gives row by
-    row, each operation run once over the rows of one temperature instead of once a row (a serving step's
-    sequences: 16 rows of 23 k, 2.5 -> 0.9 ms on one thread)."""
+    row, each operation run once over the rows of one temperature instead of once a row (a serving step's 16
+    sequences over 23 k tokens, one thread: 2.4-2.7 ms a step row by row with an isfinite pass, 1.0-1.3 ms so)."""
     out: list[int | None] = [None] * len(temperatures)
     for t in sorted(set(temperatures)):
         idx = [i for i, x in enumerate(temperatures) if x == t]
