@@ -786,3 +786,48 @@ def test_the_compiled_decode_attention_is_on_unless_turned_off(value, on, monkey
     assert kernels.wanted() is on
     if not on:
         assert kernels.paged_decode() is None and kernels.why_not() == "PLAIT_KERNELS is off"
+
+
+def test_the_engines_linears_run_on_packed_weights_at_4_to_256_rows_and_nowhere_else(monkeypatch):
+    """With PLAIT_KERNELS on, the engine gives each float32 nn.Linear of its model a oneDNN-packed copy of its weight,
+    used inside its forward at 4-256 rows a step (a decode batch): there within 1e-5 of F.linear, elsewhere F.linear
+    itself, bit for bit, also for the same model used outside the engine; greedy tokens stay transformers-equal
+    (test above). Off: nothing packed."""
+    import copy
+
+    from plait.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=97, context=64, width=32, heads=4, layers=2, kv_heads=2, hidden=64).eval()
+    monkeypatch.setenv("PLAIT_KERNELS", "off")
+    assert Engine(copy.deepcopy(model), EngineConfig(block_size=4, kv_cache_mb=1.0)).packed == 0
+    monkeypatch.setenv("PLAIT_KERNELS", "on")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    plain = copy.deepcopy(model)
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0))
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert engine.packed == len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down a block, and the head
+    layer = model.get_submodule("blocks.0.mlp.up_proj")
+    calls = []
+    matmul = kernels.packed_matmul
+    monkeypatch.setattr(kernels, "packed_matmul", lambda *a: calls.append(a[0].shape[1]) or matmul(*a))
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 4, 8, 256, 257):
+        x = torch.randn(1, rows, layer.in_features, generator=g)
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), want)  # outside an engine's forward
+        with kernels.packed_forward():
+            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=0)
+    assert calls == [4, 8, 256]  # the packed matmul ran at 4-256 rows, inside the forward only
+    ids = torch.randint(0, 97, (1, 12), generator=g)
+    assert torch.equal(model(ids), plain(ids))  # the model outside the engine: as it was
+    twin = copy.deepcopy(model)  # a copy (adapters merged into one, say) is plain nn.Linear layers again
+    with kernels.packed_forward():
+        twin.get_submodule("blocks.0.mlp.up_proj")(torch.randn(1, 8, layer.in_features))
+    assert calls == [4, 8, 256]
+    # greedy tokens through the packed layers: generate's (a batch of 6 decodes and prompt chunks of 4-16 rows)
+    ps = prompts()
+    want = [greedy_reference(plain, p, 12) for p in ps]
+    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=12, temperature=0)) for p in ps])
+    assert got == want and len(calls) > 3

@@ -17,6 +17,7 @@ a seed gives the same tokens whatever else is in the batch, and a preempted sequ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import queue
@@ -30,6 +31,7 @@ import torch.nn as nn
 
 from plait.models.gpt import GPT
 from plait.models.sampling import NOT_A_DISTRIBUTION, distribution, draw, sample, sample_rows
+from plait.serve.engine import kernels
 from plait.serve.engine.adapters import LoRARouter
 from plait.serve.engine.paged import PagedCache, bytes_per_block
 from plait.serve.engine.sampling import MaskBatch, Processors, SamplingParams
@@ -118,6 +120,8 @@ class Engine:
         # `blocks`: the pool's size when it was decided for every process (plait.serve.engine.pp: each stage's the same)
         num_blocks = blocks or self.pool_blocks(model, self.config, draft, tp)
         self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device, tp)
+        # the linears on oneDNN's packed weights at 4-256 rows a step (plait.serve.engine.kernels; PLAIT_KERNELS=off: not)
+        self.packed = kernels.pack_linears(model) if self.device.type == "cpu" and tp == 1 else 0
         self.draft_cache = PagedCache(draft, num_blocks, self.config.block_size, self.device) if draft is not None else None
         self.proposed = 0  # draft tokens proposed, all steps
         self.accepted = 0  # of them, accepted by the target
@@ -344,7 +348,8 @@ class Engine:
             self.announce(ids, view.chunks, self._copies, view.row_list)
             self._copies = []
         try:
-            logits = self.model(torch.tensor([ids], device=self.device), cache=view)
+            with kernels.packed_forward() if self.packed else contextlib.nullcontext():
+                logits = self.model(torch.tensor([ids], device=self.device), cache=view)
         except RuntimeError as e:  # under --tp a rank's death surfaces in a collective: the group names it
             why = self.broken(e) if self.broken is not None else None
             if why is None:

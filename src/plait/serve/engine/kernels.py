@@ -14,14 +14,19 @@ Compiled once per machine, source, flags and torch with torch's cpp_extension (a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+import types
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 _lock = threading.Lock()
@@ -99,3 +104,60 @@ def _built(where: Path):
 
 def why_not() -> str | None:
     return _why_not.get("paged_decode")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Linear layers through oneDNN on packed weights (the engine's forward only)
+
+# Rows (tokens of a step) at which oneDNN's matmul on a weight packed once for it beats F.linear (MKL's sgemm) on a
+# 2-core CPU: 0.63-0.75x the time at 4-64 rows (a 2304 x 768 weight at 4 rows 288 -> 217 us, 8192 x 768 993 -> 596),
+# 1.4-1.9x at 1-2 rows, the same from 512 (docs/benchmarks.md, "The 100 M table").
+PACKED_ROWS = (4, 256)
+_engine_forward = threading.local()  # .on while this thread runs an engine's forward
+# each packed layer's packed weight, beside the layer (not on it: a deepcopy of the model cannot copy an opaque
+# oneDNN tensor, and the copy is a plain nn.Linear again)
+_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give each float32 CPU nn.Linear of `model` a copy of its weight packed for oneDNN's matmul, used by the
+    engine's forward (`packed_forward()`) at PACKED_ROWS rows; anywhere else the layer is F.linear as before. Returns
+    how many layers have one (0 when PLAIT_KERNELS is off or this torch has no oneDNN). A second copy of the weights
+    in memory; float32 sums in another order (within 2e-4 of F.linear on the 100 M model's shapes)."""
+    if not wanted() or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return 0
+    packed = 0
+    for layer in model.modules():
+        w = getattr(layer, "weight", None)
+        if type(layer) is not nn.Linear or w is None or type(w.data) is not torch.Tensor:  # DTensor, quantized: as is
+            continue
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            continue
+        if layer not in _PACKED:
+            with torch.no_grad():
+                _PACKED[layer] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)
+            layer.forward = types.MethodType(_linear, layer)
+        packed += 1
+    return packed
+
+
+@contextlib.contextmanager
+def packed_forward() -> Iterator[None]:
+    """The packed weights in use on this thread inside (the engine's forward)."""
+    _engine_forward.on = True
+    try:
+        yield
+    finally:
+        _engine_forward.on = False
+
+
+def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if getattr(_engine_forward, "on", False) and PACKED_ROWS[0] <= x.numel() // x.shape[-1] <= PACKED_ROWS[1]:
+        packed = _PACKED.get(self)
+        if packed is not None:
+            return packed_matmul(x.contiguous(), packed, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
