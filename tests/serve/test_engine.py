@@ -254,6 +254,7 @@ def test_prefix_reuse_keeps_greedy_tokens_and_skips_the_shared_prompt():
 
 
 def test_sequences_decoding_after_a_cached_system_prompt_keep_their_greedy_tokens_through_the_cascade(monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "off")  # the plain-torch attention's paths are what this test reads
     model = MODELS["llama"]
     system = prompts(2)[4]  # 40 tokens: 5 full blocks of 8
     tails = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
@@ -531,6 +532,7 @@ def attend_both_ways(name, num_blocks, seed, chunks, monkeypatch, switch, off, o
 
 @pytest.mark.parametrize("name", ["llama", "llama-window"])
 def test_a_decode_read_in_place_attends_as_the_gathered_one(name, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "off")  # the plain-torch attention's paths are what this test reads
     # one table of a run, a lone block and a run; one of a lone run; one of short pieces only
     tables = [[5, 6, 7, 8, 9, 2, 14, 15, 16, 30], [20, 21, 22, 23, 24, 25], [1, 3, 11]]
     chunks = [(t, len(t) * 4 - 2, 1) for t in tables]  # each decoding its block table's second last slot
@@ -553,6 +555,7 @@ def test_a_later_prompt_chunk_merged_by_log_sum_exp_attends_as_the_masked_one(na
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
 def test_decodes_sharing_a_prefix_attend_it_once_as_each_attends_it_alone(name, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "off")  # the plain-torch attention's paths are what this test reads
     # three decodes after the same 5 cached blocks (a run of 4 and a lone one), one after 2 of them, one alone
     shared = [10, 11, 12, 13, 3]
     chunks = [(shared + [20], 22, 1), (shared + [21, 22], 26, 1), (shared + [30], 21, 1), (shared[:2] + [33], 10, 1),
