@@ -75,7 +75,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: lis
             toks = rows.float().argmax(-1)
             ok = torch.ones(len(idx), dtype=torch.bool)
         else:
-            cdf = torch.softmax(rows.float() / t if t != 1.0 else rows.float(), dim=-1).cumsum(-1, dtype=torch.float64)
+            cdf = distribution(rows, t).cumsum(-1, dtype=torch.float64)
             ok = _positive_and_finite(cdf[:, -1])
             u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in idx])
             toks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp_(max=cdf.shape[-1] - 1)

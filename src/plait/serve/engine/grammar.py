@@ -80,11 +80,16 @@ class Constrained:
         self.held.append(token)
 
     def consumed(self, token: int, ok: bool) -> None:
-        """Record whether the matcher took `token` (here or in a batch); a refusal is an error from now on."""
-        if not ok and self.error is None:
-            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
+        """Record whether the matcher took `token`; ValueError once it refused one."""
+        if not ok:
+            self.refused(token)
         if self.error is not None:
             raise ValueError(self.error)
+
+    def refused(self, token: int) -> None:
+        """The matcher refused `token` (here or in a batch): an error from now on."""
+        if self.error is None:
+            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
 
     def _consume_held(self) -> None:
         if self.error is not None:

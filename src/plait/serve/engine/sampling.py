@@ -155,10 +155,7 @@ class MaskBatch:
         which); rows are then unchanged."""
         bias, refused = self.future.result()
         for grammar, token in refused:
-            try:
-                grammar.consumed(token, False)
-            except ValueError:
-                pass
+            grammar.refused(token)
         if refused:
             raise ValueError("a grammar refused the token drawn")
         if idx is None or idx == list(range(rows.shape[0])):
