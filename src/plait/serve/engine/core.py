@@ -120,7 +120,7 @@ class Engine:
         # `blocks`: the pool's size when it was decided for every process (plait.serve.engine.pp: each stage's the same)
         num_blocks = blocks or self.pool_blocks(model, self.config, draft, tp)
         self.cache = PagedCache(model, num_blocks, self.config.block_size, self.device, tp)
-        # the linears on oneDNN's packed weights at 4-256 rows a step (plait.serve.engine.kernels; PLAIT_KERNELS=off: not)
+        # the linears on oneDNN's packed weights from 4 rows a step (plait.serve.engine.kernels; PLAIT_KERNELS=off: not)
         self.packed = kernels.pack_linears(model) if self.device.type == "cpu" and tp == 1 else 0
         self.draft_cache = PagedCache(draft, num_blocks, self.config.block_size, self.device) if draft is not None else None
         self.proposed = 0  # draft tokens proposed, all steps

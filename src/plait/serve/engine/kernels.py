@@ -1,5 +1,5 @@
 """plait's own CPU kernels for the engine: paged decode attention (paged_decode.cpp beside this module), and the
-model's linears on oneDNN-packed weights at 4-256 rows a step (`pack_linears`, at the end of this module).
+model's linears on oneDNN-packed weights from 4 rows a step (`pack_linears`, at the end of this module).
 
 On by default on a CPU with float32 pools; PLAIT_KERNELS=off keeps the plain-torch attention. In-process it makes a
 decode step 1.6x faster (96 sequences at ~330 keys: 72 -> 45 ms) and a 64-request burst 1.3x; behind `plait serve`
@@ -110,10 +110,12 @@ def why_not() -> str | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Linear layers through oneDNN on packed weights (the engine's forward only)
 
-# Rows (tokens of a step) at which oneDNN's matmul on a weight packed once for it beats F.linear (MKL's sgemm) on a
-# 2-core CPU: 0.63-0.75x the time at 4-64 rows (a 2304 x 768 weight at 4 rows 288 -> 217 us, 8192 x 768 993 -> 596),
-# 1.4-1.9x at 1-2 rows, the same from 512 (docs/benchmarks.md, "The 100 M table").
-PACKED_ROWS = (4, 256)
+# Rows (tokens of a step) from which oneDNN's matmul on a weight packed once for it beats F.linear (MKL's sgemm) on a
+# 2-core CPU. On an Intel-flavoured AVX2 host: 0.63-0.75x the time at 4-64 rows (a 2304 x 768 weight at 4 rows
+# 288 -> 217 us, 8192 x 768 993 -> 596), 1.4-1.9x at 1-2 rows, the same from 512. On an AVX-512 AMD EPYC, where MKL
+# takes its AVX2 path and oneDNN its AVX-512 one: 0.16-0.62x at 4 rows, 0.39-0.52x from 64 to 2,048 rows (about 490
+# against 210 GFLOP/s: a prompt's chunk too), 0.46-2.1x at one row (docs/benchmarks.md, "The 100 M table").
+PACKED_MIN_ROWS = 4
 _engine_forward = threading.local()  # .on while this thread runs an engine's forward
 # each packed layer's packed weight, beside the layer (not on it: a deepcopy of the model cannot copy an opaque
 # oneDNN tensor, and the copy is a plain nn.Linear again)
@@ -122,7 +124,7 @@ _PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDic
 
 def pack_linears(model: nn.Module) -> int:
     """Give each float32 CPU nn.Linear of `model` a copy of its weight packed for oneDNN's matmul, used by the
-    engine's forward (`packed_forward()`) at PACKED_ROWS rows; anywhere else the layer is F.linear as before. Returns
+    engine's forward (`packed_forward()`) from PACKED_MIN_ROWS rows; anywhere else the layer is F.linear as before. Returns
     how many layers have one (0 when PLAIT_KERNELS is off or this torch has no oneDNN). A second copy of the weights
     in memory; float32 sums in another order (within 2e-4 of F.linear on the 100 M model's shapes)."""
     if not wanted() or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -153,7 +155,7 @@ def packed_forward() -> Iterator[None]:
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_engine_forward, "on", False) and PACKED_ROWS[0] <= x.numel() // x.shape[-1] <= PACKED_ROWS[1]:
+    if getattr(_engine_forward, "on", False) and x.numel() // x.shape[-1] >= PACKED_MIN_ROWS:
         packed = _PACKED.get(self)
         if packed is not None:
             return packed_matmul(x.contiguous(), packed, self.bias)
