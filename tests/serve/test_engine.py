@@ -793,9 +793,9 @@ def test_the_compiled_decode_attention_is_on_unless_turned_off(value, on, monkey
 
 def test_the_engines_linears_run_on_packed_weights_from_4_rows_and_nowhere_else(monkeypatch):
     """With PLAIT_KERNELS on, the engine gives each float32 nn.Linear of its model a oneDNN-packed copy of its weight,
-    used inside its forward from 4 rows a step (a decode batch, a prompt's chunk): there within 1e-5 of F.linear, elsewhere F.linear
-    itself, bit for bit, also for the same model used outside the engine; greedy tokens stay transformers-equal
-    (test above). Off: nothing packed."""
+    used inside its forward from 4 rows a step (a decode batch, a prompt's chunk), and from one row where its shape
+    timed faster so: there within 1e-5 of F.linear, elsewhere F.linear itself, bit for bit, also for the same model
+    used outside the engine; greedy tokens stay transformers-equal (test above). Off: nothing packed."""
     import copy
 
     from plait.models.llama import Llama
@@ -808,27 +808,37 @@ def test_the_engines_linears_run_on_packed_weights_from_4_rows_and_nowhere_else(
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     plain = copy.deepcopy(model)
+    timed = []
+    one_row = kernels.one_row_packed
+    monkeypatch.setattr(kernels, "one_row_packed", lambda layer, w: timed.append(layer) or (
+        layer.out_features == 64 or one_row(layer, w)))  # up and gate (32 -> 64): packed at one row too
     engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0))
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert engine.packed == len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down a block, and the head
+    assert timed == layers  # each layer's one-row choice made once, when packed
     layer = model.get_submodule("blocks.0.mlp.up_proj")
+    down = model.get_submodule("blocks.0.mlp.down_proj")
+    assert kernels._PACKED[layer][1] == 1
+    kernels._PACKED[down] = (kernels._PACKED[down][0], kernels.PACKED_MIN_ROWS)  # F.linear below 4 rows
     calls = []
     matmul = kernels.packed_matmul
     monkeypatch.setattr(kernels, "packed_matmul", lambda *a: calls.append(a[0].shape[1]) or matmul(*a))
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 4, 8, 256, 257):
-        x = torch.randn(1, rows, layer.in_features, generator=g)
-        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-        assert torch.equal(layer(x), want)  # outside an engine's forward
-        with kernels.packed_forward():
-            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=0)
-    assert calls == [4, 8, 256, 257]  # the packed matmul ran from 4 rows, inside the forward only
+        for lin in (layer, down):
+            x = torch.randn(1, rows, lin.in_features, generator=g)
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            assert torch.equal(lin(x), want)  # outside an engine's forward
+            with kernels.packed_forward():
+                torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=0)
+    # the packed matmul ran inside the forward only: up from one row, down from 4
+    assert calls == [1, 3, 4, 4, 8, 8, 256, 256, 257, 257]
     ids = torch.randint(0, 97, (1, 12), generator=g)
     assert torch.equal(model(ids), plain(ids))  # the model outside the engine: as it was
     twin = copy.deepcopy(model)  # a copy (adapters merged into one, say) is plain nn.Linear layers again
     with kernels.packed_forward():
         twin.get_submodule("blocks.0.mlp.up_proj")(torch.randn(1, 8, layer.in_features))
-    assert calls == [4, 8, 256, 257]
+    assert len(calls) == 10
     # greedy tokens through the packed layers: generate's (a batch of 6 decodes and prompt chunks of 4-16 rows)
     ps = prompts()
     want = [greedy_reference(plain, p, 12) for p in ps]

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import sys
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -114,19 +116,23 @@ def why_not() -> str | None:
 # 2-core CPU. On an Intel-flavoured AVX2 host: 0.63-0.75x the time at 4-64 rows (a 2304 x 768 weight at 4 rows
 # 288 -> 217 us, 8192 x 768 993 -> 596), 1.4-1.9x at 1-2 rows, the same from 512. On an AVX-512 AMD EPYC, where MKL
 # takes its AVX2 path and oneDNN its AVX-512 one: 0.16-0.62x at 4 rows, 0.39-0.52x from 64 to 2,048 rows (about 490
-# against 210 GFLOP/s: a prompt's chunk too), 0.46-2.1x at one row (docs/benchmarks.md, "The 100 M table").
+# against 210 GFLOP/s: a prompt's chunk too). At fewer rows it depends on the machine and the layer (one row: 1.4-1.9x
+# on the first, 0.46-0.66x for the 100 M model's large layers and 1.6-2.1x for the 10 M model's small ones on the
+# second; docs/benchmarks.md, "The 100 M table"), so each layer's shape is timed once at one row when it is packed.
 PACKED_MIN_ROWS = 4
 _engine_forward = threading.local()  # .on while this thread runs an engine's forward
-# each packed layer's packed weight, beside the layer (not on it: a deepcopy of the model cannot copy an opaque
-# oneDNN tensor, and the copy is a plain nn.Linear again)
-_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+# each packed layer's packed weight and the fewest rows it is used at, beside the layer (not on it: a deepcopy of the
+# model cannot copy an opaque oneDNN tensor, and the copy is a plain nn.Linear again)
+_PACKED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, int]] = weakref.WeakKeyDictionary()
+_ONE_ROW: dict[tuple, bool] = {}  # (out, in, bias, threads): the packed matmul is faster at one row on this machine
 
 
 def pack_linears(model: nn.Module) -> int:
     """Give each float32 CPU nn.Linear of `model` a copy of its weight packed for oneDNN's matmul, used by the
-    engine's forward (`packed_forward()`) from PACKED_MIN_ROWS rows; anywhere else the layer is F.linear as before. Returns
-    how many layers have one (0 when PLAIT_KERNELS is off or this torch has no oneDNN). A second copy of the weights
-    in memory; float32 sums in another order (within 2e-4 of F.linear on the 100 M model's shapes)."""
+    engine's forward (`packed_forward()`) from PACKED_MIN_ROWS rows, and from one row where timing the layer's shape
+    once says it is faster there; anywhere else the layer is F.linear as before. Returns how many layers have one (0
+    when PLAIT_KERNELS is off or this torch has no oneDNN). A second copy of the weights in memory; float32 sums in
+    another order (within 2e-4 of F.linear on the 100 M model's shapes)."""
     if not wanted() or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return 0
     packed = 0
@@ -138,10 +144,29 @@ def pack_linears(model: nn.Module) -> int:
             continue
         if layer not in _PACKED:
             with torch.no_grad():
-                _PACKED[layer] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)
+                weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)
+                _PACKED[layer] = (weight, 1 if one_row_packed(layer, weight) else PACKED_MIN_ROWS)
             layer.forward = types.MethodType(_linear, layer)
         packed += 1
     return packed
+
+
+def one_row_packed(layer: nn.Linear, weight: torch.Tensor) -> bool:
+    """Whether the packed matmul of one row through `layer` takes under 0.9x F.linear's time on this machine, at this
+    thread's torch threads: the best of 9 calls each, the two taking turns after 3 each to warm up, timed once per
+    shape (about 10 ms for the 100 M model's 4)."""
+    key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
+    if key not in _ONE_ROW:
+        x = torch.randn(1, layer.in_features)
+        calls = (lambda: F.linear(x, layer.weight, layer.bias), lambda: packed_matmul(x, weight, layer.bias))
+        best = [math.inf, math.inf]
+        for turn in range(24):
+            t = time.perf_counter()
+            calls[turn % 2]()
+            if turn >= 6:
+                best[turn % 2] = min(best[turn % 2], time.perf_counter() - t)
+        _ONE_ROW[key] = best[1] < 0.9 * best[0]
+    return _ONE_ROW[key]
 
 
 @contextlib.contextmanager
@@ -155,10 +180,10 @@ def packed_forward() -> Iterator[None]:
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_engine_forward, "on", False) and x.numel() // x.shape[-1] >= PACKED_MIN_ROWS:
+    if getattr(_engine_forward, "on", False):
         packed = _PACKED.get(self)
-        if packed is not None:
-            return packed_matmul(x.contiguous(), packed, self.bias)
+        if packed is not None and x.numel() // x.shape[-1] >= packed[1]:
+            return packed_matmul(x.contiguous(), packed[0], self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
