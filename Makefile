@@ -50,10 +50,9 @@ run: $(STAMP)
 	$(BIN)/plait train
 
 # The suite on WORKERS pytest-xdist processes, a test file at a time (its fixtures built once, on one worker), the
-# longest files first (tests/conftest.py). Most of a run waits (heartbeats, requeues, readiness, servers starting): on
-# two cores the suite used 0.9 of one core's CPU time per second with two workers, and three fill that time
-# (docs/design.md, "Testing"). WORKERS=0 runs it in this process, serially.
-WORKERS ?= 3
+# longest files first (tests/conftest.py). Much of a serial run waits (heartbeats, requeues, readiness): one worker per
+# core fills that time. WORKERS=0 runs it in this process, serially.
+WORKERS ?= 2
 
 test: $(DEVSTAMP)
 	$(BIN)/lint-imports --no-cache

@@ -38,11 +38,11 @@ import pytest  # noqa: E402
 
 from plait.testing import RankPool  # noqa: E402
 
-# `make test` runs the suite on three pytest-xdist workers, a file at a time (--dist loadfile: a file's module and
+# `make test` runs the suite on two pytest-xdist workers, a file at a time (--dist loadfile: a file's module and
 # session fixtures are built once, on one worker). The modules that take longest (the seconds
-# beside each) are handed out first, so that the workers finish together instead of one ending on a long file.
+# beside each) are handed out first, so that the two workers finish together instead of one ending on a long file.
 # A file missing here keeps its place after them; the order is a schedule only, never a test's precondition.
-LONGEST_FIRST = [  # seconds: each file's test time (setup + call + teardown) in a whole 2-worker run (warm ranks; now 3 workers)
+LONGEST_FIRST = [  # seconds: each file's test time (setup + call + teardown) in a whole 2-worker run (warm ranks)
     "tests/train/test_faults.py",                 # 137
     "tests/launch/test_ray.py",                   # 114
     "tests/test_docs_run.py",                     # 106
