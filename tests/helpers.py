@@ -94,6 +94,34 @@ def plait(*args, faults: str = "", timeout: float = 240, cwd: str | Path | None 
     return subprocess.CompletedProcess(["plait", *argv], proc.exitcode, *text)
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _new_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, not handed out before in this process. A port from
+    bind(0) is an ephemeral one, free again once the probe closes it: two jobs started back to back once had the
+    second job's port taken meanwhile by a listener of the first (tensorpipe's, on an ephemeral port), and a store
+    client of the second job talking to it crashed a rank of the first (std::bad_alloc in init_rpc)."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in 10000-{low - 1}")
+
+
 def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[ForkedRank]:
     """Every rank of RUN's job as `python -m plait.worker RUN [args]` would run it, on one free loopback port, without
     torchrun's agent (which ends the whole job when one process dies): what a parameter-server test starts by hand.
@@ -101,9 +129,7 @@ def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> l
     new interpreter importing them again (~3 s of CPU a rank)."""
     from plait.testing import _warm_default, _WarmProcess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _new_port()
     logs = Path(tempfile.mkdtemp(prefix="ranks-"))
     ranks = []
     for r in range(world):
