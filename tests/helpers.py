@@ -97,7 +97,7 @@ def plait(*args, faults: str = "", timeout: float = 240, cwd: str | Path | None 
 _PORTS_GIVEN: set[int] = set()
 
 
-def _new_port() -> int:
+def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range, not handed out before in this process. A port from
     bind(0) is an ephemeral one, free again once the probe closes it: two jobs started back to back once had the
     second job's port taken meanwhile by a listener of the first (tensorpipe's, on an ephemeral port), and a store
@@ -129,7 +129,7 @@ def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> l
     new interpreter importing them again (~3 s of CPU a rank)."""
     from plait.testing import _warm_default, _WarmProcess
 
-    port = _new_port()
+    port = free_port()
     logs = Path(tempfile.mkdtemp(prefix="ranks-"))
     ranks = []
     for r in range(world):

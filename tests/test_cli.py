@@ -176,11 +176,9 @@ def test_out_dir_of_an_existing_run_is_refused(tmp_path, capsys):
 
 
 def _free_port() -> int:
-    import socket
+    from helpers import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.mark.slow

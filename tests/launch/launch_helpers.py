@@ -6,19 +6,13 @@ import socket
 import subprocess
 import sys
 
-from helpers import ENV
+from helpers import ENV, free_port  # noqa: F401  (the launcher tests' ports: helpers.free_port)
 
 
 def plait_env(*args, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run the plait CLI in a subprocess with `env` (default: the tests' ENV)."""
     return subprocess.run([sys.executable, "-m", "plait", *map(str, args)], capture_output=True, text=True,
                           env=env or ENV, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_free(port: int) -> bool:

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -249,9 +248,9 @@ def test_a_slow_rank_is_flagged_as_a_straggler(pool2, tiny_text, tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from helpers import free_port
+
+    return free_port()
 
 
 @pytest.mark.slow
