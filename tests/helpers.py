@@ -95,21 +95,22 @@ def plait(*args, faults: str = "", timeout: float = 240, cwd: str | Path | None 
 
 
 _PORTS_GIVEN: set[int] = set()
+# the ports the suite's own processes choose: below 15000, where the Slurm launcher derives its rendezvous port
+# (15000 + job id % 10000) and the MPI one its own (20000-29999); below the Ray fixture's worker ports (30000-32000)
+# and the kernel's ephemeral range; above Ray's client server (10001)
+PORT_RANGE = (10002, 15000)
 
 
 def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, not handed out before in this process. A port from
-    bind(0) is an ephemeral one, free again once the probe closes it: two jobs started back to back once had the
-    second job's port taken meanwhile by a listener of the first (tensorpipe's, on an ephemeral port), and a store
-    client of the second job talking to it crashed a rank of the first (std::bad_alloc in init_rpc)."""
+    """A free loopback port in PORT_RANGE, not handed out before in this process. A port from bind(0) is an ephemeral
+    one, free again once the probe closes it: two jobs started back to back once had the second job's port taken
+    meanwhile by a listener of the first (tensorpipe's, on an ephemeral port), and a store client of the second job
+    talking to it crashed a rank of the first (std::bad_alloc in init_rpc). A port anywhere below the ephemeral range
+    once fell in the Ray head's worker ports (30000-32000) and `ray start` refused it."""
     import random
 
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
     for _ in range(200):
-        port = random.randrange(10000, max(low, 10001))
+        port = random.randrange(*PORT_RANGE)
         if port in _PORTS_GIVEN:
             continue
         with socket.socket() as s:
@@ -119,7 +120,7 @@ def free_port() -> int:
                 continue
         _PORTS_GIVEN.add(port)
         return port
-    raise RuntimeError(f"no free loopback port in 10000-{low - 1}")
+    raise RuntimeError(f"no free loopback port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1}")
 
 
 def start_ranks(run: Path, world: int, *args: str, env: dict | None = None) -> list[ForkedRank]:
