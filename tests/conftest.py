@@ -20,9 +20,9 @@ os.environ.setdefault("PLAIT_WARM_RANKS", ",".join([
     "plait.train.trainer", "helpers", "transformers", "torch._dynamo", "torchao", "bitsandbytes",
     "plait.parallel.assemble", *implementation_modules(),
     "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining", "matplotlib.pyplot"]))
-# The engine's compiled decode attention (plait.serve.engine.kernels, on by default) is built once per machine,
+# The engine's compiled attention kernels (plait.serve.engine.kernels, on by default) are built once per machine,
 # about 30 s on two cores: the suite's engines keep the plain-torch attention, and
-# tests/serve/test_engine.py builds (or loads) the kernel and checks it against that attention and transformers.
+# tests/serve/test_engine.py builds (or loads) the kernels and checks them against that attention and transformers.
 os.environ["PLAIT_KERNELS"] = "off"
 # What plait caches (the tokenized standard library) goes to this session's own folder, not ~/.cache: no test sees
 # what an earlier session left, and the processes of this one share one copy.

@@ -167,6 +167,8 @@ def models():
 
 
 MODELS = models()
+# head widths the compiled flash attention is built for (kernels.FLASH_HEAD_DIMS; the models above have 8 and 24)
+FLASH_MODELS = {"llama-d32": Llama(97, 256, 64, 2, 2, kv_heads=1).eval(), "gpt-d32": GPT(97, 96, 64, 2, 2).eval()}
 PROMPT_LENGTHS = (5, 17, 33, 1, 40, 16)
 
 
@@ -509,10 +511,11 @@ def attend_both_ways(name, num_blocks, seed, chunks, monkeypatch, switch, off, o
     `switch` at `off`, then at `on` (or switch(cache, value) when it is a function): (step, output) of each, from the
     same pool, queries and new keys."""
     monkeypatch.setattr(paged, "IN_PLACE_RUN", 3)
-    cache = PagedCache(MODELS[name], num_blocks=num_blocks, block_size=4)
+    model = MODELS[name] if name in MODELS else FLASH_MODELS[name]
+    cache = PagedCache(model, num_blocks=num_blocks, block_size=4)
     layer = next(iter(cache.k))
     kv_heads, _, d = cache.k[layer].shape
-    heads, tokens = MODELS[name].blocks[layer].attn.heads, sum(c[2] for c in chunks)
+    heads, tokens = model.blocks[layer].attn.heads, sum(c[2] for c in chunks)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, tokens, d, generator=g)
     k, v = torch.randn(1, kv_heads, tokens, d, generator=g), torch.randn(1, kv_heads, tokens, d, generator=g)
@@ -777,6 +780,71 @@ def test_the_compiled_decode_attention_keeps_its_threads_torch_thread_count(deco
     finally:
         torch.set_num_threads(before)
     assert counts == {"after": 2}
+
+
+@pytest.fixture(scope="module")
+def flash_kernel():
+    """The compiled flash attention for prompt chunks (the same module as the decode kernel)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLAIT_KERNELS", "on")
+        fn = kernels.flash_attention()
+    if fn is None:
+        pytest.skip(f"the attention kernels cannot be built here ({kernels.why_not()}): they need g++ and ninja")
+    return fn
+
+
+@pytest.mark.parametrize("heads, kv_heads, m, n, d, causal", [
+    (4, 2, 1, 1, 64, True), (4, 2, 5, 5, 64, True), (3, 3, 67, 67, 32, True), (4, 2, 130, 300, 64, True),
+    (4, 4, 130, 300, 64, False), (2, 1, 3, 77, 128, False), (2, 1, 100, 100, 128, True), (4, 2, 1, 200, 64, True)])
+def test_the_compiled_flash_attention_gives_softmax_attention_and_its_log_sum_exp(heads, kv_heads, m, n, d, causal,
+                                                                                 flash_kernel):
+    """Against the float64 formula: query i sees keys 0 .. i + n - m when causal (its chunk's own position and
+    earlier), all n otherwise; query head h reads key head h // (heads // kv_heads); q is a transposed (strided)
+    view, as the engine hands it over. Lengths off the kernel's blocks of 4 queries, 64 queries and 64 keys."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    q = torch.randn(m, heads, d, generator=g).transpose(0, 1)
+    k, v = torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
+    out, lse = flash_kernel(q, k, v, causal, d ** -0.5)
+    kk, vv = (t.double().repeat_interleave(heads // kv_heads, 0) for t in (k, v))
+    scores = q.double() @ kk.transpose(1, 2) * d ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.arange(n)[None] > torch.arange(m)[:, None] + (n - m), float("-inf"))
+    torch.testing.assert_close(out, (scores.softmax(-1) @ vv).float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, scores.logsumexp(-1).float(), atol=2e-6, rtol=1e-6)
+
+
+def test_the_compiled_flash_attention_refuses_what_it_is_not_built_for(flash_kernel):
+    q = torch.zeros(2, 3, 48)
+    with pytest.raises(RuntimeError, match=r"flash_attention: head width 48 \(32, 64 or 128 only\)"):
+        flash_kernel(q, q, q, True, 0.1)
+    with pytest.raises(RuntimeError, match="flash_attention: causal needs at least as many keys as queries"):
+        flash_kernel(torch.zeros(2, 3, 32), torch.zeros(2, 2, 32), torch.zeros(2, 2, 32), True, 0.1)
+    with pytest.raises(RuntimeError, match="flash_attention: float32 only"):
+        flash_kernel(q.double(), q.double(), q.double(), False, 0.1)
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_MODELS))
+def test_prompt_chunks_through_the_compiled_flash_attention_attend_as_sdpa(name, flash_kernel, monkeypatch):
+    # two prompts' first chunks, two later chunks after 30 and 7 cached keys (in a run, a
+    # lone block and a run; in pieces), and a decode beside them, which the flash kernel leaves
+    chunks = [([12, 13, 17], 0, 9), ([26], 0, 3), ([5, 6, 7, 8, 9, 2, 14, 15, 16, 30], 30, 5), ([1, 3, 11], 7, 3),
+              ([20, 21, 22], 10, 1)]
+    sdpa_step, want, flash_step, got = attend_both_ways(
+        name, 32, 9, chunks, monkeypatch, lambda cache, fn: setattr(cache, "prefill_kernel", fn), None, flash_kernel)
+    assert len(flash_step.prefills) == 2 and len(flash_step.continued) == 2
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_MODELS))
+def test_greedy_tokens_equal_generate_through_the_compiled_flash_attention(name, flash_kernel, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "on")
+    model = FLASH_MODELS[name]
+    ps = prompts()
+    want = [greedy_reference(model, p, 12) for p in ps]
+    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))  # chunks of 16
+    assert engine.cache.prefill_kernel is flash_kernel
+    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=12, temperature=0)) for p in ps])
+    assert got == want and engine.pool.used == 0
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("off", False), ("0", False), ("No", False), ("on", True),

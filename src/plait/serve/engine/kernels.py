@@ -1,11 +1,13 @@
-"""plait's own CPU kernels for the engine: paged decode attention (paged_decode.cpp beside this module), and the
-model's linears on oneDNN-packed weights from 4 rows a step (`pack_linears`, at the end of this module).
+"""plait's own CPU kernels for the engine: paged decode attention and flash attention for prompt chunks
+(attention.cpp beside this module), and the model's linears on oneDNN-packed weights (`pack_linears`, at the end of
+this module).
 
-On by default on a CPU with float32 pools; PLAIT_KERNELS=off keeps the plain-torch attention. In-process it makes a
-decode step 1.6x faster (96 sequences at ~330 keys: 72 -> 45 ms) and a 64-request burst 1.3x; behind `plait serve`
-the benchmark's overloaded mixed work runs 1.3x the tokens/s with it (397-407 -> 513-531, back to back), once the
-kernel stopped resetting the engine thread's torch thread count (see paged_decode.cpp: with ATen's parallel_for the
-whole engine ran on one thread behind the server, which is why an earlier version gained nothing there).
+On by default on a CPU with float32 pools; PLAIT_KERNELS=off keeps the plain-torch attention. In-process the decode
+kernel makes a decode step 1.6x faster (96 sequences at ~330 keys: 72 -> 45 ms) and a 64-request burst 1.3x; behind
+`plait serve` the benchmark's overloaded mixed work runs 1.3x the tokens/s with it (397-407 -> 513-531, back to
+back), once the kernel stopped resetting the engine thread's torch thread count (see attention.cpp: with ATen's
+parallel_for the whole engine ran on one thread behind the server, which is why an earlier version gained nothing
+there). The flash kernel attends prompt chunks in place of SDPA's CPU flash attention (docs/serving.md).
 
 Compiled once per machine, source, flags and torch with torch's cpp_extension (a C++ compiler and ninja; about
 30 s on two cores the first time, a fraction of a second to load after), into $PLAIT_KERNELS_DIR or
@@ -31,10 +33,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCE = Path(__file__).with_name("attention.cpp")
 _lock = threading.Lock()
-_loaded: dict[str, Callable | None] = {}
+_loaded: dict[str, types.ModuleType | None] = {}
 _why_not: dict[str, str] = {}
+FLASH_HEAD_DIMS = (32, 64, 128)  # the head widths flash_attention is compiled for
 
 
 def wanted() -> bool:
@@ -42,37 +45,48 @@ def wanted() -> bool:
     return os.environ.get("PLAIT_KERNELS", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-# -fopenmp: the kernel's loop is an OpenMP one (its GOMP calls resolve to the OpenMP runtime torch loaded; the
+# -fopenmp: the kernels' loops are OpenMP ones (their GOMP calls resolve to the OpenMP runtime torch loaded; the
 # extension links no second one)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def build_dir() -> Path:
-    """Where the kernel of this source, these flags and this torch is built (a new build when any changes)."""
+    """Where the kernels of this source, these flags and this torch are built (a new build when any changes)."""
     key = SOURCE.read_bytes() + repr((FLAGS, torch.__version__)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     root = os.environ.get("PLAIT_KERNELS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "plait", "kernels")
-    return Path(root) / f"paged_decode_{digest}"
+    return Path(root) / f"attention_{digest}"
 
 
 def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -> Callable | None:
     """The compiled `paged_decode(q, k_pool, v_pool, tables, first, stop, block_size, scale)`, or None when it is
     off, not built yet and `build` is False, or cannot be built (`why_not()` then says why). The first build prints
     one line through `say` (stderr by default)."""
+    module = _module(build, say)
+    return None if module is None else module.paged_decode
+
+
+def flash_attention(build: bool = True, say: Callable[[str], None] | None = None) -> Callable | None:
+    """The compiled `flash_attention(q, k, v, causal, scale) -> (out, lse)` (attention.cpp), or None as
+    `paged_decode`."""
+    module = _module(build, say)
+    return None if module is None else module.flash_attention
+
+
+def _module(build: bool, say: Callable[[str], None] | None) -> types.ModuleType | None:
     if not wanted():
-        _why_not["paged_decode"] = "PLAIT_KERNELS is off"
+        _why_not["attention"] = "PLAIT_KERNELS is off"
         return None
     with _lock:
-        if "paged_decode" in _loaded:
-            return _loaded["paged_decode"]
+        if "attention" in _loaded:
+            return _loaded["attention"]
         where = build_dir()
         built = where.exists() and any(where.glob("*.so"))
         if not built and not build:
             return None
         if not built:
             (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
-                f"plait: compiling the paged decode attention kernel for this machine, once (about 30 s; "
-                f"cached in {where})")
+                f"plait: compiling the attention kernels for this machine, once (about 30 s; cached in {where})")
         try:
             from torch.utils import cpp_extension
 
@@ -84,11 +98,11 @@ def paged_decode(build: bool = True, say: Callable[[str], None] | None = None) -
                 source.write_bytes(SOURCE.read_bytes())
             module = _built(where) if built else cpp_extension.load(
                 name=where.name, sources=[str(source)], build_directory=str(where), extra_cflags=FLAGS, verbose=False)
-            _loaded["paged_decode"] = module.paged_decode
+            _loaded["attention"] = module
         except Exception as e:  # no compiler, no ninja, a failed build: the plain-torch path, said once
-            _loaded["paged_decode"] = None
-            _why_not["paged_decode"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-        return _loaded["paged_decode"]
+            _loaded["attention"] = None
+            _why_not["attention"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        return _loaded["attention"]
 
 
 def _built(where: Path):
@@ -106,7 +120,7 @@ def _built(where: Path):
 
 
 def why_not() -> str | None:
-    return _why_not.get("paged_decode")
+    return _why_not.get("attention")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

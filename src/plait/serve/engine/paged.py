@@ -19,9 +19,10 @@ it writes the new keys and values to their slots, then
 On a GPU a fused kernel does the gather inside the attention (vLLM's paged_attention reads the block table
 in the kernel, FlashAttention's `block_table` argument, FlexAttention's paged mask): the same slots and
 block tables, without materialising the gathered keys. On a CPU with float32 pools plait has its own such
-kernel for the decodes, on unless PLAIT_KERNELS=off (paged_decode.cpp, built once per machine by
+kernel for the decodes, on unless PLAIT_KERNELS=off (attention.cpp, built once per machine by
 plait.serve.engine.kernels): each decode's keys and values read once where they lie, no padding (96 sequences at
 330 keys: a decode step 72 -> 45 ms in-process). Without it the gather is an index_select and the paths below.
+Prompt chunks take the same module's flash attention in place of SDPA's CPU one (head widths 32, 64 and 128).
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ class PagedCache:
         # On a CPU with float32 pools, plait's compiled decode attention (plait.serve.engine.kernels): every decode's
         # keys and values read once, where they lie; None: the plain-torch paths below
         self.decode_kernel = None
+        # and its flash attention for prompt chunks (their own keys causally, earlier ones read in place), for the
+        # head widths it is compiled for; None: SDPA's CPU flash attention
+        self.prefill_kernel = None
         if torch.device(device).type == "cpu" and dtype == torch.float32:
             self.decode_kernel = kernels.paged_decode()  # built once per machine, loaded once per process
+            if head_dim in kernels.FLASH_HEAD_DIMS:
+                self.prefill_kernel = kernels.flash_attention()
 
     def gather(self, pool: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
         """The blocks `blocks` of a layer's pool, (kv_heads, len(blocks) * block_size, head_dim), in the kept buffer
@@ -297,6 +303,10 @@ class PagedLayer:
         for first, stop, runs, rest in s.continued:
             y[0, :, first:stop] = self._continued(q[0, :, first:stop], k[0, :, first:stop], v[0, :, first:stop], runs, rest)
         for first, stop, blocks, keys, causal in s.prefills:  # causal: the chunk's mask, None for SDPA's own
+            if causal is None and s.cache.prefill_kernel is not None and q.dtype == torch.float32:
+                y[0, :, first:stop] = s.cache.prefill_kernel(q[0, :, first:stop], k[0, :, first:stop],
+                                                             v[0, :, first:stop], True, q.shape[-1] ** -0.5)[0]
+                continue
             if keys == stop - first:  # the chunk is the sequence's start: its own keys are all there is, no gather
                 kp, vp = k[:, :, first:stop], v[:, :, first:stop]
             else:
@@ -342,12 +352,17 @@ class PagedLayer:
         causal kernel, which skips the blocks above the diagonal (a 3000-token prompt in chunks of 512 paid 55 %
         more attention than in one causal chunk). CPU only: the fused kernel that also returns the log-sum-exp is
         the CPU one (`_scaled_dot_product_flash_attention_for_cpu`); another device takes the masked path."""
-        group = q.shape[0] // k.shape[0]
-        if group > 1:
-            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, True)
+        kernel = self.step.cache.prefill_kernel
+        if kernel is not None and q.dtype == torch.float32:
+            out, lse = kernel(q, k, v, True, q.shape[-1] ** -0.5)
+        else:
+            group = q.shape[0] // k.shape[0]
+            if group > 1:
+                k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            out, lse = (t[0] for t in torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[None], k[None], v[None], 0.0, True))
         outs, lses = self._unmasked(q, runs, rest)  # the earlier keys: seen by every query of the chunk
-        return _merged([out[0], *outs], [lse[0], *lses])
+        return _merged([out, *outs], [lse, *lses])
 
     def _cascade(self, q: torch.Tensor, y: torch.Tensor, runs: list[tuple[int, int]], others: torch.Tensor | None,
                  suffixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -378,10 +393,14 @@ class PagedLayer:
         heads are rows of one (kv_heads, group * m, d) query, so each part is one call for every head (CPU only)."""
         kv_heads, _, d = self.k_pool.shape
         heads, m, _ = q.shape
-        qg = q.reshape(kv_heads, heads // kv_heads * m, d)[None]
         parts = [(self.k_pool[:, a:b], self.v_pool[:, a:b]) for a, b in runs]
         if others is not None:
             parts.append((self.k_pool.index_select(1, others), self.v_pool.index_select(1, others)))
+        kernel = self.step.cache.prefill_kernel
+        if kernel is not None and q.dtype == torch.float32 and self.k_pool.dtype == torch.float32:
+            done = [kernel(q, kp, vp, False, d ** -0.5) for kp, vp in parts]
+            return [o for o, _ in done], [lse for _, lse in done]
+        qg = q.reshape(kv_heads, heads // kv_heads * m, d)[None]
         outs, lses = [], []
         for kp, vp in parts:
             o, lp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
