@@ -787,7 +787,7 @@ def flash_kernel():
     """The compiled flash attention for prompt chunks (the same module as the decode kernel)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PLAIT_KERNELS", "on")
-        fn = kernels.flash_attention()
+        fn = kernels.flash_attention(any_machine=True)
     if fn is None:
         pytest.skip(f"the attention kernels cannot be built here ({kernels.why_not()}): they need g++ and ninja")
     return fn
@@ -823,6 +823,18 @@ def test_the_compiled_flash_attention_refuses_what_it_is_not_built_for(flash_ker
         flash_kernel(q.double(), q.double(), q.double(), False, 0.1)
 
 
+def test_the_flash_attention_is_used_only_with_the_vectors_it_was_measured_faster_with(flash_kernel, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNELS", "on")
+    width = kernels._module(False, None).vector_width()
+    assert width in (4, 8, 16)
+    monkeypatch.setattr(kernels, "FLASH_MIN_VECTOR", width)
+    assert kernels.flash_attention() is flash_kernel
+    monkeypatch.setattr(kernels, "FLASH_MIN_VECTOR", 2 * width)
+    assert kernels.flash_attention() is None and kernels.why_not("flash_attention") == (
+        f"built for {width}-float vectors, where SDPA's is as fast (it is used from {2 * width}: AVX-512)")
+    assert PagedCache(FLASH_MODELS["llama-d32"], num_blocks=4, block_size=4).prefill_kernel is None
+
+
 @pytest.mark.parametrize("name", sorted(FLASH_MODELS))
 def test_prompt_chunks_through_the_compiled_flash_attention_attend_as_sdpa(name, flash_kernel, monkeypatch):
     # two prompts' first chunks, two later chunks after 30 and 7 cached keys (in a run, a
@@ -841,6 +853,7 @@ def test_greedy_tokens_equal_generate_through_the_compiled_flash_attention(name,
     model = FLASH_MODELS[name]
     ps = prompts()
     want = [greedy_reference(model, p, 12) for p in ps]
+    monkeypatch.setattr(kernels, "FLASH_MIN_VECTOR", 0)  # used on any machine here
     engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))  # chunks of 16
     assert engine.cache.prefill_kernel is flash_kernel
     got, _ = run_all(engine, [(p, SamplingParams(max_tokens=12, temperature=0)) for p in ps])

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -143,67 +144,83 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// The widest vectors the machine has, and the micro tile that fits its registers: AVX-512, 32 registers of 16
+// floats: 6 queries x 4 vectors of scores, then of outputs; AVX2 (and narrower), 16 registers: 3 x 4.
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+constexpr int R = 6;
+#elif defined(__AVX__)
+constexpr int VL = 8;
+constexpr int R = 3;
+#else
+constexpr int VL = 4;
+constexpr int R = 3;
+#endif
+typedef float vec __attribute__((vector_size(VL * 4)));
+typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 
-constexpr int BN = 64;  // keys per block: 4 vectors of 16
-constexpr int R = 4;    // queries per micro tile: 4 x 4 score vectors, 4 x 4 output vectors
-constexpr int BM = 64;  // queries per task
+constexpr int BN = 4 * VL;  // keys per block: 4 vectors
+constexpr int BM = 8 * R;   // queries per task
 
-inline v16 load(const float* p) {
-  v16 v;
+inline vec load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+template <size_t... I>
+inline vec splat(float x, std::index_sequence<I...>) {
+  return vec{((void)I, x)...};  // a braced list, which GCC makes one broadcast (a loop of stores it does not)
+}
+inline vec splat(float x) { return splat(x, std::make_index_sequence<VL>{}); }
 
-#ifdef __AVX512F__
-inline float hmax(v16 v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
-inline float hsum(v16 v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+#if defined(__AVX512F__)
+inline float hmax(vec v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
+inline float hsum(vec v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
 #else
-inline float hmax(v16 v) {
+inline float hmax(vec v) {
   float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  for (int i = 1; i < VL; ++i) m = std::max(m, v[i]);
   return m;
 }
-inline float hsum(v16 v) {
+inline float hsum(vec v) {
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < VL; ++i) s += v[i];
   return s;
 }
 #endif
 
 // e^x for x <= 0 (a softmax's shifted scores), 1e-7 relative: 2^n e^r, |r| <= ln2 / 2, r's Taylor series to r^6.
-inline v16 exp16(v16 x) {
-  const v16 lo = splat(-87.0f);
+inline vec vexp(vec x) {
+  const vec lo = splat(-87.0f);
   x = x < lo ? lo : x;
-  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
-  v16 t = x * splat(1.44269504088896341f) + magic;
-  v16 n = t - magic;
-  v16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 p = splat(1.f / 720) * r + splat(1.f / 120);
+  const vec magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
+  vec t = x * splat(1.44269504088896341f) + magic;
+  vec n = t - magic;
+  vec r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vec p = splat(1.f / 720) * r + splat(1.f / 120);
   p = p * r + splat(1.f / 24);
   p = p * r + splat(1.f / 6);
   p = p * r + splat(0.5f);
   p = p * r + splat(1.f);
   p = p * r + splat(1.f);
-  i16 ti, mi, pi;
-  std::memcpy(&ti, &t, 64);
-  std::memcpy(&mi, &magic, 64);
-  std::memcpy(&pi, &p, 64);
+  ivec ti, mi, pi;
+  std::memcpy(&ti, &t, sizeof t);
+  std::memcpy(&mi, &magic, sizeof magic);
+  std::memcpy(&pi, &p, sizeof p);
   pi += (ti - mi) << 23;
-  v16 out;
-  std::memcpy(&out, &pi, 64);
+  vec out;
+  std::memcpy(&out, &pi, sizeof out);
   return out;
 }
 
-// D: head width; CW: vectors of output columns in registers at once (64 columns; D / 16 when narrower)
+// D: head width; CW: vectors of output columns in registers at once (4; D / VL when narrower)
 template <int D>
 void flash_impl(const float* qp, int64_t qs0, int64_t qs1, const float* kp, int64_t ks0, int64_t ks1,
                 const float* vp, int64_t vs0, int64_t vs1, float* op, float* lp, int64_t H, int64_t Hk, int64_t M,
                 int64_t N, bool causal, float scale, int threads) {
-  constexpr int CW = D < 64 ? D / 16 : 4;
+  constexpr int CW = D < 4 * VL ? D / VL : 4;
+  static_assert(D % (CW * VL) == 0, "head width: whole vectors of output columns");
   const int64_t group = H / Hk;
   const int64_t nblk = (N + BN - 1) / BN;
   // keys transposed, block by block: kt[h][b][c][j] = k[h][b * BN + j][c] (0 past the last key)
@@ -249,14 +266,14 @@ void flash_impl(const float* qp, int64_t qs0, int64_t qs1, const float* kp, int6
             lim[r] = (causal ? std::min<int64_t>(i + off, N - 1) : N - 1) - j0;
           }
           if (lim[R - 1] < 0) continue;  // (causal) nothing here for any row of the tile: later rows see more
-          v16 s[R][4];
+          vec s[R][4];
           for (int r = 0; r < R; ++r)
-            for (int x = 0; x < 4; ++x) s[r][x] = v16{};
+            for (int x = 0; x < 4; ++x) s[r][x] = vec{};
           for (int c = 0; c < D; ++c) {
-            const v16 k0 = load(ktb + c * BN), k1 = load(ktb + c * BN + 16), k2 = load(ktb + c * BN + 32),
-                      k3 = load(ktb + c * BN + 48);
+            const vec k0 = load(ktb + c * BN), k1 = load(ktb + c * BN + VL), k2 = load(ktb + c * BN + 2 * VL),
+                      k3 = load(ktb + c * BN + 3 * VL);
             for (int r = 0; r < R; ++r) {
-              const v16 qb = splat(q[r][c]);
+              const vec qb = splat(q[r][c]);
               s[r][0] += qb * k0;
               s[r][1] += qb * k1;
               s[r][2] += qb * k2;
@@ -264,26 +281,28 @@ void flash_impl(const float* qp, int64_t qs0, int64_t qs1, const float* kp, int6
             }
           }
           float alpha[R];
-          const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-          const v16 ninf = splat(-std::numeric_limits<float>::infinity());
+          vec iota;
+          for (int i = 0; i < VL; ++i) iota[i] = static_cast<float>(i);
+          const vec ninf = splat(-std::numeric_limits<float>::infinity());
           for (int r = 0; r < R; ++r) {
             const int64_t at = t0 + r;
             for (int x = 0; x < 4; ++x) {
               s[r][x] *= splat(scale);
-              if (lim[r] < BN - 1) s[r][x] = iota + splat(16.f * x) > splat(static_cast<float>(lim[r])) ? ninf : s[r][x];
+              if (lim[r] < BN - 1)
+                s[r][x] = iota + splat(static_cast<float>(VL * x)) > splat(static_cast<float>(lim[r])) ? ninf : s[r][x];
             }
-            v16 top = s[r][0];
+            vec top = s[r][0];
             for (int x = 1; x < 4; ++x) top = top > s[r][x] ? top : s[r][x];
             const float old = at < rows ? m[at] : 0.f;
             float mnew = std::max(old, hmax(top));
             if (lim[r] < 0) mnew = old;
-            const v16 mv = splat(mnew);
-            v16 sum = v16{};
+            const vec mv = splat(mnew);
+            vec sum = vec{};
             for (int x = 0; x < 4; ++x) {
-              v16 p = exp16(s[r][x] - mv);
-              p = s[r][x] == ninf ? v16{} : p;
+              vec p = vexp(s[r][x] - mv);
+              p = s[r][x] == ninf ? vec{} : p;
               sum += p;
-              store(P.data() + r * BN + 16 * x, p);
+              store(P.data() + r * BN + VL * x, p);
             }
             alpha[r] = std::exp(old - mnew);
             if (at < rows) {
@@ -292,23 +311,23 @@ void flash_impl(const float* qp, int64_t qs0, int64_t qs1, const float* kp, int6
             }
           }
           const int64_t keys = std::min<int64_t>(BN, N - j0);
-          for (int c0 = 0; c0 < D; c0 += 16 * CW) {
-            v16 o[R][CW];
+          for (int c0 = 0; c0 < D; c0 += VL * CW) {
+            vec o[R][CW];
             for (int r = 0; r < R; ++r)
               for (int x = 0; x < CW; ++x)
-                o[r][x] = t0 + r < rows ? load(O.data() + (t0 + r) * D + c0 + 16 * x) * splat(alpha[r]) : v16{};
+                o[r][x] = t0 + r < rows ? load(O.data() + (t0 + r) * D + c0 + VL * x) * splat(alpha[r]) : vec{};
             for (int64_t j = 0; j < keys; ++j) {
               const float* vr = vp + hk * vs0 + (j0 + j) * vs1 + c0;
-              v16 vv[CW];
-              for (int x = 0; x < CW; ++x) vv[x] = load(vr + 16 * x);
+              vec vv[CW];
+              for (int x = 0; x < CW; ++x) vv[x] = load(vr + VL * x);
               for (int r = 0; r < R; ++r) {
-                const v16 pb = splat(P[r * BN + j]);
+                const vec pb = splat(P[r * BN + j]);
                 for (int x = 0; x < CW; ++x) o[r][x] += pb * vv[x];
               }
             }
             for (int r = 0; r < R; ++r)
               if (t0 + r < rows)
-                for (int x = 0; x < CW; ++x) store(O.data() + (t0 + r) * D + c0 + 16 * x, o[r][x]);
+                for (int x = 0; x < CW; ++x) store(O.data() + (t0 + r) * D + c0 + VL * x, o[r][x]);
           }
         }
       }
@@ -361,4 +380,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention,
         "flash attention: q (heads, m, d) against k, v (kv_heads, n, d), causal or not -> (out, log-sum-exp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("vector_width", [] { return VL; }, "floats per vector register in flash_attention (16: AVX-512)");
 }
