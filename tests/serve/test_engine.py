@@ -13,7 +13,7 @@ from plait.models.gpt import GPT
 from plait.models.llama import Llama
 from plait.models.sampling import sample
 from plait.serve.engine import kernels, paged
-from plait.serve.engine.core import Engine, EngineConfig, SamplingParams
+from plait.serve.engine.core import Engine, EngineConfig, SamplingParams, on_passing_thread
 from plait.serve.engine.paged import PagedCache
 from plait.serve.engine.scheduler import RUNNING, WAITING, BlockPool, Scheduler, block_keys
 from plait.serve.service import ServeOptions
@@ -752,6 +752,31 @@ def test_the_compiled_decode_attention_refuses_a_block_outside_the_pool(decode_k
     q, tables = torch.zeros(1, 1, 4), torch.tensor([[0, 2]])
     with pytest.raises(RuntimeError, match=r"paged_decode: sequence 0 block 2 outside the pool"):
         decode_kernel(q, pool, pool, tables, torch.tensor([0]), torch.tensor([6]), 4, 0.5)
+
+
+def test_what_builds_an_engine_runs_on_a_passing_thread_with_the_callers_thread_count():
+    """plait serve builds its Service (model, engine) so: the main thread then keeps no OpenMP team beside the engine
+    thread's (on_passing_thread says why)."""
+    seen = {}
+
+    def build(a, b=0):
+        seen.update(thread=threading.current_thread(), threads=torch.get_num_threads())
+        return a + b
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert on_passing_thread(build, 1, b=2) == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen["thread"].name == "plait-load" and seen["thread"] is not threading.current_thread()
+    assert not seen["thread"].is_alive() and seen["threads"] == 2
+
+    def fail():
+        raise ValueError("no such checkpoint")
+
+    with pytest.raises(ValueError, match="^no such checkpoint$"):
+        on_passing_thread(fail)
 
 
 def test_the_compiled_decode_attention_keeps_its_threads_torch_thread_count(decode_kernel):

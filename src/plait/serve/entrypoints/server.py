@@ -50,6 +50,7 @@ try:  # the event loop uvicorn's "auto" would choose (asyncio.run would not: it 
 except ImportError:
     _new_loop = asyncio.new_event_loop
 
+from plait.serve.engine.core import on_passing_thread
 from plait.serve.entrypoints.app import MAX_HEAD_BYTES, OPEN_PATHS, create_app
 from plait.serve.entrypoints.protocol import encode_error
 from plait.serve.errors import RequestError, ServeError
@@ -277,7 +278,8 @@ def run(path: str, opts: ServeOptions) -> int:
             import torch
 
             torch.set_num_threads(opts.threads_per(1, in_process=True))
-        service = Service(path, opts)
+        # built on a passing thread: this one then holds no OpenMP team beside the engine's (on_passing_thread)
+        service = on_passing_thread(Service, path, opts)
         if service.engine is not None and service.tp_group is None and service.pp_group is None:
             # The engine's thread keeps its own count (Engine._loop); this thread's torch calls are the event loop's
             # small ones, which need no OpenMP team of their own spinning beside the engine's threads.

@@ -27,7 +27,7 @@ import torch
 
 from plait.data.hf_tokenizer import HFTokenizer
 from plait.serve.engine.build import EngineOptions, build_engine
-from plait.serve.engine.core import Engine, Handle, TokenEvent
+from plait.serve.engine.core import Engine, Handle, TokenEvent, on_passing_thread
 from plait.serve.engine.grammar import Grammars
 from plait.serve.executor.runner import Runner
 from plait.serve.executor.tasks import (
@@ -58,12 +58,10 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: 
     torch.set_num_threads(threads)
     out = _Outbox(conn)
     try:
-        served = load_model(ref)
-        runner = Runner(served, pad_to, torch_device(device, index))
-        runner.prepare()
+        # loaded and built on a passing thread, which leaves no OpenMP team beside the engine's (on_passing_thread)
+        served, runner, built = on_passing_thread(_load, ref, pad_to, device, index, engine)
         sequences = None
-        if engine is not None:
-            built, _, _ = build_engine(served, ref, EngineOptions.from_dict(engine), runner.device)
+        if built is not None:
             sequences = _Sequences(built, out)
             if isinstance(served.tokenizer, HFTokenizer):  # structured output's GrammarRefs find this model's grammars
                 Grammars.of_model(served.tokenizer.to_json(), served.vocab_size, served.eos_ids)
@@ -80,6 +78,16 @@ def replica_main(conn, ref: ModelRef, pad_to: int | None, threads: int, device: 
         out.send(LoadFailed(traceback.format_exc()))
         return
     _serve(out, runner, sequences)
+
+
+def _load(ref, pad_to, device, index, engine):
+    served = load_model(ref)
+    runner = Runner(served, pad_to, torch_device(device, index))
+    runner.prepare()
+    built = None
+    if engine is not None:
+        built, _, _ = build_engine(served, ref, EngineOptions.from_dict(engine), runner.device)
+    return served, runner, built
 
 
 class _Outbox:
