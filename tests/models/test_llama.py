@@ -185,9 +185,10 @@ def test_the_hf_mapping_round_trips(checkpoints, tmp_path, name):
         assert close(back(IDS).logits, ref(IDS).logits) <= TOL
 
 
-def test_rotation_without_autograd_adds_the_sine_terms_in_place_as_the_formula_gives():
-    """Hugging Face's rotate_half formula with autograd; without it (serving, generate) one tensor and two in-place
-    products: the same within float32's rounding, on a strided (b, h, t, d) view as the attention hands it over."""
+def test_the_fused_rotation_of_a_serving_step_gives_the_formula_and_nothing_else_changes():
+    """Hugging Face's rotate_half formula everywhere (training, generate, a preference run's reference pass: bit for
+    bit); a serving step without autograd asks for the fused one, one tensor and two in-place products: the same
+    within float32's rounding, on a strided (b, h, t, d) view as the attention hands it over."""
     from plait.models.llama import rotate
 
     g = torch.Generator().manual_seed(5)
@@ -195,8 +196,10 @@ def test_rotation_without_autograd_adds_the_sine_terms_in_place_as_the_formula_g
     angles = torch.randn(1, 1, 7, 8, generator=g)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     want = x * cos + torch.cat([-x[..., 8:], x[..., :8]], dim=-1) * sin
-    torch.testing.assert_close(rotate(x, cos, sin), want, atol=0, rtol=0)  # grad enabled: the formula itself
+    torch.testing.assert_close(rotate(x, cos, sin), want, atol=0, rtol=0)
+    torch.testing.assert_close(rotate(x, cos, sin, fused=True), want, atol=0, rtol=0)  # autograd on: the formula
     with torch.no_grad():
-        got = rotate(x, cos, sin)
+        torch.testing.assert_close(rotate(x, cos, sin), want, atol=0, rtol=0)
+        got = rotate(x, cos, sin, fused=True)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert not torch.equal(x, got) and x.shape == got.shape
