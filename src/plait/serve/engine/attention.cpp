@@ -15,8 +15,9 @@
 // returns  (n, heads, d)            softmax(q k^T * scale) v per sequence and query head; the query heads
 //                                   h * group .. h * group + group - 1 share key head h (grouped-query attention)
 //
-// One task per (sequence, key head): its group of query heads' scores over the keys (one pass over the keys),
-// the softmax in float (max subtracted), then one pass over the values.
+// One task per (sequence, key head): its group of query heads' scores over the keys (one pass over the keys, block
+// by block: no division per key), the softmax in float (max subtracted, a vectorised exp), then one pass over the
+// values.
 //
 // flash_attention: a prompt chunk's queries against keys and values (its own, causally, or earlier ones read where
 // they lie in the pool, all seen), FlashAttention's online softmax in blocks of keys; returns the output and each
@@ -37,110 +38,6 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-
-namespace {
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline void axpy(float w, const float* x, float* y, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
-}
-
-}  // namespace
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
-                           torch::Tensor first, torch::Tensor stop, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_decode: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat, "paged_decode: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous(),
-              "paged_decode: contiguous tensors only");
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kv_heads = k_pool.size(0), slots = k_pool.size(1), width = tables.size(1);
-  TORCH_CHECK(k_pool.size(2) == d && heads % kv_heads == 0, "paged_decode: head sizes");
-  const int64_t group = heads / kv_heads;
-  auto out = torch::zeros_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* fp = first.data_ptr<int64_t>();
-  const int64_t* sp = stop.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  // Every sequence's range and slots checked first: nothing may throw inside the parallel loop.
-  for (int64_t s = 0; s < n; ++s) {
-    const int64_t lo = fp[s], hi = sp[s];
-    TORCH_CHECK(0 <= lo && lo < hi && (hi - 1) / block_size < width, "paged_decode: sequence ", s, " keys ", lo,
-                "..", hi, " outside its block table");
-    for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
-      const int64_t block = tp[s * width + b];
-      TORCH_CHECK(0 <= block && (block + 1) * block_size <= slots, "paged_decode: sequence ", s, " block ", block,
-                  " outside the pool");
-    }
-  }
-  // OpenMP directly, on the calling thread's torch thread count (at::get_num_threads: the engine thread's own).
-  // ATen's parallel_for, inlined here, would first run this library's own copy of its once-per-thread set-up, which
-  // sets the thread's count to whatever set_num_threads any thread called last (the server's other threads set 1):
-  // behind `plait serve` the whole engine then ran on one thread. Dynamic scheduling: sequences differ in length.
-  const int64_t tasks = n * kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t lo = fp[s], hi = sp[s], keys = hi - lo;
-      scores.assign(static_cast<size_t>(group * keys), 0.f);
-      const float* qs = qp + (s * heads + h * group) * d;
-      const int64_t* table = tp + s * width;
-      for (int64_t p = lo; p < hi; ++p) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* key = kp + (h * slots + slot) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * keys + (p - lo)] = dot(qs + g * d, key, d) * sc;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * keys;
-        const float top = *std::max_element(row, row + keys);
-        float total = 0.f;
-        for (int64_t j = 0; j < keys; ++j) total += (row[j] = std::exp(row[j] - top));
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < keys; ++j) row[j] *= inv;
-      }
-      float* os = op + (s * heads + h * group) * d;
-      for (int64_t p = lo; p < hi; ++p) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* value = vp + (h * slots + slot) * d;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * keys + (p - lo)], value, os + g * d, d);
-      }
-    }
-  }
-  return out;
-}
-
-// ---- flash attention
-//
-// q        (heads, m, d)            the chunk's queries, float32, each row contiguous (any other strides)
-// k, v     (kv_heads, n, d)         the keys and values it attends, the same
-// causal                            query i sees keys 0 .. i + n - m (its own position and before), else all n
-// returns  out (heads, m, d), lse (heads, m): softmax(q k^T * scale) v and each row's log-sum-exp of the scaled
-//          scores; query head h attends key head h / (heads / kv_heads) (grouped-query attention)
-//
-// ATen's CPU flash attention (what SDPA runs here) multiplies its blocks with MKL's sgemm, which takes its AVX2 path
-// on an AMD processor; vLLM has its own AVX-512 CPU kernel. Here: each key head's keys transposed once per call into
-// blocks of BN (kt, d x BN each), then one task per query head and BM queries (the longest first: causal rows see
-// more keys), its key blocks in order, and in each, micro tiles of R queries: their R x BN scores in registers (one
-// key row of kt loaded per dimension, each query's element broadcast), the online softmax (a vectorised exp; the
-// running output rescaled by exp(old max - new max)), then P V into R x 4 vectors of output columns in registers.
-// GCC vector extensions, as wide as the machine's registers (-march=native). On a 2-core AMD EPYC with AVX-512 a
-// causal 2048-token chunk of 4 heads of 64 takes 6.1 ms against SDPA's 14.0 (about 350 against 150 GFLOP/s); built
-// for AVX2 on the same machine, 15.6 ms (kernels.FLASH_MIN_VECTOR keeps SDPA's there).
 
 namespace {
 
@@ -213,6 +110,124 @@ inline vec vexp(vec x) {
   std::memcpy(&out, &pi, sizeof out);
   return out;
 }
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
+                           torch::Tensor first, torch::Tensor stop, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_decode: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat, "paged_decode: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous(),
+              "paged_decode: contiguous tensors only");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_pool.size(0), slots = k_pool.size(1), width = tables.size(1);
+  TORCH_CHECK(k_pool.size(2) == d && heads % kv_heads == 0, "paged_decode: head sizes");
+  const int64_t group = heads / kv_heads;
+  auto out = torch::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  const int64_t* sp = stop.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // Every sequence's range and slots checked first: nothing may throw inside the parallel loop.
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t lo = fp[s], hi = sp[s];
+    TORCH_CHECK(0 <= lo && lo < hi && (hi - 1) / block_size < width, "paged_decode: sequence ", s, " keys ", lo,
+                "..", hi, " outside its block table");
+    for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+      const int64_t block = tp[s * width + b];
+      TORCH_CHECK(0 <= block && (block + 1) * block_size <= slots, "paged_decode: sequence ", s, " block ", block,
+                  " outside the pool");
+    }
+  }
+  // OpenMP directly, on the calling thread's torch thread count (at::get_num_threads: the engine thread's own).
+  // ATen's parallel_for, inlined here, would first run this library's own copy of its once-per-thread set-up, which
+  // sets the thread's count to whatever set_num_threads any thread called last (the server's other threads set 1):
+  // behind `plait serve` the whole engine then ran on one thread. Dynamic scheduling: sequences differ in length.
+  const int64_t tasks = n * kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t lo = fp[s], hi = sp[s], keys = hi - lo;
+      scores.resize(static_cast<size_t>(group * keys));
+      const float* qs = qp + (s * heads + h * group) * d;
+      const int64_t* table = tp + s * width;
+      // block by block: position p of block b lies at slot table[b] * block_size + p - b * block_size
+      for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+        const int64_t p0 = std::max(lo, b * block_size), p1 = std::min(hi, (b + 1) * block_size);
+        const int64_t at = h * slots + (table[b] - b) * block_size;  // + p: the row of position p
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t g = 0; g < group; ++g) scores[g * keys + (p - lo)] = dot(qs + g * d, kp + (at + p) * d, d) * sc;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * keys;
+        float top = row[0];
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < keys; ++j) top = std::max(top, row[j]);
+        const vec tv = splat(top);
+        vec vs = vec{};
+        int64_t j = 0;
+        for (; j + VL <= keys; j += VL) {
+          const vec e = vexp(load(row + j) - tv);
+          store(row + j, e);
+          vs += e;
+        }
+        float total = hsum(vs);
+        for (; j < keys; ++j) total += (row[j] = std::exp(row[j] - top));
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t i = 0; i < keys; ++i) row[i] *= inv;
+      }
+      float* os = op + (s * heads + h * group) * d;
+      for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+        const int64_t p0 = std::max(lo, b * block_size), p1 = std::min(hi, (b + 1) * block_size);
+        const int64_t at = h * slots + (table[b] - b) * block_size;
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * keys + (p - lo)], vp + (at + p) * d, os + g * d, d);
+      }
+    }
+  }
+  return out;
+}
+
+// ---- flash attention
+//
+// q        (heads, m, d)            the chunk's queries, float32, each row contiguous (any other strides)
+// k, v     (kv_heads, n, d)         the keys and values it attends, the same
+// causal                            query i sees keys 0 .. i + n - m (its own position and before), else all n
+// returns  out (heads, m, d), lse (heads, m): softmax(q k^T * scale) v and each row's log-sum-exp of the scaled
+//          scores; query head h attends key head h / (heads / kv_heads) (grouped-query attention)
+//
+// ATen's CPU flash attention (what SDPA runs here) multiplies its blocks with MKL's sgemm, which takes its AVX2 path
+// on an AMD processor; vLLM has its own AVX-512 CPU kernel. Here: each key head's keys transposed once per call into
+// blocks of BN (kt, d x BN each), then one task per query head and BM queries (the longest first: causal rows see
+// more keys), its key blocks in order, and in each, micro tiles of R queries: their R x BN scores in registers (one
+// key row of kt loaded per dimension, each query's element broadcast), the online softmax (a vectorised exp; the
+// running output rescaled by exp(old max - new max)), then P V into R x 4 vectors of output columns in registers.
+// GCC vector extensions, as wide as the machine's registers (-march=native). On a 2-core AMD EPYC with AVX-512 a
+// causal 2048-token chunk of 4 heads of 64 takes 6.1 ms against SDPA's 14.0 (about 350 against 150 GFLOP/s); built
+// for AVX2 on the same machine, 15.6 ms (kernels.FLASH_MIN_VECTOR keeps SDPA's there).
+
+namespace {
 
 // D: head width; CW: vectors of output columns in registers at once (4; D / VL when narrower)
 template <int D>
