@@ -93,9 +93,10 @@ def test_a_model_that_fails_mid_step_ends_the_streams_with_an_error_and_the_engi
         model, calls = engine.model, [0]
         forward = model.forward
 
-        def failing(*a, **kw):
-            calls[0] += 1
-            if calls[0] == 6:
+        def failing(*a, **kw):  # the first step that holds all three streams fails (a fixed call number raced
+            # them: beside a busy loop the first stream's steps came before the others were admitted)
+            if not calls[0] and len(getattr(kw.get("cache"), "chunks", ())) == 3:
+                calls[0] += 1
                 raise RuntimeError("the device fell over")
             return forward(*a, **kw)
 
