@@ -731,12 +731,17 @@ def test_the_compiled_decode_attention_attends_as_the_plain_torch_one(name, deco
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tokens_equal_generate_through_the_compiled_decode_attention(name, decode_kernel, monkeypatch):
     monkeypatch.setenv("PLAIT_KERNELS", "on")
-    model = MODELS[name]
+    greedy_equals_generate_through(MODELS[name], 20, "decode_kernel", decode_kernel)
+
+
+def greedy_equals_generate_through(model, n: int, kernel: str, fn) -> None:
+    """An engine (prompt chunks of 16) whose cache holds the compiled `fn` as its `kernel` gives generate's greedy
+    tokens for every prompt, and frees its blocks."""
     ps = prompts()
-    want = [greedy_reference(model, p, 20) for p in ps]
+    want = [greedy_reference(model, p, n) for p in ps]
     engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))
-    assert engine.cache.decode_kernel is decode_kernel
-    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=20, temperature=0)) for p in ps])
+    assert getattr(engine.cache, kernel) is fn
+    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=n, temperature=0)) for p in ps])
     assert got == want and engine.pool.used == 0
 
 
@@ -875,14 +880,8 @@ def test_prompt_chunks_through_the_compiled_flash_attention_attend_as_sdpa(name,
 @pytest.mark.parametrize("name", sorted(FLASH_MODELS))
 def test_greedy_tokens_equal_generate_through_the_compiled_flash_attention(name, flash_kernel, monkeypatch):
     monkeypatch.setenv("PLAIT_KERNELS", "on")
-    model = FLASH_MODELS[name]
-    ps = prompts()
-    want = [greedy_reference(model, p, 12) for p in ps]
     monkeypatch.setattr(kernels, "FLASH_MIN_VECTOR", 0)  # used on any machine here
-    engine = Engine(model, EngineConfig(block_size=4, kv_cache_mb=1.0, max_prefill_tokens=16))  # chunks of 16
-    assert engine.cache.prefill_kernel is flash_kernel
-    got, _ = run_all(engine, [(p, SamplingParams(max_tokens=12, temperature=0)) for p in ps])
-    assert got == want and engine.pool.used == 0
+    greedy_equals_generate_through(FLASH_MODELS[name], 12, "prefill_kernel", flash_kernel)
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("off", False), ("0", False), ("No", False), ("on", True),
